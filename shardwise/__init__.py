@@ -1,0 +1,58 @@
+"""shardwise: distributed deep-learning training on PyTorch.
+
+The public names load on first use, so ``import shardwise`` costs little more
+than ``import torch`` and pulls in no optional dependency.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Trainer": "shardwise.trainer.loop",
+    "TrainerConfig": "shardwise.trainer.config",
+    "Engine": "shardwise.engine",
+    "seed_everything": "shardwise.engine",
+    "launch": "shardwise.launcher.spawn",
+    "Mesh": "shardwise.mesh",
+    "Recorder": "shardwise.comm.recorder",
+    "ShardedLoader": "shardwise.data",
+    "get_strategy": "shardwise.strategies",
+    "register_strategy": "shardwise.strategies",
+    "available_strategies": "shardwise.strategies",
+    "ShardwiseError": "shardwise.errors",
+    "ConfigError": "shardwise.errors",
+    "CheckpointError": "shardwise.errors",
+    "LaunchError": "shardwise.errors",
+    "CommError": "shardwise.errors",
+}
+
+if TYPE_CHECKING:
+    from shardwise.comm.recorder import Recorder
+    from shardwise.data import ShardedLoader
+    from shardwise.engine import Engine, seed_everything
+    from shardwise.errors import CheckpointError, CommError, ConfigError, LaunchError, ShardwiseError
+    from shardwise.launcher.spawn import launch
+    from shardwise.mesh import Mesh
+    from shardwise.strategies import get_strategy, register_strategy
+    from shardwise.trainer.config import TrainerConfig
+    from shardwise.trainer.loop import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name])
+    value = getattr(module, "available" if name == "available_strategies" else name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,248 @@
+"""Atomic, verifiable checkpoints and exact resume.
+
+A checkpoint is a directory ``step-00000100/`` holding:
+
+- ``state.pt``: the job's shared state (model, optimizer, scheduler, scaler,
+  data position, counters), written by rank 0;
+- ``rank-00000.pt`` ...: each rank's own state (its RNG streams);
+- ``manifest.json``: step, world size, a fingerprint of the model's parameter
+  names and shapes, and the sha256 and size of every file. Written last.
+
+Writing goes to a hidden ``.tmp-step-...`` directory; every file is fsynced, then
+the directory is renamed into place and its parent fsynced. A crash at any point
+leaves either the complete new checkpoint or none, never a damaged one under a
+final name; ``latest_valid`` also re-checks the checksums and skips (with a
+warning) a checkpoint damaged afterwards. Files load with ``weights_only=True``:
+nothing but tensors and plain containers is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from shardwise.errors import CheckpointError
+
+FORMAT = "shardwise-checkpoint/1"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(model_state: dict[str, Any]) -> str:
+    """A hash of parameter names and shapes: two models match when it does."""
+    items = sorted((k, tuple(v.shape)) for k, v in model_state.items() if isinstance(v, torch.Tensor))
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG stream this process draws from, as tensors and plain values."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["key"], n["state"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def write(
+    final: Path,
+    *,
+    rank: int,
+    world_size: int,
+    shared: dict[str, Any] | None,
+    own: dict[str, Any],
+    barrier: Callable[[], None],
+    meta: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint directory ``final`` atomically; every rank calls it (rank 0 passes ``shared``)."""
+    final = Path(final)
+    root = final.parent
+    tmp = root / f".tmp-{final.name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    _write(tmp / f"rank-{rank:05d}.pt", own)
+    if rank == 0:
+        if shared is None:
+            raise CheckpointError("rank 0 must pass the shared state to write a checkpoint")
+        _write(tmp / "state.pt", shared)
+    barrier()
+    if rank == 0:
+        files = {p.name: {"sha256": sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        manifest = {
+            "format": FORMAT,
+            "world_size": world_size,
+            "created": time.time(),
+            "files": files,
+            **(meta or {}),
+        }
+        with open(tmp / "manifest.json", "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. the final save): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    barrier()
+    return final
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints under ``root``."""
+    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories under ``root``, oldest first (temporary ones excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)), key=lambda p: p.name)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    mf = path / "manifest.json"
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint at {path}: it is not a directory (expected one holding manifest.json)")
+    if not mf.exists():
+        raise CheckpointError(f"{path} is not a shardwise checkpoint: it has no manifest.json (an unfinished or foreign write)")
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"the manifest of {path} is damaged ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this shardwise reads {FORMAT!r}")
+    return manifest
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Check every file against the manifest; returns the manifest or raises `CheckpointError`."""
+    manifest = read_manifest(path)
+    for name, info in manifest["files"].items():
+        f = Path(path) / name
+        if not f.exists():
+            raise CheckpointError(f"checkpoint {path} is missing {name}")
+        if f.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {name} has {f.stat().st_size} bytes, the manifest says {info['bytes']} (truncated?)")
+        if sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum (damaged after writing)")
+    return manifest
+
+
+def latest_valid(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as exc:
+            warnings.warn(f"skipping damaged checkpoint: {exc}", stacklevel=2)
+    return None
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load`` with ``weights_only=True`` and errors a user can act on."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint file {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"cannot read {path}: it is truncated, damaged, or not a checkpoint written by shardwise/torch.save "
+            f"of tensors ({first})"
+        ) from None
+
+
+def read(path: Path, rank: int, *, verify_files: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+    """Load (shared state, this rank's own state or None, manifest) from a checkpoint directory."""
+    path = Path(path)
+    manifest = verify(path) if verify_files else read_manifest(path)
+    shared = load_file(path / "state.pt")
+    own_path = path / f"rank-{rank:05d}.pt"
+    own = load_file(own_path) if own_path.exists() else None
+    return shared, own, manifest
+
+
+def check_model_state(expected: dict[str, Any], found: dict[str, Any], path: Path) -> None:
+    """A clear error when a checkpoint's model does not match the model being trained."""
+    exp = {k: tuple(v.shape) for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    got = {k: tuple(v.shape) for k, v in found.items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(exp) - set(got))
+    unexpected = sorted(set(got) - set(exp))
+    shapes = sorted(k for k in set(exp) & set(got) if exp[k] != got[k])
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} (e.g. {missing[:3]})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} (e.g. {unexpected[:3]})")
+        if shapes:
+            parts.append("different shapes for " + ", ".join(f"{k}: checkpoint {got[k]} vs model {exp[k]}" for k in shapes[:3]))
+        raise CheckpointError(
+            f"checkpoint {path} was saved from another model: " + "; ".join(parts)
+            + ". Resume with the model it was saved from, or start a fresh run in another --out directory"
+        )

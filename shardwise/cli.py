@@ -1,0 +1,143 @@
+"""The ``shardwise`` command.
+
+::
+
+    shardwise train --recipe NAME [--strategy NAME] [--nproc N] [--max-steps N] [--out DIR]
+                    [--resume auto|PATH] [--config FILE.toml] [--set section.key=value ...]
+    shardwise run [torchrun flags] script.py [args ...]
+    shardwise strategies | recipes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from shardwise.errors import ShardwiseError
+
+# Command-line flags that map onto trainer settings (flag dest -> TrainerConfig field).
+_TRAINER_FLAGS = {
+    "strategy": "strategy",
+    "nproc": "nproc",
+    "max_steps": "max_steps",
+    "max_epochs": "max_epochs",
+    "out": "out",
+    "resume": "resume",
+    "precision": "precision",
+    "accelerator": "accelerator",
+    "global_batch_size": "global_batch_size",
+    "accumulate": "accumulate",
+    "seed": "seed",
+    "clip_grad_norm": "clip_grad_norm",
+    "checkpoint_every": "checkpoint_every",
+    "log_every": "log_every",
+    "val_every": "val_every",
+}
+
+
+def _train_parser(sub: Any) -> None:
+    p = sub.add_parser("train", help="train a built-in recipe", description="Train a built-in recipe with any strategy.")
+    p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
+    p.add_argument("--strategy", help="strategy name (see `shardwise strategies`)")
+    p.add_argument("--nproc", type=int, help="local worker processes (default 1; ignored under torchrun/srun)")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--max-epochs", type=int)
+    p.add_argument("--out", help="run directory: metrics.jsonl, summary.json, checkpoints/")
+    p.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a checkpoint directory")
+    p.add_argument("--precision", help="32, 64, bf16-mixed, 16-mixed")
+    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--global-batch-size", type=int)
+    p.add_argument("--accumulate", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--clip-grad-norm", type=float)
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--log-every", type=int)
+    p.add_argument("--val-every", type=int)
+    p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
+    p.add_argument("--print-summary", action="store_true", help="print summary.json to stdout at the end")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from shardwise.engine import seed_everything
+    from shardwise.recipes import get_recipe
+    from shardwise.trainer.config import apply_overrides, from_mapping, load_toml
+    from shardwise.trainer.loop import Trainer
+
+    recipe = get_recipe(args.recipe)
+    sections = load_toml(args.config) if args.config else {}
+    sections = apply_overrides(sections, args.set)
+    unknown = sorted(set(sections) - {"trainer", "recipe"})
+    if unknown:
+        raise ShardwiseError(f"unknown config sections {unknown}; use [trainer] and [recipe]")
+    settings: dict[str, Any] = {**recipe.trainer_defaults, **sections.get("trainer", {})}
+    for dest, name in _TRAINER_FLAGS.items():
+        value = getattr(args, dest)
+        if value is not None:
+            settings[name] = value
+    config = from_mapping(settings)  # validates before anything is built or started
+    seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
+    parts = recipe.parts(sections.get("recipe"))
+    trainer = Trainer(config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler, metrics=parts.metrics)
+    summary = trainer.fit(parts.model, parts.train, parts.val)
+    if args.print_summary:
+        print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    from shardwise.launcher.torchrun import run
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: shardwise run [torchrun flags] script.py [args ...]\n\n"
+              "Runs a script on torch.distributed.run (torchrun) with defaults that work:\n"
+              "  --standalone on one machine, fresh rendezvous stores on restart,\n"
+              "  a short last-call wait for --nnodes MIN:MAX. Every torchrun flag is accepted.")
+        return 0
+    return run(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        # torchrun's own flags go straight through; argparse would eat them.
+        return _guard(lambda: cmd_run(argv[1:]))
+    parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training on PyTorch: every strategy behind one flag.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    sub.add_parser("run", help="run a script under torchrun with working defaults")
+    sub.add_parser("strategies", help="list the strategies")
+    sub.add_parser("recipes", help="list the built-in recipes")
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _guard(lambda: cmd_train(args))
+    if args.command == "strategies":
+        from shardwise.strategies import available
+
+        print("\n".join(available()))
+        return 0
+    if args.command == "recipes":
+        from shardwise.recipes import available as recipes, get_recipe
+
+        for name in recipes():
+            print(f"{name:12s} {get_recipe(name).description}")
+        return 0
+    return 2
+
+
+def _guard(fn: Any) -> int:
+    """User errors print one clear line and exit 2; anything else keeps its traceback."""
+    try:
+        return int(fn())
+    except ShardwiseError as exc:
+        print(f"shardwise: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shardwise: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

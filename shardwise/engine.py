@@ -1,0 +1,272 @@
+"""Layer 4: the bring-your-own-loop API (in the spirit of Lightning Fabric and Accelerate).
+
+Inside any process of a job (started by ``shardwise.launch``, ``shardwise run``,
+torchrun, Slurm, or alone), an `Engine` joins the process group, places the model
+with the chosen strategy, and gives the loop what it needs:
+
+>>> import torch
+>>> from shardwise import Engine
+>>> engine = Engine(strategy="single", accelerator="cpu")
+>>> model, opt = engine.setup(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+>>> loss = model(torch.randn(8, 4)).pow(2).mean()
+>>> engine.backward(loss)
+>>> engine.step(opt)
+True
+
+The `Trainer` is built on this class and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import checkpoint as ckpt
+from shardwise.comm import WORLD, Recorder, all_reduce, barrier, broadcast
+from shardwise.errors import CheckpointError, ConfigError
+from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, backend_for, choose_device, connect, detect_env
+from shardwise.mesh import Mesh
+from shardwise.precision import Precision
+from shardwise.strategies import OptimizerFactory, StepFn, Strategy, get_strategy
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (every device) with one number."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Engine:
+    """One process's handle on a distributed job: strategy, precision, device, collectives, checkpoints."""
+
+    def __init__(
+        self,
+        *,
+        strategy: str | Strategy = "single",
+        accelerator: str = "auto",
+        precision: str | int = "32",
+        strategy_options: dict[str, Any] | None = None,
+        mesh: dict[str, int] | None = None,
+        seed: int | None = None,
+        deterministic: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        env: DistEnv | None = None,
+    ) -> None:
+        self.env = env if env is not None else detect_env()
+        self.strategy = get_strategy(strategy, **(strategy_options or {}))
+        self.strategy.validate(self.env.world_size)
+        self.device = choose_device(accelerator, self.env)
+        self._owns_group = connect(self.env, self.device, timeout_s)
+        self.mesh = Mesh.build(world_size=self.env.world_size, rank=self.env.rank, device=self.device, **(mesh or {}))
+        self.precision = Precision(precision, self.device)
+        self.recorder = Recorder()
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+        if seed is not None:
+            seed_everything(seed)
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        if self.is_rank_zero and self.env.distributed and self._owns_group:
+            print(f"shardwise: {self.env.world_size} processes, backend {backend_for(self.device)}, strategy {self.strategy.name}", flush=True)
+
+    # -- where this process stands -------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.env.rank == 0
+
+    # -- model, optimizer, steps ---------------------------------------------------
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Place and wrap ``model`` for the strategy and build its optimizer afterwards.
+
+        ``make_optimizer`` receives the parameters to optimize (after wrapping, so
+        sharded strategies hand it only their shard).
+        """
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"setup needs a torch.nn.Module; got {type(model).__name__}")
+        if not callable(make_optimizer) or isinstance(make_optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                "setup needs an optimizer *factory*, a function of the parameters "
+                "(e.g. lambda params: torch.optim.Adam(params, lr=1e-3)), because sharding strategies "
+                "must build the optimizer after wrapping the model"
+            )
+        if not any(True for _ in model.parameters()):
+            raise ConfigError(f"the model {type(model).__name__} has no parameters; there is nothing to train")
+        model = self.precision.convert_module(model)
+        wrapped, optimizer = self.strategy.setup(model, make_optimizer, self.mesh, self.recorder)
+        self._model, self._optimizer = wrapped, optimizer
+        return wrapped, optimizer
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.strategy.unwrap(model)
+
+    def to_device(self, batch: Any) -> Any:
+        """Move a batch to this rank's device (and to float64 under precision '64')."""
+        return self.precision.convert_input(batch)
+
+    def autocast(self) -> ContextManager[Any]:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled for fp16 when the precision needs it."""
+        self.precision.backward(loss)
+
+    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn) -> torch.Tensor:
+        """Forward and backward over one step's micro-batches (sync on the last only)."""
+        return self.strategy.forward_backward(model, microbatches, step_fn, self.precision)
+
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+        """Skip gradient synchronization inside the block (all but the last micro-batch)."""
+        return self.strategy.no_sync(model)
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm (unscaling fp16 gradients first); returns the norm."""
+        if max_norm <= 0:
+            raise ConfigError(f"max_norm must be > 0; got {max_norm}")
+        self.precision.unscale(optimizer)
+        return self.strategy.clip_grad_norm(model, max_norm)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer (through the grad scaler under fp16); False if fp16 overflow skipped it."""
+        return self.precision.step(optimizer)
+
+    # -- collectives ----------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduce across all ranks in place ('sum', 'mean', 'min', 'max')."""
+        return all_reduce(tensor, op, group=WORLD, recorder=self.recorder)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return broadcast(tensor, src, group=WORLD, recorder=self.recorder)
+
+    def barrier(self) -> None:
+        barrier(group=WORLD, recorder=self.recorder)
+
+    @contextlib.contextmanager
+    def rank_zero_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (download, preprocess, cache); the others after it."""
+        if not self.is_rank_zero:
+            self.barrier()
+        yield
+        if self.is_rank_zero:
+            self.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        if self.is_rank_zero:
+            print(*args, **kwargs, flush=True)
+
+    # -- checkpoints ----------------------------------------------------------------
+    def _split_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        shared: dict[str, Any] = {}
+        strat = None
+        for key, value in state.items():
+            if isinstance(value, nn.Module) or isinstance(value, torch.optim.Optimizer):
+                if strat is None:
+                    model = self._model if self._model is not None else (value if isinstance(value, nn.Module) else None)
+                    if model is None:
+                        raise ConfigError("save/load of an optimizer needs engine.setup to have been called")
+                    strat = self.strategy.state_dict(model, self._optimizer)
+                shared[key] = strat["model"] if isinstance(value, nn.Module) else strat["optimizer"]
+            elif hasattr(value, "state_dict"):
+                shared[key] = value.state_dict()
+            else:
+                shared[key] = value
+        shared["__precision__"] = self.precision.state_dict()
+        return shared
+
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any], *, meta: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint directory atomically. Call on every rank.
+
+        ``state`` maps names to the model and optimizer from ``setup``, to objects
+        with ``state_dict()`` (schedulers, the data loader), or to plain values.
+        Every rank's RNG streams are saved with it.
+        """
+        # Every rank builds the state (a sharded strategy gathers it collectively); rank 0 writes it.
+        shared: dict[str, Any] | None = self._split_state(state)
+        meta = dict(meta or {})
+        if not self.is_rank_zero:
+            shared = None
+        else:
+            models = [k for k, v in state.items() if isinstance(v, nn.Module)]
+            meta["model_fingerprint"] = ckpt.fingerprint(shared[models[0]]) if models else None
+            meta["strategy"] = self.strategy.name
+        return ckpt.write(
+            Path(path), rank=self.rank, world_size=self.world_size, shared=shared,
+            own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta,
+        )
+
+    def load(self, path: str | os.PathLike[str], state: dict[str, Any], *, restore_rng: bool = True) -> dict[str, Any]:
+        """Restore ``state`` in place from a checkpoint; returns the saved values that are not objects."""
+        path = Path(path)
+        shared, own, _manifest = ckpt.read(path, self.rank)
+        missing = [k for k in state if k not in shared]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} has no {missing}; it holds {sorted(k for k in shared if not k.startswith('__'))}")
+        plain: dict[str, Any] = {}
+        model_key = next((k for k, v in state.items() if isinstance(v, nn.Module)), None)
+        optim_key = next((k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)), None)
+        if model_key is not None:
+            model = state[model_key]
+            expected = self.strategy.state_dict(model, None)["model"]
+            ckpt.check_model_state(expected, shared[model_key], path)
+            sub = {"model": shared[model_key]}
+            if optim_key is not None:
+                sub["optimizer"] = shared[optim_key]
+            self.strategy.load_state_dict(model, state[optim_key] if optim_key else None, sub)
+        for key, value in state.items():
+            if key in (model_key, optim_key):
+                continue
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(shared[key])
+            else:
+                plain[key] = shared[key]
+        self.precision.load_state_dict(shared.get("__precision__", {}))
+        if restore_rng:
+            if own is not None:
+                ckpt.restore_rng(own["rng"])
+            elif self.is_rank_zero:
+                print(f"shardwise: {path} has no RNG state for rank {self.rank} (saved at another world size); RNG streams start fresh", flush=True)
+        return plain
+
+    def close(self) -> None:
+        """Leave the process group if this engine created it."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -> Any:
+    """Call ``module.<method>(*args)`` through the wrapper's forward, so its hooks (DDP's sync) run.
+
+    Wrappers like DDP only synchronize what passes through their ``forward``; a
+    ``training_step`` method called directly would bypass it. For the call,
+    ``module.forward`` is that method.
+    """
+    if model is module:
+        return getattr(module, method)(*args)
+    module.forward = getattr(module, method)  # type: ignore[method-assign]
+    try:
+        return model(*args)
+    finally:
+        del module.forward

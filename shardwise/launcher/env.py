@@ -1,0 +1,164 @@
+"""Where this process stands in a distributed job, and joining its process group.
+
+This is the only module of shardwise that reads the environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*); everything else receives a
+`DistEnv` value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from shardwise.errors import ConfigError, LaunchError
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Seconds a collective may wait for its peers before it fails (instead of hanging)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """This process's place in the job."""
+
+    rank: int
+    """Global rank, 0 .. world_size-1."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int = 0
+    """Rank among the processes on this machine (selects the GPU)."""
+    local_world_size: int = 1
+    """Number of processes on this machine."""
+    master_addr: str = "127.0.0.1"
+    """Address of rank 0's rendezvous store."""
+    master_port: int = 29500
+    """Port of rank 0's rendezvous store."""
+    source: str = "none"
+    """Who set this up: 'none' (one plain process), 'spawn' (shardwise.launch),
+    'torchrun', 'slurm', or 'existing' (a process group already initialized)."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.source != "none"
+
+
+def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> int:
+    raw = environ.get(key)
+    if raw is None:
+        if default is None:
+            raise ConfigError(f"environment variable {key} is not set; it is needed with the other distributed variables")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={raw!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host name of a Slurm node list such as ``gpu[003-005,007],cpu01``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ConfigError(f"cannot read the Slurm node list {nodelist!r}; set MASTER_ADDR explicitly")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read this process's place in the job from the environment.
+
+    torchrun (and Ray Train, and anything that follows torch's convention) sets
+    RANK and WORLD_SIZE; Slurm's srun sets SLURM_PROCID and SLURM_NTASKS. With
+    neither, this is a single plain process.
+    """
+    env = os.environ if environ is None else environ
+    if dist.is_available() and dist.is_initialized():
+        return DistEnv(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
+            source="existing",
+        )
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=_int(env, "RANK"),
+            world_size=_int(env, "WORLD_SIZE"),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", 29500),
+            source=env.get("SHARDWISE_LAUNCHER", "torchrun"),
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
+        job = _int(env, "SLURM_JOB_ID", 0)
+        return DistEnv(
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=_int(env, "SLURM_NTASKS"),
+            local_rank=_int(env, "SLURM_LOCALID", 0),
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", 1) if env.get("SLURM_NTASKS_PER_NODE", "").isdigit() else 1,
+            master_addr=addr,
+            # A port derived from the job id lets every task agree without talking.
+            master_port=_int(env, "MASTER_PORT", 15000 + job % 20000),
+            source="slurm",
+        )
+    return DistEnv(rank=0, world_size=1, source="none")
+
+
+def choose_device(accelerator: str, env: DistEnv) -> torch.device:
+    """The device this rank computes on: 'auto' takes CUDA when present."""
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"accelerator must be 'auto', 'cpu' or 'cuda'; got {accelerator!r}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("accelerator='cuda' was asked for but torch sees no CUDA device; use accelerator='cpu' or 'auto'")
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    index = env.local_rank % max(torch.cuda.device_count(), 1)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Join the job's default process group; return True if this call created it.
+
+    An existing process group (the user's, or torchrun's script that already
+    called init_process_group) is used as it is.
+    """
+    if not env.distributed or (dist.is_initialized()):
+        return False
+    backend = backend_for(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
+        ) if env.source == "spawn" else None
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+            )
+    except Exception as exc:  # pragma: no cover - depends on the network
+        raise LaunchError(
+            f"rank {env.rank} of {env.world_size} could not join the process group at "
+            f"{env.master_addr}:{env.master_port} with {backend} ({exc}); check MASTER_ADDR/MASTER_PORT "
+            "and that every rank was started"
+        ) from exc
+    return True

@@ -1,0 +1,60 @@
+"""Layer 3: one module per strategy, looked up by name in one registry.
+
+The registry maps a name to ``"module:Class"`` and imports the module on first
+use, so ``import shardwise`` stays light and a strategy's dependencies load only
+when it is chosen. ``register_strategy`` adds one from outside the package.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Callable
+
+from shardwise.errors import ConfigError
+from shardwise.strategies.protocol import OptimizerFactory, StepFn, Strategy
+
+_BUILTIN: dict[str, str] = {
+    "single": "shardwise.strategies.single:Single",
+    "ddp": "shardwise.strategies.ddp:DDP",
+}
+_EXTRA: dict[str, Callable[..., Strategy]] = {}
+
+
+def available() -> list[str]:
+    """Names of every registered strategy."""
+    return sorted({*_BUILTIN, *_EXTRA})
+
+
+def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
+    """Make ``factory(**options)`` available as ``strategy=name``."""
+    if name in _BUILTIN:
+        raise ConfigError(f"strategy name {name!r} is built in; choose another name")
+    _EXTRA[name] = factory
+
+
+def _factory(name: str) -> Callable[..., Strategy]:
+    if name in _EXTRA:
+        return _EXTRA[name]
+    if name in _BUILTIN:
+        module, attr = _BUILTIN[name].split(":")
+        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    close = difflib.get_close_matches(name, available(), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"unknown strategy {name!r}.{hint} Known strategies: {', '.join(available())}")
+
+
+def get_strategy(spec: str | Strategy, **options: Any) -> Strategy:
+    """A strategy object from its name (and options), or the object itself."""
+    if not isinstance(spec, str):
+        if options:
+            raise ConfigError("strategy options go with a strategy name, not with a strategy object")
+        return spec
+    factory = _factory(spec)
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise ConfigError(f"bad options for strategy {spec!r}: {exc}") from None
+
+
+__all__ = ["OptimizerFactory", "StepFn", "Strategy", "available", "get_strategy", "register_strategy"]

@@ -1,0 +1,60 @@
+"""Pieces shared by strategies whose model runs whole on every rank (single, ddp, ...)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+from torch import nn
+
+from shardwise.precision import Precision
+from shardwise.strategies.protocol import StepFn
+
+
+def accumulate_backward(
+    model: nn.Module,
+    microbatches: Sequence[Any],
+    step_fn: StepFn,
+    precision: Precision,
+    no_sync: Callable[[], ContextManager[None]] | None = None,
+) -> torch.Tensor:
+    """Forward and backward over the micro-batches; gradients synchronize on the last one only.
+
+    Each micro-batch's loss is divided by their number, so the accumulated gradient
+    is the gradient of the mean loss over the whole (per-rank) batch.
+    """
+    count = len(microbatches)
+    if count == 0:
+        raise ValueError("a step needs at least one micro-batch")
+    total: torch.Tensor | None = None
+    for i, batch in enumerate(microbatches):
+        # We only need to sync gradients at the last micro step.
+        ctx = no_sync() if (no_sync is not None and i < count - 1) else contextlib.nullcontext()
+        with ctx:
+            with precision.autocast():
+                loss = step_fn(model, batch)
+            precision.backward(loss / count)
+        # Stays on the device: no host sync per micro-batch.
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None
+    return total / count
+
+
+def clip_local(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the norm of this rank's gradients: the global norm when gradients are replicated."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+
+def plain_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": module.state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    return state
+
+
+def load_plain_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    module.load_state_dict(state["model"])
+    if optimizer is not None and "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,155 @@
+"""The Trainer's settings: one frozen dataclass, validated before anything runs, loadable from TOML."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from shardwise.errors import ConfigError
+from shardwise.precision import normalize
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Everything about a run that is not code (model, loss, data are passed to ``fit``)."""
+
+    strategy: str = "single"
+    """Strategy name from the registry: 'single', 'ddp', ... (``shardwise.strategies.available()``)."""
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options for the strategy, e.g. ``{"bucket_cap_mb": 50}`` for ddp."""
+    nproc: int = 1
+    """Processes to start on this machine when the run was not started by a launcher."""
+    accelerator: str = "auto"
+    """'auto' (CUDA when present), 'cpu' or 'cuda'."""
+    precision: str = "32"
+    """'32', '64', 'bf16-mixed', or '16-mixed' (fp16 autocast with a grad scaler)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step across all processes (default: the DataLoader's batch size, else 32)."""
+    accumulate: int = 1
+    """Micro-batches per step on each rank; gradients sync only on the last."""
+    max_steps: int | None = None
+    """Optimizer steps to run (takes precedence over max_epochs)."""
+    max_epochs: int | None = None
+    """Epochs to run when max_steps is not set (default 1)."""
+    clip_grad_norm: float | None = None
+    """Clip gradients to this global norm (across every shard) before each step."""
+    seed: int = 0
+    """Seeds model-independent randomness and the data order."""
+    deterministic: bool = False
+    """Use only deterministic kernels (torch.use_deterministic_algorithms)."""
+    log_every: int = 10
+    """Log (rank 0) and reduce the training loss across ranks every this many steps."""
+    val_every: int | None = None
+    """Evaluate every this many steps (always at the end when validation data is given)."""
+    val_batch_size: int | None = None
+    """Evaluation batch per rank (default: the training micro-batch, at least 1)."""
+    out: str | None = None
+    """Run directory: metrics.jsonl, summary.json, checkpoints/."""
+    checkpoint_every: int | None = None
+    """Save a checkpoint every this many steps (and at the end) when ``out`` is set."""
+    keep_last: int = 3
+    """Checkpoints to keep; older ones are deleted."""
+    resume: str | None = None
+    """'auto' (newest valid checkpoint in out/checkpoints, if any) or a checkpoint directory."""
+    progress_bar: bool | None = None
+    """Show a progress bar on rank 0 (default: when stderr is a terminal; log lines otherwise)."""
+    num_workers: int = 0
+    """Data-loading worker processes per rank."""
+    start_method: str = "spawn"
+    """How local workers start: 'spawn' (objects must pickle) or 'fork' (notebooks)."""
+    timeout_s: float = 300.0
+    """Seconds a collective waits for its peers before failing with the rank and operation named."""
+    mesh: dict[str, int] = field(default_factory=dict)
+    """Parallel degrees other than data parallel, e.g. ``{"tp": 2}``."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = True) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a whole number >= 1; got {value!r}")
+
+        for name in ("nproc", "accumulate", "log_every", "keep_last"):
+            positive(name, allow_none=False)
+        for name in ("global_batch_size", "max_steps", "max_epochs", "val_every", "val_batch_size", "checkpoint_every"):
+            positive(name)
+        object.__setattr__(self, "precision", normalize(self.precision))
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"clip_grad_norm must be > 0 (or None to disable); got {self.clip_grad_norm}")
+        if self.accelerator not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"accelerator must be 'auto', 'cpu' or 'cuda'; got {self.accelerator!r}")
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0; got {self.num_workers}")
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ConfigError(f"start_method must be 'spawn', 'fork' or 'forkserver'; got {self.start_method!r}")
+        if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():
+            raise ConfigError(f"resume={self.resume!r}: no such checkpoint directory; pass 'auto' or an existing path")
+        if self.resume == "auto" and self.out is None:
+            raise ConfigError("resume='auto' looks for checkpoints in out/checkpoints; set out as well")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0; got {self.timeout_s}")
+
+    def replace(self, **changes: Any) -> TrainerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainerConfig)]
+
+
+def from_mapping(values: Mapping[str, Any], base: TrainerConfig | None = None) -> TrainerConfig:
+    """A config from a mapping of field names; unknown names are an error naming the known ones."""
+    known = set(field_names())
+    unknown = sorted(set(values) - known)
+    if unknown:
+        import difflib
+
+        hints = [f"{u} (did you mean {difflib.get_close_matches(u, known, n=1)[0]}?)" if difflib.get_close_matches(u, known, n=1) else u for u in unknown]
+        raise ConfigError(f"unknown trainer settings: {', '.join(hints)}; known: {', '.join(sorted(known))}")
+    return dataclasses.replace(base or TrainerConfig(), **dict(values))
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set key=value`` value read as TOML (numbers, booleans, strings, arrays); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(sections: dict[str, dict[str, Any]], overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """Apply ``section.key=value`` overrides (``strategy_options.bucket_cap_mb=50`` nests one level)."""
+    out = {k: dict(v) for k, v in sections.items()}
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set takes section.key=value (e.g. trainer.max_steps=100); got {item!r}")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = out.setdefault(parts[0], {})
+        for p in parts[1:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = parse_value(raw.strip())
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    for key, value in data.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"config file {p}: top-level key {key!r} must be a [section] (trainer, recipe)")
+    return data

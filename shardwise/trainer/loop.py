@@ -1,0 +1,346 @@
+"""Layer 5: the training loop. No strategy-specific branches: everything goes through `Engine`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from shardwise import checkpoint as ckpt
+from shardwise.data import ShardedLoader, eval_batches, per_rank_batch, unpack_data
+from shardwise.engine import Engine, call_through, seed_everything
+from shardwise.errors import ConfigError
+from shardwise.launcher.env import detect_env
+from shardwise.launcher.spawn import launch
+from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
+from shardwise.trainer.config import TrainerConfig, from_mapping
+from shardwise.trainer.logging import Progress, RunFiles
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(output, batch) -> scalar loss`` (mean over the batch)."""
+MetricFn = Callable[[Any, Any], torch.Tensor]
+"""``metric(output, batch) -> scalar`` averaged over the batch (e.g. accuracy)."""
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+def model_inputs(batch: Any) -> tuple[Any, ...]:
+    """What the model is called with: all but the last element of a tuple/list batch
+    (``(x, y)`` -> ``model(x)``), or the batch itself (a tensor or a dict)."""
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch[:-1]) if len(batch) > 1 else tuple(batch)
+    return (batch,)
+
+
+def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (tuple, list)):
+        return batch_size_of(batch[0])
+    if isinstance(batch, Mapping):
+        return batch_size_of(next(iter(batch.values())))
+    raise TypeError(f"cannot tell the size of a batch of type {type(batch).__name__}")
+
+
+def make_step_fn(loss_fn: LossFn | None, module: nn.Module) -> StepFn:
+    """The per-micro-batch forward: ``loss_fn(model(inputs), batch)``, or the module's ``training_step``."""
+    if loss_fn is not None:
+        def step(model: nn.Module, batch: Any) -> torch.Tensor:
+            return loss_fn(model(*model_inputs(batch)), batch)
+    else:
+        def step(model: nn.Module, batch: Any) -> torch.Tensor:
+            return call_through(model, module, "training_step", batch)  # type: ignore[no-any-return]
+    return step
+
+
+def _default_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class Trainer:
+    """Fit a plain ``nn.Module`` with any registered strategy.
+
+    >>> trainer = Trainer(strategy="ddp", nproc=2, global_batch_size=64, max_steps=100,
+    ...                   optimizer=make_adam, loss_fn=cross_entropy_loss)   # doctest: +SKIP
+    >>> summary = trainer.fit(model, train_set, val_set)                     # doctest: +SKIP
+
+    ``optimizer`` is a factory of the parameters (strategies that shard build the
+    optimizer after wrapping). The loss is ``loss_fn(output, batch)`` or, without
+    one, the module's ``training_step(batch)``. With ``nproc > 1`` (and no launcher
+    around), ``fit`` starts the worker processes itself and, when they finish,
+    loads the trained weights back into ``model``.
+    """
+
+    def __init__(
+        self,
+        *,
+        optimizer: OptimizerFactory | None = None,
+        loss_fn: LossFn | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
+        metrics: Mapping[str, MetricFn] | None = None,
+        callbacks: Sequence[Any] = (),
+        config: TrainerConfig | None = None,
+        devices: int | None = None,
+        **settings: Any,
+    ) -> None:
+        if devices is not None:
+            settings.setdefault("nproc", devices)
+        self.config = from_mapping(settings, base=config)
+        self.optimizer_factory = optimizer or _default_optimizer
+        self.loss_fn = loss_fn
+        self.lr_scheduler = lr_scheduler
+        self.metrics = dict(metrics or {})
+        self.callbacks = list(callbacks)
+        self.engine: Engine | None = None
+        self.step = 0
+        self.should_stop = False
+
+    # -- checks before anything runs ------------------------------------------------------
+    def _world_size(self) -> int:
+        env = detect_env()
+        return env.world_size if env.distributed else self.config.nproc
+
+    def _check(self, model: nn.Module, train_data: Any) -> None:
+        cfg = self.config
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"fit needs a torch.nn.Module; got {type(model).__name__}")
+        if self.loss_fn is None and not callable(getattr(model, "training_step", None)):
+            raise ConfigError(
+                f"no loss: pass loss_fn=... (a function of the model output and the batch) to the Trainer, "
+                f"or define a training_step(batch) method on {type(model).__name__}"
+            )
+        world = self._world_size()
+        get_strategy(cfg.strategy, **cfg.strategy_options).validate(world)
+        dataset, _, _, dl_batch = unpack_data(train_data)
+        if dataset is None:
+            raise ConfigError("fit needs training data: a Dataset or a DataLoader")
+        dp = world // max(1, cfg.mesh.get("pp", 1) * cfg.mesh.get("tp", 1))
+        per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
+
+    def _global_batch(self, dl_batch: int | None) -> int:
+        return self.config.global_batch_size or dl_batch or 32
+
+    # -- fit ------------------------------------------------------------------------------
+    def fit(self, model: nn.Module, train_data: Any, val_data: Any = None) -> dict[str, Any]:
+        """Train ``model``; returns the run summary (also written to ``out/summary.json``)."""
+        self._check(model, train_data)
+        env = detect_env()
+        needs_group = self.config.strategy != "single"
+        if not env.distributed and (self.config.nproc > 1 or needs_group):
+            results = launch(
+                _fit_worker, self, model, train_data, val_data,
+                nproc=self.config.nproc, start_method=self.config.start_method,
+                accelerator="cpu" if self.config.accelerator == "cpu" else "auto",
+                collective_timeout_s=self.config.timeout_s,
+            )
+            summary, state = results[0]
+            model.load_state_dict(state)
+            return summary  # type: ignore[no-any-return]
+        summary, _ = self._fit(model, train_data, val_data, return_state=False)
+        return summary
+
+    def _fit(self, model: nn.Module, train_data: Any, val_data: Any, *, return_state: bool) -> tuple[dict[str, Any], Any]:
+        cfg = self.config
+        wall_start = time.perf_counter()
+        engine = Engine(
+            strategy=cfg.strategy, accelerator=cfg.accelerator, precision=cfg.precision,
+            strategy_options=cfg.strategy_options, mesh=cfg.mesh, seed=cfg.seed,
+            deterministic=cfg.deterministic, timeout_s=cfg.timeout_s,
+        )
+        self.engine = engine
+        try:
+            return self._run(engine, model, train_data, val_data, wall_start, return_state)
+        finally:
+            self.engine = None
+            engine.close()
+
+    def _run(self, engine: Engine, model: nn.Module, train_data: Any, val_data: Any, wall_start: float, return_state: bool) -> tuple[dict[str, Any], Any]:
+        cfg = self.config
+        wrapped, optimizer = engine.setup(model, self.optimizer_factory)
+        # The model is built and identical everywhere; from here each rank draws its own
+        # stream, so dropout masks differ across data shards (a resume restores them).
+        seed_everything(cfg.seed + 1 + engine.rank)
+        scheduler = self.lr_scheduler(optimizer) if self.lr_scheduler is not None else None
+        dataset, collate, workers, dl_batch = unpack_data(train_data)
+        global_batch = self._global_batch(dl_batch)
+        loader = ShardedLoader(
+            dataset, global_batch=global_batch, world_size=engine.mesh.size("dp"), rank=engine.mesh.coordinate("dp"),
+            accumulate=cfg.accumulate, seed=cfg.seed, collate_fn=collate, num_workers=max(workers, cfg.num_workers),
+        )
+        total = cfg.max_steps or (cfg.max_epochs or 1) * loader.steps_per_epoch
+        counters: dict[str, Any] = {"step": 0, "samples": 0}
+        state: dict[str, Any] = {"model": wrapped, "optimizer": optimizer, "loader": loader, "counters": counters}
+        if scheduler is not None:
+            state["scheduler"] = scheduler
+
+        resumed_from = self._resume(engine, state)
+        if resumed_from is not None:
+            counters = state["counters"]
+        self.step = start_step = int(counters["step"])
+        files = RunFiles(cfg.out, engine.is_rank_zero, append=resumed_from is not None)
+        progress = Progress(enabled=engine.is_rank_zero, total=total, initial=start_step, bar=cfg.progress_bar)
+        if resumed_from is not None:
+            progress.write(f"resumed from {resumed_from} at step {start_step}")
+        step_fn = make_step_fn(self.loss_fn, engine.unwrap(wrapped))
+        val = unpack_data(val_data)
+        val_batch = cfg.val_batch_size or max(1, loader.micro)
+        ckpt_root = Path(cfg.out) / "checkpoints" if cfg.out else None
+        self._callback("on_fit_start", engine)
+
+        loss_sum: torch.Tensor | None = None
+        loss_steps = 0
+        last_train_loss = float("nan")
+        val_metrics: dict[str, float] = {}
+        t_log, steps_at_log = time.perf_counter(), start_step
+        train_start = time.perf_counter()
+        last_ckpt: Path | None = None
+        while self.step < total and not self.should_stop:
+            for micro in loader:
+                micro = [engine.to_device(b) for b in micro]
+                loss = engine.forward_backward(wrapped, micro, step_fn)
+                if cfg.clip_grad_norm is not None:
+                    engine.clip_grad_norm(wrapped, optimizer, cfg.clip_grad_norm)
+                stepped = engine.step(optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                if scheduler is not None and stepped:
+                    scheduler.step()
+                self.step += 1
+                counters["step"] = self.step
+                counters["samples"] = counters["samples"] + global_batch
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+                loss_steps += 1
+                done = self.step >= total
+                if self.step % cfg.log_every == 0 or done:
+                    # The only per-log collective: the mean training loss over ranks and steps.
+                    mean = engine.all_reduce((loss_sum / loss_steps).detach().double().reshape(1), "mean")
+                    last_train_loss = float(mean.item())
+                    now = time.perf_counter()
+                    record = {
+                        "step": self.step,
+                        "epoch": loader.epoch,
+                        "train_loss": last_train_loss,
+                        "lr": optimizer.param_groups[0]["lr"],
+                        "samples_per_s": (self.step - steps_at_log) * global_batch / max(now - t_log, 1e-9),
+                    }
+                    files.log(record)
+                    progress.update(self.step - steps_at_log, record)
+                    t_log, steps_at_log = now, self.step
+                    loss_sum, loss_steps = None, 0
+                if val[0] is not None and cfg.val_every and self.step % cfg.val_every == 0 and not done:
+                    val_metrics = self._validate(engine, wrapped, val, val_batch)
+                    files.log({"step": self.step, **val_metrics})
+                    progress.write("  ".join(f"{k} {v:.4g}" for k, v in {"step": self.step, **val_metrics}.items()))
+                if ckpt_root is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and not done:
+                    last_ckpt = self._save(engine, state, ckpt_root)
+                self._callback("on_train_step_end", engine, self.step, loss)
+                if done or self.should_stop:
+                    break
+        train_s = time.perf_counter() - train_start
+        if val[0] is not None:
+            val_metrics = self._validate(engine, wrapped, val, val_batch)
+            files.log({"step": self.step, **val_metrics})
+        if ckpt_root is not None:
+            last_ckpt = self._save(engine, state, ckpt_root)
+        progress.close()
+        steps_run = self.step - start_step
+        wall = time.perf_counter() - wall_start
+        summary: dict[str, Any] = {
+            "strategy": cfg.strategy,
+            "world_size": engine.world_size,
+            "precision": cfg.precision,
+            "global_batch_size": global_batch,
+            "accumulate": cfg.accumulate,
+            "steps": self.step,
+            "steps_this_run": steps_run,
+            "samples": int(counters["samples"]),
+            "wall_s": wall,
+            "train_s": train_s,
+            "samples_per_s": steps_run * global_batch / max(train_s, 1e-9),
+            "train_loss": last_train_loss,
+            **val_metrics,
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "last_checkpoint": str(last_ckpt) if last_ckpt else None,
+            "comm": engine.recorder.report(steps_run),
+            **engine.strategy.summary(),
+        }
+        files.summary(summary)
+        files.close()
+        if engine.is_rank_zero:
+            line = "  ".join(f"{k} {summary[k]:.4g}" for k in ("train_loss", "val_loss", "val_accuracy", "samples_per_s") if isinstance(summary.get(k), float))
+            print(f"done: {self.step} steps in {wall:.1f}s  {line}", flush=True)
+        self._callback("on_fit_end", engine, summary)
+        model_state = None
+        if return_state:
+            full = engine.strategy.state_dict(wrapped, None)["model"]
+            model_state = {k: v.detach().cpu() for k, v in full.items()} if engine.is_rank_zero else None
+        return summary, model_state
+
+    # -- pieces -----------------------------------------------------------------------------
+    def _resume(self, engine: Engine, state: dict[str, Any]) -> Path | None:
+        cfg = self.config
+        if cfg.resume is None:
+            return None
+        if cfg.resume == "auto":
+            assert cfg.out is not None
+            path = ckpt.latest_valid(Path(cfg.out) / "checkpoints")
+            if path is None:
+                engine.print("resume='auto': no checkpoint yet, starting fresh")
+                return None
+        else:
+            path = Path(cfg.resume)
+        plain = engine.load(path, state)
+        state["counters"] = dict(plain["counters"])
+        return path
+
+    def _save(self, engine: Engine, state: dict[str, Any], root: Path) -> Path:
+        path = engine.save(ckpt.step_dir(root, self.step), state, meta={"step": self.step})
+        if engine.is_rank_zero:
+            ckpt.prune(root, self.config.keep_last)
+        return path
+
+    def _validate(self, engine: Engine, wrapped: nn.Module, val: tuple[Any, Any, int, int | None], batch_size: int) -> dict[str, float]:
+        """Every validation sample counted once across ranks; sums reduced, then divided."""
+        dataset, collate, _, _ = val
+        module = engine.unwrap(wrapped)
+        was_training = module.training
+        module.eval()
+        names = list(self.metrics)
+        sums = torch.zeros(2 + len(names), dtype=torch.float64, device=engine.device)
+        with torch.no_grad(), engine.autocast():
+            for batch in eval_batches(dataset, engine.mesh.size("dp"), engine.mesh.coordinate("dp"), batch_size, collate):
+                batch = engine.to_device(batch)
+                n = batch_size_of(batch)
+                values = self._eval_batch(module, batch)
+                sums[0] += n
+                for i, v in enumerate(values):
+                    sums[1 + i] += float(v) * n
+        module.train(was_training)
+        engine.all_reduce(sums, "sum")
+        count = max(sums[0].item(), 1.0)
+        out = {"val_loss": sums[1].item() / count}
+        out.update({f"val_{name}": sums[2 + i].item() / count for i, name in enumerate(names)})
+        out["val_samples"] = int(sums[0].item())
+        self._callback("on_validation_end", engine, out)
+        return out
+
+    def _eval_batch(self, module: nn.Module, batch: Any) -> list[torch.Tensor]:
+        if self.loss_fn is not None:
+            output = module(*model_inputs(batch))
+            return [self.loss_fn(output, batch)] + [fn(output, batch) for fn in self.metrics.values()]
+        if callable(getattr(module, "validation_step", None)):
+            result = module.validation_step(batch)
+            return [result["loss"]] + [result[name] for name in self.metrics]
+        return [module.training_step(batch)]  # type: ignore[operator]
+
+    def _callback(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
+
+
+def _fit_worker(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any) -> tuple[dict[str, Any], Any]:
+    """Entry point of each process that ``Trainer.fit`` starts."""
+    return trainer._fit(model, train_data, val_data, return_state=True)
