@@ -1,0 +1,48 @@
+"""Hygiene for every test (after Lightning's): a test that leaks environment variables,
+a process group, or child processes fails."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# One thread per process: the suite runs several processes on two cores.
+torch.set_num_threads(1)
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            cmd = (stat.parent / "cmdline").read_bytes()
+            # multiprocessing's resource tracker lives as long as the interpreter, by design.
+            if b"resource_tracker" not in cmd and b"forkserver" not in cmd:
+                out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def hygiene():
+    env_before = dict(os.environ)
+    children_before = _children() if Path("/proc").exists() else set()
+    yield
+    leaked_group = dist.is_available() and dist.is_initialized()
+    if leaked_group:
+        dist.destroy_process_group()
+    env_after = dict(os.environ)
+    changed = {k for k in set(env_before) | set(env_after) if env_before.get(k) != env_after.get(k) and k != "PYTEST_CURRENT_TEST"}
+    os.environ.clear()
+    os.environ.update(env_before)
+    leaked_children = (_children() - children_before) if Path("/proc").exists() else set()
+    assert not leaked_group, "the test left a process group initialized"
+    assert not changed, f"the test changed environment variables: {sorted(changed)}"
+    assert not leaked_children, f"the test left child processes running: {sorted(leaked_children)}"
