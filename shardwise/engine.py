@@ -260,13 +260,19 @@ def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -
     """Call ``module.<method>(*args)`` through the wrapper's forward, so its hooks (DDP's sync) run.
 
     Wrappers like DDP only synchronize what passes through their ``forward``; a
-    ``training_step`` method called directly would bypass it. For the call,
-    ``module.forward`` is that method.
+    ``training_step`` method called directly would bypass it. For one call,
+    ``module.forward`` is a redirect that first restores the real forward (the
+    method itself usually calls ``self(x)``) and then runs the method.
     """
     if model is module:
         return getattr(module, method)(*args)
-    module.forward = getattr(module, method)  # type: ignore[method-assign]
+
+    def redirect(*a: Any, **k: Any) -> Any:
+        module.__dict__.pop("forward", None)
+        return getattr(module, method)(*a, **k)
+
+    module.forward = redirect  # type: ignore[method-assign]
     try:
         return model(*args)
     finally:
-        del module.forward
+        module.__dict__.pop("forward", None)

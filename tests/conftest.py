@@ -14,6 +14,10 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 
+# Set by pytest itself, and by torch on first use of its compiler stack (optimizers import it).
+_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 def _children() -> set[int]:
     me = str(os.getpid())
     out = set()
@@ -39,7 +43,7 @@ def hygiene():
     if leaked_group:
         dist.destroy_process_group()
     env_after = dict(os.environ)
-    changed = {k for k in set(env_before) | set(env_after) if env_before.get(k) != env_after.get(k) and k != "PYTEST_CURRENT_TEST"}
+    changed = {k for k in set(env_before) | set(env_after) if env_before.get(k) != env_after.get(k) and k not in _SET_BY_OTHERS}
     os.environ.clear()
     os.environ.update(env_before)
     leaked_children = (_children() - children_before) if Path("/proc").exists() else set()

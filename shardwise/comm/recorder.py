@@ -10,6 +10,11 @@ Bytes are counted per rank in two ways:
   the bandwidth-optimal figures that nccl-tests uses for bus bandwidth: an
   allreduce of n bytes over p ranks moves 2(p-1)/p n each way, an all-gather or
   reduce-scatter (p-1)/p n of the full buffer, a broadcast n out of the root.
+
+``steps`` counts communication rounds this rank took part in (a round: at most one
+message out and one in, to and from any peers). Our own algorithms count them
+exactly (``shardwise.comm.traffic`` gives the formulas); for a library collective
+the schedule is hidden and ``steps`` is 0.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class CommEvent:
     sent_bytes: int
     received_bytes: int
     seconds: float
+    steps: int = 0
 
 
 def wire_bytes(op: str, payload: int, p: int, *, is_root: bool = False) -> tuple[int, int]:
@@ -70,7 +76,7 @@ class Recorder:
         self.keep_events = keep_events
         self.events: list[CommEvent] = []
         self._totals: dict[tuple[str, str], dict[str, float]] = defaultdict(
-            lambda: {"count": 0, "payload_bytes": 0, "sent_bytes": 0, "received_bytes": 0, "seconds": 0.0}
+            lambda: {"count": 0, "payload_bytes": 0, "sent_bytes": 0, "received_bytes": 0, "seconds": 0.0, "steps": 0}
         )
         self.enabled = True
 
@@ -83,14 +89,15 @@ class Recorder:
         t["sent_bytes"] += event.sent_bytes
         t["received_bytes"] += event.received_bytes
         t["seconds"] += event.seconds
+        t["steps"] += event.steps
         if self.keep_events:
             self.events.append(event)
 
     @contextmanager
-    def timed(self, op: str, group: str, group_size: int, payload: int, sent: int, received: int) -> Iterator[None]:
+    def timed(self, op: str, group: str, group_size: int, payload: int, sent: int, received: int, steps: int = 0) -> Iterator[None]:
         start = time.perf_counter()
         yield
-        self.add(CommEvent(op, group, group_size, payload, sent, received, time.perf_counter() - start))
+        self.add(CommEvent(op, group, group_size, payload, sent, received, time.perf_counter() - start, steps))
 
     def totals(self, by_group: bool = False) -> dict[str, Any]:
         """Totals per operation (or per ``group/op`` when ``by_group``)."""

@@ -43,9 +43,7 @@ def _worker(
     threads: int,
     accelerator: str,
     timeout_s: float,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    payload: bytes,
     conn: mpc.Connection,
 ) -> None:
     # Children of shardwise.launch speak torch's environment convention, so that
@@ -67,6 +65,7 @@ def _worker(
 
     torch.set_num_threads(threads)
     try:
+        fn, args, kwargs = pickle.loads(payload)
         env = detect_env()
         connect(env, choose_device(accelerator, env), timeout_s=timeout_s)
         result = fn(*args, **kwargs)
@@ -105,10 +104,10 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local processes joined in one process group.
 
-    Returns the list of each rank's return value. With the default 'spawn' start
-    method, ``fn`` and its arguments must be picklable (a function defined at the
-    top level of a module); in a notebook, ``start_method='fork'`` runs functions
-    defined in cells.
+    Returns the list of each rank's return value. ``fn`` and its arguments are
+    pickled by value (each rank gets its own copy of every tensor), so they must be
+    picklable: a function defined at the top level of a module. In a notebook,
+    define it in a module, or run the notebook's code as a script with ``shardwise run``.
 
     >>> def hello():
     ...     import torch.distributed as dist
@@ -124,6 +123,16 @@ def launch(
 
     threads = threads_per_proc or _default_threads(nproc)
     ctx = mp.get_context(start_method)
+    # Plain pickle, by value: multiprocessing's own pickler (with torch's reducers) would
+    # put tensors in shared memory, and every rank would then step the same parameters.
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise LaunchError(
+            f"could not send the function and its arguments to the workers: {exc}. They must be picklable: "
+            "define the function at module level (not a lambda or a nested function), or run the script "
+            "with `shardwise run`"
+        ) from exc
     # The parent serves the rendezvous store: port 0 lets the OS choose a free one.
     store = dist.TCPStore(
         "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
@@ -136,17 +145,10 @@ def launch(
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, nproc, store.port, threads, accelerator, collective_timeout_s, fn, args, kwargs, child_conn),
+                args=(rank, nproc, store.port, threads, accelerator, collective_timeout_s, payload, child_conn),
                 name=f"shardwise-rank{rank}",
             )
-            try:
-                p.start()
-            except (pickle.PicklingError, AttributeError, TypeError) as exc:
-                raise LaunchError(
-                    f"could not start worker processes: {exc}. With start_method='spawn' the function and its "
-                    "arguments must be picklable (define the function at module level, not a lambda or a "
-                    "nested function), or use start_method='fork'"
-                ) from exc
+            p.start()
             child_conn.close()
             procs.append(p)
             conns[rank] = parent_conn

@@ -79,9 +79,10 @@ class DDP:
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
-            broadcast_buffers=broadcast_buffers,
             gradient_as_bucket_view=True,
         )
+        if not broadcast_buffers:  # passed only when changed: torch 2.13 deprecates the name
+            self.kwargs["broadcast_buffers"] = False
         self.world_size = 1
 
     def validate(self, world_size: int) -> None:
