@@ -32,7 +32,7 @@ from torch import nn
 from shardwise import checkpoint as ckpt
 from shardwise.comm import WORLD, Recorder, all_reduce, barrier, broadcast
 from shardwise.errors import CheckpointError, ConfigError
-from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, backend_for, choose_device, connect, detect_env
+from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies import OptimizerFactory, StepFn, Strategy, get_strategy
@@ -76,8 +76,8 @@ class Engine:
             seed_everything(seed)
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        if self.is_rank_zero and self.env.distributed and self._owns_group:
-            print(f"shardwise: {self.env.world_size} processes, backend {backend_for(self.device)}, strategy {self.strategy.name}", flush=True)
+        if self.is_rank_zero and self.env.distributed and dist.is_initialized():
+            print(f"shardwise: {self.env.world_size} processes, backend {dist.get_backend()} on {self.device.type}, strategy {self.strategy.name}", flush=True)
 
     # -- where this process stands -------------------------------------------------
     @property

@@ -1,0 +1,199 @@
+"""Exact traffic of each allreduce algorithm: bytes sent, bytes received and rounds, per rank.
+
+Pure functions of (algorithm, number of elements, element size, world size, rank):
+no process group. The algorithms in `shardwise.comm.algorithms` record what they
+actually send; the tests check, byte for byte, that it equals what is written here.
+
+Conventions (the same ones the implementations follow):
+
+- A tensor of ``n`` elements is cut into ``q`` pieces as ``torch.tensor_split``
+  does: the first ``n % q`` pieces hold ``n // q + 1`` elements, the rest ``n // q``
+  (`split_sizes`). Ring cuts into ``p`` pieces, Rabenseifner into ``p'`` (below).
+- A *round* (``steps``) is one communication step of the schedule in which this
+  rank sends at most one message and receives at most one (the single-port,
+  full-duplex model of Thakur, Rabenseifner & Gropp 2005, "Optimization of
+  Collective Communication Operations in MPICH", IJHPCA 19(1)). A rank counts the
+  rounds it takes part in; the largest count over ranks is the critical path that
+  the latency term alpha multiplies. Empty messages (pieces of zero elements when
+  ``n < p``) are skipped but their round still counts.
+- World sizes that are not powers of two (recursive doubling, Rabenseifner) are
+  handled as MPICH does: with ``p' = 2^floor(lg p)`` and ``r = p - p'``, among the
+  first ``2r`` ranks each even rank sends its whole vector to the odd rank above it
+  and sits out; the ``p'`` remaining ranks run the power-of-two algorithm; the odd
+  ranks send the result back (two extra rounds, ``n`` each way).
+
+Closed forms for ``n`` elements of ``b`` bytes (``N = n b``) and ``p`` ranks:
+
+=====================  ==========================================  ======================
+algorithm              bytes sent by rank ``k``                     rounds
+=====================  ==========================================  ======================
+ring                   ``(2n - c[k] - c[k+1]) b``; ``2(p-1)/p N``   ``2(p-1)``
+                       when ``p`` divides ``n``
+recursive-doubling     ``N lg p`` (``p`` a power of two)            ``lg p``
+rabenseifner           ``(n - c[k] + S(k)) b``; ``2(p-1)/p N``      ``2 lg p``
+                       when ``p`` divides ``n`` (power of two)
+tree                   ``N (children(k) + [k != 0])``               ``2 (children + [k != 0])``
+master-worker          root ``(p-1) N``, worker ``N``               root ``2(p-1)``, worker 2
+all-to-all             ``(p-1) N``                                  ``p-1``
+native                 ``2(p-1) N // p`` (nccl-tests' bus figure)   0 (hidden in the library)
+=====================  ==========================================  ======================
+
+Ring: rank ``k`` ends the reduce-scatter owning piece ``k``; it sends every piece
+but its own in the reduce-scatter and every piece but ``k+1`` in the all-gather,
+and receives every piece but ``k-1`` and then every piece but its own.
+
+Rabenseifner: ``S(k) = sum_{j < lg p'} |block of 2^j pieces containing k|`` (aligned
+blocks), which is ``(p'-1) n/p'`` when ``p'`` divides ``n``; sent equals received.
+
+Tree (binomial, root 0): ``children(k)`` is the number of ``m = 2^i`` below the
+lowest set bit of ``k`` (any ``m`` for the root) with ``k + m < p``. Every edge of
+the tree carries ``N`` up (reduce) and ``N`` down (broadcast), so the ``p - 1``
+edges carry ``2(p-1) N`` in all: on average ``2(p-1)/p N`` per rank, like ring,
+but the root sends ``N ceil(lg p)`` and rounds are ``2 ceil(lg p)`` on its path.
+
+Master-worker (root 0): every worker sends ``N`` to the root and receives the
+result back; the root receives and sends ``(p-1) N``, one message per round.
+
+All-to-all: each rank sends its whole vector to every other rank (``p-1``
+pairwise rounds) and reduces all ``p`` vectors locally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALGORITHMS = ("ring", "recursive-doubling", "rabenseifner", "tree", "master-worker", "all-to-all", "native")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one rank puts on and takes off the wire in one operation."""
+
+    sent: int
+    """Bytes this rank sends."""
+    received: int
+    """Bytes this rank receives."""
+    steps: int
+    """Communication rounds this rank takes part in."""
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.sent + other.sent, self.received + other.received, self.steps + other.steps)
+
+
+ZERO = Traffic(0, 0, 0)
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``torch.tensor_split(range(n), parts)``: the first ``n % parts`` pieces get one more."""
+    base, extra = divmod(n, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def pow2_floor(p: int) -> int:
+    """The largest power of two not above ``p`` (``p >= 1``)."""
+    return 1 << (p.bit_length() - 1)
+
+
+def fold_role(rank: int, p: int) -> tuple[str, int]:
+    """MPICH's folding of a non-power-of-two world: ('idle' | 'host' | 'plain', new rank).
+
+    'idle' ranks (even, below ``2r``) hand their vector to ``rank + 1`` and sit out;
+    'host' ranks (odd, below ``2r``) take it and play new rank ``rank // 2``;
+    'plain' ranks play ``rank - r``.
+    """
+    rem = p - pow2_floor(p)
+    if rank < 2 * rem:
+        return ("host", rank // 2) if rank % 2 else ("idle", -1)
+    return "plain", rank - rem
+
+
+def real_rank(new_rank: int, p: int) -> int:
+    """The group rank that plays ``new_rank`` in the folded power-of-two world."""
+    rem = p - pow2_floor(p)
+    return 2 * new_rank + 1 if new_rank < rem else new_rank + rem
+
+
+def children(rank: int, p: int) -> list[int]:
+    """Children of ``rank`` in the binomial tree rooted at 0, nearest first."""
+    low = rank & -rank if rank else 1 << p.bit_length()
+    out, m = [], 1
+    while m < low and rank + m < p:
+        out.append(rank + m)
+        m <<= 1
+    return out
+
+
+def _rabenseifner_core(n: int, pof2: int, v: int) -> int:
+    """Elements sent (= received) by new rank ``v`` in the power-of-two core."""
+    c = split_sizes(n, pof2)
+    s = 0
+    size = 1
+    while size < pof2:
+        start = (v // size) * size
+        s += sum(c[start:start + size])
+        size <<= 1
+    return n - c[v] + s
+
+
+def allreduce_traffic(algorithm: str, n: int, itemsize: int, p: int, rank: int) -> Traffic:
+    """Bytes and rounds for ``rank`` in an allreduce of ``n`` elements of ``itemsize`` bytes over ``p`` ranks.
+
+    >>> allreduce_traffic("ring", 1000, 4, 4, 0)
+    Traffic(sent=6000, received=6000, steps=6)
+    >>> allreduce_traffic("recursive-doubling", 1000, 4, 8, 3).sent == 4000 * 3
+    True
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is outside a world of size {p}")
+    if p == 1 or n == 0:
+        return ZERO
+    N = n * itemsize
+    if algorithm == "native":
+        b = 2 * (p - 1) * N // p
+        return Traffic(b, b, 0)
+    if algorithm == "ring":
+        c = split_sizes(n, p)
+        sent = 2 * n - c[rank] - c[(rank + 1) % p]
+        recv = 2 * n - c[(rank - 1) % p] - c[rank]
+        return Traffic(sent * itemsize, recv * itemsize, 2 * (p - 1))
+    if algorithm == "tree":
+        links = len(children(rank, p)) + (rank != 0)
+        return Traffic(N * links, N * links, 2 * links)
+    if algorithm == "master-worker":
+        return Traffic((p - 1) * N, (p - 1) * N, 2 * (p - 1)) if rank == 0 else Traffic(N, N, 2)
+    if algorithm == "all-to-all":
+        return Traffic((p - 1) * N, (p - 1) * N, p - 1)
+    # recursive-doubling and rabenseifner: power-of-two core plus MPICH's fold.
+    pof2 = pow2_floor(p)
+    lg = pof2.bit_length() - 1
+    role, v = fold_role(rank, p)
+    if role == "idle":
+        return Traffic(N, N, 2)
+    extra = Traffic(N, N, 2) if role == "host" else ZERO
+    if algorithm == "recursive-doubling":
+        return Traffic(N * lg, N * lg, lg) + extra
+    core = _rabenseifner_core(n, pof2, v) * itemsize
+    return Traffic(core, core, 2 * lg) + extra
+
+
+def ring_allgather_traffic(block_bytes: list[int], rank: int) -> Traffic:
+    """Ring all-gather where rank ``j`` contributes ``block_bytes[j]`` bytes.
+
+    Rank ``k`` forwards every block but ``k+1``'s and receives every block but its own,
+    in ``p - 1`` rounds.
+    """
+    p = len(block_bytes)
+    if p == 1:
+        return ZERO
+    total = sum(block_bytes)
+    return Traffic(total - block_bytes[(rank + 1) % p], total - block_bytes[rank], p - 1)
+
+
+def pairwise_alltoall_traffic(send_bytes: list[int], recv_bytes: list[int], rank: int) -> Traffic:
+    """Pairwise exchange: ``send_bytes[j]`` to rank ``j``, ``recv_bytes[j]`` from it, ``p - 1`` rounds."""
+    p = len(send_bytes)
+    if p == 1:
+        return ZERO
+    return Traffic(sum(send_bytes) - send_bytes[rank], sum(recv_bytes) - recv_bytes[rank], p - 1)

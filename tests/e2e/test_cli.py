@@ -1,0 +1,72 @@
+"""The shardwise command as a user runs it, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def shardwise(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "shardwise", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_digits_with_ddp_on_two_processes_reaches_95_percent(tmp_path):
+    proc = shardwise("train", "--recipe", "digits", "--strategy", "ddp", "--nproc", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("strategy", "world_size", "steps", "samples", "wall_s", "samples_per_s", "train_loss", "val_loss", "val_accuracy"):
+        assert key in summary, key
+    assert summary["strategy"] == "ddp" and summary["world_size"] == 2 and summary["steps"] == 300
+    assert summary["val_accuracy"] >= 0.95
+    assert summary["val_samples"] == 359
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "train_loss" in r] == list(range(20, 301, 20))
+    assert lines[-1]["train_loss"] < lines[0]["train_loss"] if "train_loss" in lines[-1] else True
+    assert "backend gloo" in proc.stdout and proc.stdout.count("backend gloo") == 1  # reported once, on rank 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000100", "step-00000200", "step-00000300"]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--strategy", "dpp"], "unknown strategy 'dpp'. Did you mean 'ddp'?"),
+        (["--nproc", "0"], "nproc must be a whole number >= 1; got 0"),
+        (["--strategy", "ddp", "--nproc", "2", "--global-batch-size", "15"], "global batch 15 is not divisible by world size 2 x accumulate 1"),
+        (["--set", "trainer.max_step=3"], "did you mean max_steps?"),
+        (["--resume", "auto"], "set out as well"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_code_2(args, message):
+    proc = shardwise("train", "--recipe", "digits", "--max-steps", "2", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_lists():
+    assert "ddp" in shardwise("strategies").stdout
+    assert "digits" in shardwise("recipes").stdout
+
+
+def test_shardwise_run_restarts_a_crashed_job_and_resumes_from_its_checkpoint(tmp_path):
+    proc = shardwise("run", "--nproc-per-node", "2", "--max-restarts", "1", str(SCRIPTS / "flaky_train.py"), str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["world_size"] == 2
+    assert summary["resumed_from"].endswith("step-00000002")  # the crash came at step 3
+    assert "simulated crash of rank 1" in proc.stderr
+
+
+def test_shardwise_run_without_restarts_reports_the_failure(tmp_path):
+    proc = shardwise("run", "--nproc-per-node", "2", str(SCRIPTS / "flaky_train.py"), str(tmp_path))
+    assert proc.returncode != 0
+    assert "simulated crash of rank 1" in proc.stderr
