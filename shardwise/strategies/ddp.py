@@ -7,7 +7,9 @@ skips that allreduce on all but the last micro-batch (``no_sync``).
 
 The bucket allreduce goes through a communication hook that records each bucket
 in the run's `Recorder`, so DDP's traffic shows up in ``summary.json`` like any
-other collective.
+other collective. Options ``allreduce="ring"`` (or any algorithm of
+`shardwise.comm.algorithms`) and ``compression="int8"`` (or any codec of
+`shardwise.comm.codecs`) swap in our own hooks from `shardwise.comm.hooks`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.collectives import Group
+from shardwise.comm.hooks import make_comm_hook, parse_options
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
@@ -58,12 +61,22 @@ def recorded_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     return fut.then(done)
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, recorder: Recorder, **ddp_kwargs: Any) -> DistributedDataParallel:
-    """Wrap ``model`` (already on its device) in DDP over the mesh's data-parallel group."""
+def apply_ddp(
+    model: nn.Module, mesh: Mesh, recorder: Recorder, *, allreduce: str = "native", compression: str | None = None, **ddp_kwargs: Any
+) -> DistributedDataParallel:
+    """Wrap ``model`` (already on its device) in DDP over the mesh's data-parallel group.
+
+    ``allreduce`` names the algorithm that averages each gradient bucket and
+    ``compression`` a codec (see `shardwise.comm.hooks`); with neither, buckets go
+    through the backend's own allreduce.
+    """
     group = mesh.group("dp")
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group.pg, **ddp_kwargs)
-    ddp.register_comm_hook(_HookState(group, recorder), recorded_allreduce_hook)
+    if allreduce == "native" and compression in (None, "", "none"):
+        ddp.register_comm_hook(_HookState(group, recorder), recorded_allreduce_hook)
+    else:
+        ddp.register_comm_hook(*make_comm_hook(group, recorder, allreduce=allreduce, compression=compression))
     return ddp
 
 
@@ -72,9 +85,20 @@ class DDP:
 
     name: ClassVar[str] = "ddp"
 
-    def __init__(self, *, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, static_graph: bool = False, broadcast_buffers: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        broadcast_buffers: bool = True,
+        allreduce: str = "native",
+        compression: str | None = None,
+    ) -> None:
         if bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb}")
+        parse_options(allreduce, compression)  # a bad name fails here, before any process starts
+        self.allreduce, self.compression = allreduce, compression
         self.kwargs = dict(
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
@@ -95,7 +119,7 @@ class DDP:
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(f"ddp got a model with no trainable parameters ({type(model).__name__}); nothing to synchronize")
         self.world_size = mesh.size("dp")
-        wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, **self.kwargs)
+        wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, allreduce=self.allreduce, compression=self.compression, **self.kwargs)
         return wrapped, make_optimizer(wrapped.parameters())
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -120,4 +144,5 @@ class DDP:
         load_plain_state_dict(self.unwrap(model), optimizer, state)
 
     def summary(self) -> dict[str, Any]:
-        return {"ddp": {"bucket_cap_mb": self.kwargs["bucket_cap_mb"], "world_size": self.world_size}}
+        return {"ddp": {"bucket_cap_mb": self.kwargs["bucket_cap_mb"], "world_size": self.world_size,
+                        "allreduce": self.allreduce, "compression": self.compression}}
