@@ -1,11 +1,21 @@
 """DDP with our allreduce algorithms and codecs: parity with native, training with compression, bytes recorded.
 
+- every algorithm: float64 parameters after 10 steps equal native ddp's (1e-12),
+  and the recorded bytes and rounds equal the formulas;
+- every codec: a small regression still trains (and fp16 stays close to fp32);
+- PowerSGD sends a rank-2 gradient exactly;
+- digits: every codec with error feedback reaches the uncompressed validation
+  accuracy within 1 point in the same 300 steps (random-k: see the note there),
+  and the recorded bytes show the saving.
+
 Everything runs inside one launch of 2 processes (process start costs seconds on
 two cores); each worker returns a list of failures, and the parent asserts the
 list is empty, so a failure message names the check.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,9 +28,13 @@ from shardwise.comm.codecs import get_codec
 from shardwise.comm.recorder import Recorder
 from shardwise.comm.traffic import allreduce_traffic
 from shardwise.mesh import Mesh
+from shardwise.recipes.digits import DigitsMLP, load_digits_split
 from shardwise.strategies.ddp import DDP
 
 CODECS = ("fp16", "bf16", "int8", "topk:0.1", "randomk:0.1", "sign", "powersgd:2")
+
+
+_TARGET = torch.linspace(-1, 1, 18, dtype=torch.float64).view(6, 3)
 
 
 def _tiny_model(dtype: torch.dtype) -> nn.Module:
@@ -29,13 +43,13 @@ def _tiny_model(dtype: torch.dtype) -> nn.Module:
 
 
 def _batch(step: int, rank: int, world: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(8 * world, 6, generator=g, dtype=torch.float64)
-    y = torch.sin(x[:, :3] * 2) + x[:, 3:] ** 2  # a smooth target the model can fit
+    g = torch.Generator().manual_seed(1000 + step % 4)  # four fixed batches, in turn
+    x = torch.randn(16 * world, 6, generator=g, dtype=torch.float64)
+    y = torch.tanh(x @ _TARGET)  # a target the model can fit in a few dozen steps
     return x[rank::world].to(dtype), y[rank::world].to(dtype)
 
 
-def _train(options: dict, steps: int, dtype: torch.dtype, lr: float = 0.05) -> tuple[list[torch.Tensor], list[float], Recorder]:
+def _train(options: dict, steps: int, dtype: torch.dtype, lr: float = 0.1) -> tuple[list[torch.Tensor], list[float], Recorder]:
     rank, world = dist.get_rank(), dist.get_world_size()
     strategy = DDP(**options)
     rec = Recorder()
@@ -74,8 +88,11 @@ def _algorithms_and_codecs() -> list[str]:
     fp32_sent = base_rec.totals()["all_reduce"]["sent_bytes"]
     for spec in CODECS:
         params, losses, rec = _train({"compression": spec}, long, torch.float32)
-        if not losses[-1] < 0.5 * losses[0]:
-            fails.append(f"{spec}: loss went {losses[0]:.4f} -> {losses[-1]:.4f}, not below half the start")
+        # Random-k delays each coordinate ~1/ratio steps in the residual (Stich et al. 2018): it lags most.
+        slack = 1.5 if spec.startswith("randomk") else 1.2
+        end, base_end = sum(losses[-5:]) / 5, sum(base_losses[-5:]) / 5
+        if not (end < 0.25 * losses[0] and end < slack * base_end):
+            fails.append(f"{spec}: loss went {losses[0]:.4f} -> {end:.4f} (uncompressed: {base_end:.4f})")
         tot = rec.totals()[f"compressed:{get_codec(spec).spec}"]
         if tot["count"] != long:
             fails.append(f"{spec}: {tot['count']} buckets recorded over {long} steps")
@@ -126,8 +143,47 @@ def _powersgd_is_exact_on_low_rank_gradients() -> list[str]:
     return fails
 
 
+def _digits_accuracy(compression: str | None, train: Any, val: Any, steps: int = 300) -> tuple[float, int]:
+    """Validation accuracy (%) of the digits MLP after ``steps`` AdamW steps, and the bytes this rank sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DigitsMLP(hidden=128, dropout=0.0)
+    rec = Recorder()
+    ddp, opt = DDP(compression=compression).setup(
+        model, lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=1e-4), Mesh.build(world_size=world, rank=rank), rec
+    )
+    x, y = train.tensors
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (64,), generator=g)[rank::world]  # global batch 64
+        loss = nn.functional.cross_entropy(ddp(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        acc = (model(val.tensors[0]).argmax(-1) == val.tensors[1]).double().mean().item() * 100
+    return acc, int(sum(t["sent_bytes"] for t in rec.totals().values()))
+
+
+def _digits_with_each_codec() -> list[str]:
+    train, val = load_digits_split()
+    base_acc, base_sent = _digits_accuracy(None, train, val)
+    fails = []
+    for spec in ("fp16", "bf16", "int8", "topk:0.01", "randomk:0.01", "sign", "powersgd:4"):
+        acc, sent = _digits_accuracy(spec, train, val)
+        # Random-k keeps a random 1% each step, so most of the gradient waits in the residual
+        # for ~100 steps (Stich et al. 2018); in 300 steps it lags by ~2.5 points here.
+        points = 4.0 if spec.startswith("randomk") else 1.0
+        if acc < base_acc - points:
+            fails.append(f"digits, {spec}: validation accuracy {acc:.2f}% vs {base_acc:.2f}% uncompressed (allowed: {points} points less)")
+        least = {"fp16": 2.0, "bf16": 2.0, "int8": 3.99, "topk:0.01": 50.0, "randomk:0.01": 50.0, "sign": 31.9}.get(spec, 1.0)
+        if base_sent / sent < least:
+            fails.append(f"digits, {spec}: sent {sent} bytes vs {base_sent} uncompressed, a {base_sent / sent:.2f}x saving; expected >= {least}x")
+    return fails
+
+
 def _all_checks() -> list[str]:
-    return _algorithms_and_codecs() + _powersgd_is_exact_on_low_rank_gradients()
+    return _algorithms_and_codecs() + _powersgd_is_exact_on_low_rank_gradients() + _digits_with_each_codec()
 
 
 def test_ddp_with_every_algorithm_and_codec():
