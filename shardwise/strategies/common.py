@@ -27,6 +27,11 @@ def accumulate_backward(
     count = len(microbatches)
     if count == 0:
         raise ValueError("a step needs at least one micro-batch")
+    if count == 1:  # the common case: no scaling, no running total
+        with precision.autocast():
+            loss = step_fn(model, microbatches[0])
+        precision.backward(loss)
+        return loss.detach()
     total: torch.Tensor | None = None
     for i, batch in enumerate(microbatches):
         # We only need to sync gradients at the last micro step.

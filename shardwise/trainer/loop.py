@@ -189,8 +189,7 @@ class Trainer:
         ckpt_root = Path(cfg.out) / "checkpoints" if cfg.out else None
         self._callback("on_fit_start", engine)
 
-        loss_sum: torch.Tensor | None = None
-        loss_steps = 0
+        losses: list[torch.Tensor] = []  # detached per-step losses since the last log (no sync per step)
         last_train_loss = float("nan")
         val_metrics: dict[str, float] = {}
         t_log, steps_at_log = time.perf_counter(), start_step
@@ -209,12 +208,11 @@ class Trainer:
                 self.step += 1
                 counters["step"] = self.step
                 counters["samples"] = counters["samples"] + global_batch
-                loss_sum = loss if loss_sum is None else loss_sum + loss
-                loss_steps += 1
+                losses.append(loss)
                 done = self.step >= total
                 if self.step % cfg.log_every == 0 or done:
                     # The only per-log collective: the mean training loss over ranks and steps.
-                    mean = engine.all_reduce((loss_sum / loss_steps).detach().double().reshape(1), "mean")
+                    mean = engine.all_reduce(torch.stack(losses).double().mean().reshape(1), "mean")
                     last_train_loss = float(mean.item())
                     now = time.perf_counter()
                     record = {
@@ -227,7 +225,7 @@ class Trainer:
                     files.log(record)
                     progress.update(self.step - steps_at_log, record)
                     t_log, steps_at_log = now, self.step
-                    loss_sum, loss_steps = None, 0
+                    losses.clear()
                 if val[0] is not None and cfg.val_every and self.step % cfg.val_every == 0 and not done:
                     val_metrics = self._validate(engine, wrapped, val, val_batch)
                     files.log({"step": self.step, **val_metrics})

@@ -1,0 +1,136 @@
+"""What shardwise costs over hand-written PyTorch, measured side by side in one run.
+
+1. Trainer vs a hand-written loop: the digits MLP, 1 process (target <= 1.05x).
+2. Trainer with ddp on 2 processes vs a hand-written DDP loop (target <= 1.03x).
+3. ``from shardwise import Trainer, Engine, launch`` vs ``import torch`` (target <= +0.15 s).
+
+Each pair runs alternately, ``--repeats`` times, and the ratio of medians is printed.
+Times cover the training loop only (steps, logging every 20 steps); both sides start
+from the same model, data, optimizer and batch order rule (a fresh permutation each epoch).
+
+    python benchmarks/overhead.py [--steps 600] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardwise
+from shardwise.recipes.digits import DigitsMLP, accuracy, cross_entropy, load_digits_split
+
+BATCH = 64
+LOG_EVERY = 20
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=2e-3, weight_decay=1e-4)
+
+
+def hand_loop(steps: int, rank: int = 0, world: int = 1, ddp: bool = False) -> float:
+    """The loop a careful user writes by hand: index the tensors, step, log now and then."""
+    torch.manual_seed(0)
+    train, _ = load_digits_split()
+    x, y = train.tensors
+    model: torch.nn.Module = DigitsMLP()
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = _optimizer(model.parameters())
+    per_rank = BATCH // world
+    per_epoch = len(x) // BATCH
+    step, epoch = 0, 0
+    start = time.perf_counter()
+    recent: list[torch.Tensor] = []
+    while step < steps:
+        g = torch.Generator().manual_seed(epoch)
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(per_epoch):
+            idx = perm[i * BATCH + rank * per_rank : i * BATCH + (rank + 1) * per_rank]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            recent.append(loss.detach())
+            step += 1
+            if step % LOG_EVERY == 0:
+                mean = torch.stack(recent).mean().reshape(1)
+                if ddp:
+                    dist.all_reduce(mean)
+                _ = mean.item()
+                recent.clear()
+            if step >= steps:
+                break
+        epoch += 1
+    return time.perf_counter() - start
+
+
+def trainer_loop(steps: int, strategy: str = "single") -> float:
+    torch.manual_seed(0)
+    train, _ = load_digits_split()
+    trainer = shardwise.Trainer(
+        strategy=strategy, global_batch_size=BATCH, max_steps=steps, log_every=LOG_EVERY,
+        optimizer=_optimizer, loss_fn=cross_entropy, metrics={"accuracy": accuracy}, progress_bar=False,
+    )
+    summary = trainer.fit(DigitsMLP(), train)
+    return float(summary["train_s"])
+
+
+def _ddp_pair(steps: int) -> tuple[float, float]:
+    """Runs inside each of 2 launched processes: the hand DDP loop, then the Trainer's."""
+    dist.barrier()
+    hand = hand_loop(steps, dist.get_rank(), dist.get_world_size(), ddp=True)
+    dist.barrier()
+    ours = trainer_loop(steps, "ddp")
+    return hand, ours
+
+
+def import_time(statement: str, repeats: int) -> float:
+    code = f"import time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
+    times = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) for _ in range(repeats)]
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+
+    hand_t, ours_t = [], []
+    trainer_loop(50), hand_loop(50)  # warm up (first-call costs)
+    for _ in range(args.repeats):
+        hand_t.append(hand_loop(args.steps))
+        ours_t.append(trainer_loop(args.steps))
+    rows.append(("Trainer vs hand loop, 1 process", statistics.median(ours_t), statistics.median(hand_t), "<= 1.05x"))
+
+    hand_d, ours_d = [], []
+    for _ in range(args.repeats):
+        results = shardwise.launch(_ddp_pair, args.steps, nproc=2, threads_per_proc=1)
+        hand_d.append(max(r[0] for r in results))
+        ours_d.append(max(r[1] for r in results))
+    rows.append(("Trainer ddp vs hand DDP, 2 processes", statistics.median(ours_d), statistics.median(hand_d), "<= 1.03x"))
+
+    # `import shardwise` alone loads nothing (public names are lazy); what a user pays is
+    # torch plus the trainer stack, so that is what is compared with `import torch`.
+    torch_s = import_time("import torch", args.repeats)
+    ours_s = import_time("from shardwise import Trainer, Engine, launch", args.repeats)
+
+    print(f"\n{args.steps} steps, global batch {BATCH}, median of {args.repeats} runs, 1 thread per process\n")
+    print(f"{'comparison':40s} {'shardwise s':>12s} {'hand s':>10s} {'ratio':>8s}  target")
+    for name, ours, hand, target in rows:
+        print(f"{name:40s} {ours:12.3f} {hand:10.3f} {ours / hand:7.3f}x  {target}")
+    print(f"{'from shardwise import Trainer vs torch':40s} {ours_s:12.3f} {torch_s:10.3f} {ours_s - torch_s:+7.3f}s  <= +0.15 s")
+
+
+if __name__ == "__main__":
+    main()
