@@ -92,7 +92,7 @@ def _unfold(buf: torch.Tensor, peers: Peers) -> None:
 # -- the algorithms (buf: flat, contiguous; op: sum | min | max) --------------------------------
 
 
-def ring(buf: torch.Tensor, op: str, peers: Peers, ws: Workspace, segment_bytes: int = RING_SEGMENT_BYTES) -> None:
+def ring(buf: torch.Tensor, op: str, peers: Peers, ws: Workspace, segment_bytes: int | None = None) -> None:
     """Pipelined ring: rank k sends piece k-s-1 and reduces piece k-s-2 in round s of the reduce-scatter.
 
     After ``p - 1`` rounds rank ``k`` holds the reduced piece ``k``; the all-gather
@@ -103,7 +103,7 @@ def ring(buf: torch.Tensor, op: str, peers: Peers, ws: Workspace, segment_bytes:
     """
     p, k = peers.size, peers.rank
     pieces = buf.tensor_split(p)
-    nseg = max(1, -(-pieces[0].numel() * buf.element_size() // segment_bytes))
+    nseg = max(1, -(-pieces[0].numel() * buf.element_size() // (segment_bytes or RING_SEGMENT_BYTES)))
     segs = [piece.tensor_split(nseg) for piece in pieces]
     tmp = ws.get("ring", pieces[0].numel(), buf.dtype, buf.device)
     nxt, prv = (k + 1) % p, (k - 1) % p
