@@ -4,7 +4,9 @@
 
     shardwise train --recipe NAME [--strategy NAME] [--nproc N] [--max-steps N] [--out DIR]
                     [--resume auto|PATH] [--config FILE.toml] [--set section.key=value ...]
+                    [--allreduce ALGO] [--compression CODEC]
     shardwise run [torchrun flags] script.py [args ...]
+    shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
     shardwise strategies | recipes
 """
 
@@ -55,6 +57,8 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--log-every", type=int)
     p.add_argument("--val-every", type=int)
+    p.add_argument("--allreduce", metavar="ALGO", help="ddp: allreduce algorithm for gradient buckets: ring, recursive-doubling, rabenseifner, tree, master-worker, all-to-all, native (sets strategy_options.allreduce)")
+    p.add_argument("--compression", metavar="CODEC", help="ddp: gradient compression: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign, powersgd:RANK (sets strategy_options.compression)")
     p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
     p.add_argument("--print-summary", action="store_true", help="print summary.json to stdout at the end")
@@ -77,6 +81,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, dest)
         if value is not None:
             settings[name] = value
+    for option in ("allreduce", "compression"):  # strategy options with flags of their own
+        value = getattr(args, option)
+        if value is not None:
+            settings["strategy_options"] = {**settings.get("strategy_options", {}), option: value}
     config = from_mapping(settings)  # validates before anything is built or started
     seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
     parts = recipe.parts(sections.get("recipe"))
@@ -104,10 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "run":
         # torchrun's own flags go straight through; argparse would eat them.
         return _guard(lambda: cmd_run(argv[1:]))
+    if argv and argv[0] == "bench":
+        from shardwise.bench import main as bench_main  # loaded only for this command
+
+        return _guard(lambda: bench_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training on PyTorch: every strategy behind one flag.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     sub.add_parser("run", help="run a script under torchrun with working defaults")
+    sub.add_parser("bench", help="benchmarks shipped with the package (`shardwise bench comm --help`)")
     sub.add_parser("strategies", help="list the strategies")
     sub.add_parser("recipes", help="list the built-in recipes")
     args = parser.parse_args(argv)

@@ -51,8 +51,11 @@ from shardwise.errors import CommError, ConfigError
 OPS = ("sum", "avg", "min", "max")
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
-RING_SEGMENT_BYTES = 8 << 20
-"""Ring pipelining granularity: each piece is cut into segments of about this size."""
+RING_SEGMENT_BYTES = 4 << 20
+"""Ring pipelining granularity: each piece is cut into segments of about this size (read at every call).
+
+On this project's 2-core CPU box (gloo, loopback, p = 2, 64 MB) 1 to 8 MB segments
+measured alike and a little faster than no pipelining (1.03x vs 1.08x native)."""
 
 Algorithm = Callable[[torch.Tensor, str, Peers, Workspace], None]
 
