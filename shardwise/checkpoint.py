@@ -71,7 +71,7 @@ def fingerprint(model_state: dict[str, Any]) -> str:
 
 def capture_rng() -> dict[str, Any]:
     """Every RNG stream this process draws from, as tensors and plain values."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},

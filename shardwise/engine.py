@@ -203,16 +203,15 @@ class Engine:
         Every rank's RNG streams are saved with it.
         """
         # Every rank builds the state (a sharded strategy gathers it collectively); rank 0 writes it.
-        shared: dict[str, Any] | None = self._split_state(state)
-        meta = dict(meta or {})
-        if not self.is_rank_zero:
-            shared = None
-        else:
-            models = [k for k, v in state.items() if isinstance(v, nn.Module)]
-            meta["model_fingerprint"] = ckpt.fingerprint(shared[models[0]]) if models else None
-            meta["strategy"] = self.strategy.name
+        built = self._split_state(state)
+        models = [k for k, v in state.items() if isinstance(v, nn.Module)]
+        meta = {
+            **(meta or {}),
+            "model_fingerprint": ckpt.fingerprint(built[models[0]]) if models else None,
+            "strategy": self.strategy.name,
+        }
         return ckpt.write(
-            Path(path), rank=self.rank, world_size=self.world_size, shared=shared,
+            Path(path), rank=self.rank, world_size=self.world_size, shared=built if self.is_rank_zero else None,
             own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta,
         )
 

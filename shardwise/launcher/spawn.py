@@ -122,7 +122,7 @@ def launch(
     import torch.distributed as dist
 
     threads = threads_per_proc or _default_threads(nproc)
-    ctx = mp.get_context(start_method)
+    ctx: Any = mp.get_context(start_method)
     # Plain pickle, by value: multiprocessing's own pickler (with torch's reducers) would
     # put tensors in shared memory, and every rank would then step the same parameters.
     try:

@@ -48,8 +48,8 @@ class Strategy(Protocol):
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip gradients by their global norm (across every shard) and return that norm."""
 
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Model and optimizer state under the original module's parameter names."""
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Model (and optimizer, when given) state under the original module's parameter names."""
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
         """Inverse of ``state_dict``."""

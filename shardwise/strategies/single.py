@@ -49,7 +49,7 @@ class Single:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return clip_local(model, max_norm)
 
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         return plain_state_dict(model, optimizer)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:

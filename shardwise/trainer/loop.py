@@ -327,10 +327,11 @@ class Trainer:
         if self.loss_fn is not None:
             output = module(*model_inputs(batch))
             return [self.loss_fn(output, batch)] + [fn(output, batch) for fn in self.metrics.values()]
-        if callable(getattr(module, "validation_step", None)):
-            result = module.validation_step(batch)
+        validation_step = getattr(module, "validation_step", None)
+        if callable(validation_step):
+            result = validation_step(batch)
             return [result["loss"]] + [result[name] for name in self.metrics]
-        return [module.training_step(batch)]  # type: ignore[operator]
+        return [getattr(module, "training_step")(batch)]
 
     def _callback(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
