@@ -72,7 +72,7 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
     import torch.distributed as dist
 
     from shardwise.comm.algorithms import allreduce
-    from shardwise.comm.codecs import CodecState, get_codec
+    from shardwise.comm.codecs import Codec, CodecState, get_codec
     from shardwise.comm.compressed import compressed_allreduce
     from shardwise.comm.p2p import Workspace
     from shardwise.comm.recorder import Recorder
@@ -92,6 +92,7 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
             runs[algo] = (lambda a, w: lambda rec=None: allreduce(buf, "sum", algorithm=a, recorder=rec, workspace=w))(algo, ws)
         for spec in codecs:
             codec, state, ws = get_codec(spec), CodecState(seed=rank), Workspace()
+            assert isinstance(codec, Codec)  # main() turned powersgd away
             runs[f"compressed:{codec.spec}"] = (lambda c, s, w: lambda rec=None: compressed_allreduce(buf, c, s, op="sum", recorder=rec, workspace=w))(codec, state, ws)
         # Rounds inside the backend's allreduce are hidden: native, and the 16-bit casts that ride on it.
         hidden = {"native"} | {f"compressed:{s}" for s in codecs if get_codec(s).exchange == "allreduce"}
@@ -232,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     """``shardwise bench comm``: measure, print the table, write the rows and the fit."""
-    from shardwise.comm.algorithms import ALGORITHMS, check_algorithm
+    from shardwise.comm.algorithms import check_algorithm
+    from shardwise.comm.traffic import ALGORITHMS
     from shardwise.comm.codecs import PowerSGD, get_codec
     from shardwise.launcher.spawn import launch
 

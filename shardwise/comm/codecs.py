@@ -211,8 +211,9 @@ class Int8(Codec):
         return Encoded({"q": q, "meta": torch.stack([scale, zp])}, x.numel(), x.dtype)
 
     def decode(self, enc: Encoded) -> torch.Tensor:
-        scale, zp = enc.parts["meta"]
-        return ((enc.parts["q"].to(scale.dtype) - zp) * scale).to(enc.dtype)
+        meta = enc.parts["meta"]
+        scale, zp = meta[0], meta[1]
+        return ((enc.parts["q"].to(meta.dtype) - zp) * scale).to(enc.dtype)
 
 
 class Sparse(Codec):
@@ -267,7 +268,8 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of `pack_bits`: the first ``n`` booleans."""
-    return ((packed.unsqueeze(1) & _BITS.to(packed.device)) != 0).view(-1)[:n]
+    bits: torch.Tensor = (packed.unsqueeze(1) & _BITS.to(packed.device)) != 0
+    return bits.view(-1)[:n]
 
 
 class Sign(Codec):

@@ -105,7 +105,7 @@ def _scatter_gather(flat: torch.Tensor, codec: Codec, state: CodecState, op: str
         acc.div_(p)
     reduced = codec.encode(acc, state).pack()
     out = ws.get("outbox", sum(sizes), torch.uint8, flat.device)
-    blocks = list(out.split(sizes))
+    blocks = list(torch.split(out, sizes))
     blocks[k].copy_(reduced)
     ring_allgather(blocks, peers)
     for piece, enc, block in zip(flat.tensor_split(p), encs, blocks):

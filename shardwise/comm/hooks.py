@@ -144,7 +144,8 @@ def powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
         sent, recv = wire_bytes("all_reduce", numel * buf.element_size(), p)
         state.recorder.add(CommEvent(f"compressed:{state.codec.spec}", state.group.name, p, buf.numel() * buf.element_size(), sent, recv, time.perf_counter() - start))
         value = f.value()
-        return value[0] if isinstance(value, list) else value
+        out: torch.Tensor = value[0] if isinstance(value, list) else value
+        return out
 
     return fut.then(record)
 

@@ -137,3 +137,26 @@ def test_the_savings_the_issue_asks_for_at_p_2():
     assert fp32 / compressed_traffic(get_codec("int8"), n, torch.float32, 2, 0).sent == pytest.approx(4, rel=1e-5)
     assert fp32 / compressed_traffic(get_codec("sign"), n, torch.float32, 2, 0).sent == pytest.approx(32, rel=1e-5)
     assert fp32 / compressed_traffic(get_codec("fp16"), n, torch.float32, 2, 0, "ring").sent == 2
+
+
+def test_the_benchmark_fit_recovers_alpha_and_beta_and_reads_sizes():
+    from shardwise.bench.comm import fit, format_table, parse_size
+    from shardwise.errors import ConfigError
+
+    assert [parse_size(s) for s in ("1KB", "64MB", "4096", "1.5KB", "2MiB")] == [1024, 64 << 20, 4096, 1536, 2 << 20]
+    with pytest.raises(ConfigError, match="cannot read size 'lots'"):
+        parse_size("lots")
+    alpha, beta = 50e-6, 1e-9  # 50 us a round, 1 GB/s
+    rows = []
+    for algo in ("ring", "tree", "recursive-doubling", "native"):
+        for size in (1 << 10, 1 << 16, 1 << 20, 1 << 24):
+            t = allreduce_traffic(algo, size // 4, 4, 4, 0)
+            rows.append({"algorithm": algo, "kind": "allreduce", "world_size": 4, "dtype": "float32", "size_bytes": size,
+                         "bytes_sent_per_rank": t.sent, "steps": t.steps, "time_s": alpha * t.steps + beta * t.sent + (1e-4 if algo == "native" else 0),
+                         "algbw": 1.0, "busbw": 1.5, "ratio_to_native": 1.0})
+    model = fit(rows)
+    assert model["fitted_on"] == ["recursive-doubling", "ring", "tree"]  # native's rounds are hidden: not fitted
+    assert model["alpha_s"] == pytest.approx(alpha, rel=1e-9) and model["beta_s_per_byte"] == pytest.approx(beta, rel=1e-9)
+    assert model["per_algorithm"]["native"]["latency_s"] == pytest.approx(1e-4, rel=1e-6)
+    table = format_table(rows[:2])
+    assert "ring" in table and "1KB" in table and "64KB" in table
