@@ -147,6 +147,10 @@ def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEO
         ) if env.source == "spawn" else None
         if store is not None:
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        elif env.source == "torchrun":
+            # torchrun's own convention: env:// reads its variables, including the agent-store
+            # sharing flag (TORCHELASTIC_USE_AGENT_STORE).
+            dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
         else:
             dist.init_process_group(
                 backend,

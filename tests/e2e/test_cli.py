@@ -66,6 +66,17 @@ def test_shardwise_run_restarts_a_crashed_job_and_resumes_from_its_checkpoint(tm
     assert "simulated crash of rank 1" in proc.stderr
 
 
+def test_plain_torchrun_with_its_shared_agent_store_is_joined(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "flaky_train.py"), str(tmp_path), "--no-crash"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["world_size"] == 2 and summary["resumed_from"] is None
+
+
 def test_shardwise_run_without_restarts_reports_the_failure(tmp_path):
     proc = shardwise("run", "--nproc-per-node", "2", str(SCRIPTS / "flaky_train.py"), str(tmp_path))
     assert proc.returncode != 0
