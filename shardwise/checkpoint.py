@@ -8,6 +8,12 @@ A checkpoint is a directory ``step-00000100/`` holding:
 - ``manifest.json``: step, world size, a fingerprint of the model's parameter
   names and shapes, and the sha256 and size of every file. Written last.
 
+Sharded strategies (zero2, zero3/fsdp, hsdp) add ``dcp/``: model and optimizer state
+written by every rank with ``torch.distributed.checkpoint`` (DCP), each its own shards,
+keyed by parameter name. The manifest then says ``"sharded": {"dir": "dcp", "keys": [...]}``
+and ``state.pt`` holds the rest. DCP re-partitions on load, so such a checkpoint resumes at
+another world size, and `read_sharded_full` reads it whole for strategies that do not shard.
+
 Writing goes to a hidden ``.tmp-step-...`` directory; every file is fsynced, then
 the directory is renamed into place and its parent fsynced. A crash at any point
 leaves either the complete new checkpoint or none, never a damaged one under a
@@ -33,10 +39,12 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch import nn
 
 from shardwise.errors import CheckpointError
 
 FORMAT = "shardwise-checkpoint/1"
+SHARDED_DIR = "dcp"
 _NAME = re.compile(r"^step-(\d{8})$")
 
 
@@ -108,8 +116,13 @@ def write(
     own: dict[str, Any],
     barrier: Callable[[], None],
     meta: dict[str, Any] | None = None,
+    sharded: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint directory ``final`` atomically; every rank calls it (rank 0 passes ``shared``)."""
+    """Write a checkpoint directory ``final`` atomically; every rank calls it (rank 0 passes ``shared``).
+
+    ``sharded`` (every rank, the same keys) is state of DTensors, written collectively with
+    ``torch.distributed.checkpoint`` into ``dcp/`` of the temporary directory.
+    """
     final = Path(final)
     root = final.parent
     tmp = root / f".tmp-{final.name}"
@@ -120,13 +133,17 @@ def write(
         tmp.mkdir()
     barrier()
     _write(tmp / f"rank-{rank:05d}.pt", own)
+    if sharded is not None:
+        import torch.distributed.checkpoint as dcp  # loaded only for sharded strategies
+
+        dcp.save(sharded, storage_writer=dcp.FileSystemWriter(str(tmp / SHARDED_DIR), sync_files=True))
     if rank == 0:
         if shared is None:
             raise CheckpointError("rank 0 must pass the shared state to write a checkpoint")
         _write(tmp / "state.pt", shared)
     barrier()
     if rank == 0:
-        files = {p.name: {"sha256": sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        files = {p.relative_to(tmp).as_posix(): {"sha256": sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {
             "format": FORMAT,
             "world_size": world_size,
@@ -134,6 +151,8 @@ def write(
             "files": files,
             **(meta or {}),
         }
+        if sharded is not None:
+            manifest["sharded"] = {"dir": SHARDED_DIR, "keys": sorted(sharded)}
         with open(tmp / "manifest.json", "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -246,3 +265,72 @@ def check_model_state(expected: dict[str, Any], found: dict[str, Any], path: Pat
             f"checkpoint {path} was saved from another model: " + "; ".join(parts)
             + ". Resume with the model it was saved from, or start a fresh run in another --out directory"
         )
+
+
+def sharded_shapes(path: Path, key: str) -> dict[str, torch.Tensor]:
+    """Shapes of the tensors stored under ``key`` in a sharded checkpoint, as meta tensors (no data read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)).read_metadata()
+    prefix = f"{key}."
+    return {
+        k[len(prefix):]: torch.empty(tuple(v.size), device="meta")
+        for k, v in meta.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
+
+
+def read_sharded_full(path: Path) -> dict[str, Any]:
+    """Every value of a sharded checkpoint's ``dcp/`` whole, in this process alone (no collectives).
+
+    For strategies that keep whole tensors (single, ddp, zero1) and for export: DCP
+    assembles each tensor from all the ranks' files.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    state: dict[str, Any] = {}
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except Exception as exc:  # DCP wraps every reader failure in its own exception types
+        raise CheckpointError(f"cannot read the sharded state of {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+    return state
+
+
+def parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the optimizer's parameters in its groups' order (the order its state_dict numbers them)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    try:
+        return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    except KeyError:
+        raise CheckpointError("the optimizer holds parameters that are not the model's; build it from the parameters engine.setup hands it") from None
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A plain ``optimizer.state_dict()`` (parameters numbered 0, 1, ... in group order) keyed by parameter name.
+
+    The form ``torch.distributed.checkpoint.state_dict`` speaks, so state saved by a strategy
+    that keeps whole tensors loads into a sharded one.
+    """
+    numbers = [i for g in state["param_groups"] for i in g["params"]]
+    if len(numbers) != len(names):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(numbers)} parameters; this one has {len(names)}. Resume with the same model and optimizer factory")
+    to_name = dict(zip(numbers, names))
+    return {
+        "state": {to_name[i]: s for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [to_name[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def optimizer_state_by_number(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Inverse of `optimizer_state_by_name`: named optimizer state numbered in this optimizer's order."""
+    saved = [n for g in state["param_groups"] for n in g["params"]]
+    if sorted(saved) != sorted(names):
+        missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+        raise CheckpointError(f"the checkpoint's optimizer does not match this model's parameters (missing {missing[:3]}, unexpected {extra[:3]})")
+    to_number = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {to_number[n]: s for n, s in state["state"].items()},
+        "param_groups": [{**g, "params": [to_number[n] for n in g["params"]]} for g in state["param_groups"]],
+    }

@@ -177,8 +177,14 @@ class Engine:
             print(*args, **kwargs, flush=True)
 
     # -- checkpoints ----------------------------------------------------------------
-    def _split_state(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _split_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(shared state for ``state.pt``, sharded state for DCP or None).
+
+        A strategy whose ``state_dict`` returns DTensors (zero2, zero3, hsdp) has its model and
+        optimizer written by every rank with torch.distributed.checkpoint; the rest is shared.
+        """
         shared: dict[str, Any] = {}
+        sharded: dict[str, Any] = {}
         strat = None
         for key, value in state.items():
             if isinstance(value, nn.Module) or isinstance(value, torch.optim.Optimizer):
@@ -187,52 +193,68 @@ class Engine:
                     if model is None:
                         raise ConfigError("save/load of an optimizer needs engine.setup to have been called")
                     strat = self.strategy.state_dict(model, self._optimizer)
-                shared[key] = strat["model"] if isinstance(value, nn.Module) else strat["optimizer"]
+                part = strat["model"] if isinstance(value, nn.Module) else strat["optimizer"]
+                (sharded if _has_dtensor(strat["model"]) else shared)[key] = part
             elif hasattr(value, "state_dict"):
                 shared[key] = value.state_dict()
             else:
                 shared[key] = value
         shared["__precision__"] = self.precision.state_dict()
-        return shared
+        return shared, (sharded or None)
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any], *, meta: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint directory atomically. Call on every rank.
 
         ``state`` maps names to the model and optimizer from ``setup``, to objects
         with ``state_dict()`` (schedulers, the data loader), or to plain values.
-        Every rank's RNG streams are saved with it.
+        Every rank's RNG streams are saved with it. Under a sharded strategy the model
+        and optimizer are written in shards by every rank (``dcp/``, see `shardwise.checkpoint`).
         """
-        # Every rank builds the state (a sharded strategy gathers it collectively); rank 0 writes it.
-        built = self._split_state(state)
-        models = [k for k, v in state.items() if isinstance(v, nn.Module)]
-        meta = {
-            **(meta or {}),
-            "model_fingerprint": ckpt.fingerprint(built[models[0]]) if models else None,
-            "strategy": self.strategy.name,
-        }
+        # Every rank builds the state (a sharded strategy's is collective); rank 0 writes the shared part.
+        split, sharded = self._split_state(state)
+        shared: dict[str, Any] | None = split
+        meta = dict(meta or {})
+        if not self.is_rank_zero:
+            shared = None
+        else:
+            models = [k for k, v in state.items() if isinstance(v, nn.Module)]
+            model_state = (sharded or split)[models[0]] if models else None
+            meta["model_fingerprint"] = ckpt.fingerprint(model_state) if model_state is not None else None
+            meta["strategy"] = self.strategy.name
         return ckpt.write(
-            Path(path), rank=self.rank, world_size=self.world_size, shared=built if self.is_rank_zero else None,
-            own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta,
+            Path(path), rank=self.rank, world_size=self.world_size, shared=shared,
+            own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta, sharded=sharded,
         )
+
+    def consolidated_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole parameters and buffers by name, on CPU; collective under sharded strategies (call on every rank)."""
+        full = self.strategy.state_dict(model, None)["model"]
+        return {k: (v.full_tensor() if _is_dtensor(v) else v).detach().cpu() for k, v in full.items()}
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any], *, restore_rng: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint; returns the saved values that are not objects."""
         path = Path(path)
-        shared, own, _manifest = ckpt.read(path, self.rank)
-        missing = [k for k in state if k not in shared]
+        shared, own, manifest = ckpt.read(path, self.rank)
+        stored = set(shared) | set(manifest.get("sharded", {}).get("keys", []))
+        missing = [k for k in state if k not in stored]
         if missing:
-            raise CheckpointError(f"checkpoint {path} has no {missing}; it holds {sorted(k for k in shared if not k.startswith('__'))}")
+            raise CheckpointError(f"checkpoint {path} has no {missing}; it holds {sorted(k for k in stored if not k.startswith('__'))}")
         plain: dict[str, Any] = {}
         model_key = next((k for k, v in state.items() if isinstance(v, nn.Module)), None)
         optim_key = next((k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)), None)
         if model_key is not None:
             model = state[model_key]
-            expected = self.strategy.state_dict(model, None)["model"]
-            ckpt.check_model_state(expected, shared[model_key], path)
-            sub = {"model": shared[model_key]}
-            if optim_key is not None:
-                sub["optimizer"] = shared[optim_key]
-            self.strategy.load_state_dict(model, state[optim_key] if optim_key else None, sub)
+            optimizer = state[optim_key] if optim_key else None
+            template = self.strategy.state_dict(model, optimizer if "sharded" in manifest else None)
+            if "sharded" in manifest:
+                ckpt.check_model_state(template["model"], ckpt.sharded_shapes(path, model_key), path)
+                sub = self._read_sharded(path, template, model, optimizer, model_key, optim_key)
+            else:
+                ckpt.check_model_state(template["model"], shared[model_key], path)
+                sub = {"model": shared[model_key]}
+                if optim_key is not None:
+                    sub["optimizer"] = shared[optim_key]
+            self.strategy.load_state_dict(model, optimizer, sub)
         for key, value in state.items():
             if key in (model_key, optim_key):
                 continue
@@ -247,6 +269,30 @@ class Engine:
             elif self.is_rank_zero:
                 print(f"shardwise: {path} has no RNG state for rank {self.rank} (saved at another world size); RNG streams start fresh", flush=True)
         return plain
+
+    def _read_sharded(
+        self, path: Path, template: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None, model_key: str, optim_key: str | None
+    ) -> dict[str, Any]:
+        """Model (and optimizer) state from a sharded checkpoint, in the form this strategy loads.
+
+        A sharding strategy gets its own shards (DCP re-partitions to this world size); one that
+        keeps whole tensors gets them whole, with the optimizer renumbered the way
+        ``optimizer.state_dict()`` numbers parameters.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        if _has_dtensor(template["model"]):
+            wanted = {model_key: template["model"]}
+            if optim_key is not None and optimizer is not None:
+                wanted[optim_key] = template["optimizer"]
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(path / ckpt.SHARDED_DIR)))
+            return {"model": wanted[model_key], **({"optimizer": wanted[optim_key]} if optim_key in wanted else {})}
+        full = ckpt.read_sharded_full(path)
+        sub: dict[str, Any] = {"model": full[model_key]}
+        if optimizer is not None and optim_key is not None:
+            names = ckpt.parameter_names(self.strategy.unwrap(model), optimizer)
+            sub["optimizer"] = ckpt.optimizer_state_by_number(full[optim_key], names)
+        return sub
 
     def close(self) -> None:
         """Leave the process group if this engine created it."""
@@ -275,3 +321,13 @@ def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -
         return model(*args)
     finally:
         module.__dict__.pop("forward", None)
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _has_dtensor(state: dict[str, Any]) -> bool:
+    return any(_is_dtensor(v) for v in state.values())

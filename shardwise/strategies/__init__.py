@@ -17,6 +17,11 @@ from shardwise.strategies.protocol import OptimizerFactory, StepFn, Strategy
 _BUILTIN: dict[str, str] = {
     "single": "shardwise.strategies.single:Single",
     "ddp": "shardwise.strategies.ddp:DDP",
+    "zero1": "shardwise.strategies.zero:Zero1",
+    "zero2": "shardwise.strategies.fsdp:Zero2",
+    "zero3": "shardwise.strategies.fsdp:FSDP",
+    "fsdp": "shardwise.strategies.fsdp:FSDP",
+    "hsdp": "shardwise.strategies.fsdp:HSDP",
 }
 _EXTRA: dict[str, Callable[..., Strategy]] = {}
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardwise import checkpoint as ckpt
-from shardwise.data import ShardedLoader, eval_batches, per_rank_batch, unpack_data
+from shardwise.data import ShardedLoader, eval_batches, eval_shard, fetch, per_rank_batch, unpack_data
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
@@ -266,13 +266,17 @@ class Trainer:
         files.summary(summary)
         files.close()
         if engine.is_rank_zero:
+            if "memory_per_rank" in summary:
+                from shardwise.plan.memory import format_table
+
+                print(format_table(summary["memory_per_rank"]), flush=True)
             line = "  ".join(f"{k} {summary[k]:.4g}" for k in ("train_loss", "val_loss", "val_accuracy", "samples_per_s") if isinstance(summary.get(k), float))
             print(f"done: {self.step} steps in {wall:.1f}s  {line}", flush=True)
         self._callback("on_fit_end", engine, summary)
         model_state = None
         if return_state:
-            full = engine.strategy.state_dict(wrapped, None)["model"]
-            model_state = {k: v.detach().cpu() for k, v in full.items()} if engine.is_rank_zero else None
+            full = engine.consolidated_state_dict(wrapped)  # collective under sharded strategies: every rank
+            model_state = full if engine.is_rank_zero else None
         return summary, model_state
 
     # -- pieces -----------------------------------------------------------------------------
@@ -306,14 +310,23 @@ class Trainer:
         module.eval()
         names = list(self.metrics)
         sums = torch.zeros(2 + len(names), dtype=torch.float64, device=engine.device)
+        world, rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+        # Under FSDP (and pipelines) a forward is collective: every rank must make the same
+        # number of calls. Shards differ by at most one sample, so a rank with fewer batches
+        # runs a real batch again and drops its result (val_samples still counts each once).
+        calls = max(-(-len(eval_shard(len(dataset), world, r)) // batch_size) for r in range(world))
         with torch.no_grad(), engine.autocast():
-            for batch in eval_batches(dataset, engine.mesh.size("dp"), engine.mesh.coordinate("dp"), batch_size, collate):
+            done = 0
+            for batch in eval_batches(dataset, world, rank, batch_size, collate):
                 batch = engine.to_device(batch)
                 n = batch_size_of(batch)
                 values = self._eval_batch(module, batch)
                 sums[0] += n
                 for i, v in enumerate(values):
                     sums[1 + i] += float(v) * n
+                done += 1
+            for _ in range(calls - done):
+                self._eval_batch(module, engine.to_device(fetch(dataset, [0], collate)))
         module.train(was_training)
         engine.all_reduce(sums, "sum")
         count = max(sums[0].item(), 1.0)
