@@ -89,7 +89,7 @@ def _algorithms_and_codecs() -> list[str]:
     for spec in CODECS:
         params, losses, rec = _train({"compression": spec}, long, torch.float32)
         # Random-k delays each coordinate ~1/ratio steps in the residual (Stich et al. 2018): it lags most.
-        slack = 1.5 if spec.startswith("randomk") else 1.2
+        slack = 2.0 if spec.startswith("randomk") else 1.2
         end, base_end = sum(losses[-5:]) / 5, sum(base_losses[-5:]) / 5
         if not (end < 0.25 * losses[0] and end < slack * base_end):
             fails.append(f"{spec}: loss went {losses[0]:.4f} -> {end:.4f} (uncompressed: {base_end:.4f})")
