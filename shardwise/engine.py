@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import checkpoint as ckpt
-from shardwise.comm import WORLD, Recorder, all_reduce, barrier, broadcast
+from shardwise.comm import WORLD, Group, Recorder, all_reduce, barrier, broadcast
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies import OptimizerFactory, StepFn, Strategy, get_strategy
+from shardwise.strategies.protocol import after_step, placement
 
 
 def seed_everything(seed: int) -> None:
@@ -76,6 +77,11 @@ class Engine:
             seed_everything(seed)
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self.group: Group = WORLD
+        """The ranks that run the loop (the world, unless the strategy's placement keeps some to serve)."""
+        self.trains = True
+        """False on a rank that only serves (a parameter server): it served in ``setup``; skip the loop."""
+        self.steps_taken = 0
         if self.is_rank_zero and self.env.distributed and dist.is_initialized():
             print(f"shardwise: {self.env.world_size} processes, backend {dist.get_backend()} on {self.device.type}, strategy {self.strategy.name}", flush=True)
 
@@ -116,6 +122,10 @@ class Engine:
         model = self.precision.convert_module(model)
         wrapped, optimizer = self.strategy.setup(model, make_optimizer, self.mesh, self.recorder)
         self._model, self._optimizer = wrapped, optimizer
+        place = placement(self.strategy)
+        self.trains = place.trains
+        self.mesh = place.mesh or self.mesh
+        self.group = place.group or self.group
         return wrapped, optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -148,19 +158,27 @@ class Engine:
         return self.strategy.clip_grad_norm(model, max_norm)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer (through the grad scaler under fp16); False if fp16 overflow skipped it."""
-        return self.precision.step(optimizer)
+        """Step the optimizer (through the grad scaler under fp16); False if fp16 overflow skipped it.
+
+        Then the strategy's optional ``after_step`` hook runs (local SGD's averaging round),
+        on every rank, skipped step or not, so all ranks reach the same rounds.
+        """
+        stepped = self.precision.step(optimizer)
+        self.steps_taken += 1
+        if self._model is not None:
+            after_step(self.strategy, self._model, optimizer, self.steps_taken)
+        return stepped
 
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduce across all ranks in place ('sum', 'mean', 'min', 'max')."""
-        return all_reduce(tensor, op, group=WORLD, recorder=self.recorder)
+        return all_reduce(tensor, op, group=self.group, recorder=self.recorder)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return broadcast(tensor, src, group=WORLD, recorder=self.recorder)
+        return broadcast(tensor, src, group=self.group, recorder=self.recorder)
 
     def barrier(self) -> None:
-        barrier(group=WORLD, recorder=self.recorder)
+        barrier(group=self.group, recorder=self.recorder)
 
     @contextlib.contextmanager
     def rank_zero_first(self) -> Iterator[None]:

@@ -17,6 +17,9 @@ from shardwise.strategies.protocol import OptimizerFactory, StepFn, Strategy
 _BUILTIN: dict[str, str] = {
     "single": "shardwise.strategies.single:Single",
     "ddp": "shardwise.strategies.ddp:DDP",
+    "local-sgd": "shardwise.strategies.local_sgd:LocalSGD",
+    "diloco": "shardwise.strategies.diloco:DiLoCo",
+    "gossip": "shardwise.strategies.gossip:Gossip",
     "zero1": "shardwise.strategies.zero:Zero1",
     "zero2": "shardwise.strategies.fsdp:Zero2",
     "zero3": "shardwise.strategies.fsdp:FSDP",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, ContextManager, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
+from shardwise.comm.collectives import Group
 from shardwise.comm.recorder import Recorder
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
@@ -56,3 +58,47 @@ class Strategy(Protocol):
 
     def summary(self) -> dict[str, Any]:
         """This strategy's own section of summary.json."""
+
+
+# -- optional hooks ----------------------------------------------------------------------------
+# Strategies that step replicas alone (local SGD, DiLoCo, gossip) act after the optimizer
+# step, and a parameter server keeps some ranks out of the loop. These hooks are optional:
+# strategies that do not define them (ddp, zero, fsdp, user strategies) need nothing, which is
+# why they sit outside the Protocol above and are called through the functions below.
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the training loop runs once ``setup`` returned (a strategy's optional ``placement()``).
+
+    The default (every rank trains, on the engine's mesh, collectives over the world) is right
+    for every strategy whose ranks all run the loop. A strategy that reserves ranks for
+    service (a parameter server) returns ``trains=False`` on those ranks, whose ``setup``
+    returns only after serving, and, on the training ranks, the mesh and group they form.
+    """
+
+    trains: bool = True
+    """False on a rank that does not run the training loop (it served inside ``setup``)."""
+    mesh: Mesh | None = None
+    """The training ranks' mesh, for data sharding and evaluation (None: the engine's mesh)."""
+    group: Group | None = None
+    """The group the loop's own collectives (logged loss, evaluation, checkpoints) run over (None: the world)."""
+
+
+def after_step(strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Call ``strategy.after_step(model, optimizer, step)`` if it has one.
+
+    ``step`` counts optimizer steps taken in this process (1 after the first). Local SGD
+    averages replicas every H steps here (Lin et al. 2020); the step must be a strategy
+    method, not an optimizer post-hook, because a skipped fp16 step never calls the
+    optimizer, and every rank must still reach the same averaging rounds.
+    """
+    hook = getattr(strategy, "after_step", None)
+    if hook is not None:
+        hook(model, optimizer, step)
+
+
+def placement(strategy: Any) -> Placement:
+    """``strategy.placement()`` if it has one, else the default: this rank trains, on the whole world."""
+    hook = getattr(strategy, "placement", None)
+    return hook() if hook is not None else Placement()

@@ -159,6 +159,10 @@ class Trainer:
     def _run(self, engine: Engine, model: nn.Module, train_data: Any, val_data: Any, wall_start: float, return_state: bool) -> tuple[dict[str, Any], Any]:
         cfg = self.config
         wrapped, optimizer = engine.setup(model, self.optimizer_factory)
+        if not engine.trains:
+            # A rank the strategy keeps for service (a parameter server): it served inside
+            # setup until the training ranks finished; rank 0 trains and writes the summary.
+            return {}, None
         # The model is built and identical everywhere; from here each rank draws its own
         # stream, so dropout masks differ across data shards (a resume restores them).
         seed_everything(cfg.seed + 1 + engine.rank)

@@ -1,0 +1,167 @@
+"""``local-sgd``: every replica steps alone; parameters are averaged every ``sync_every`` steps.
+
+Local SGD (Stich 2019, "Local SGD Converges Fast and Communicates Little"; Lin et al. 2020,
+"Don't Use Large Mini-Batches, Use Local SGD") trades gradient synchronization on every
+step for one parameter average every H steps: each rank runs its own optimizer on its own
+slice of the global batch, and after steps H, 2H, ... all replicas are replaced by their
+mean. Communication falls by a factor H; with H = 1 and a linear optimizer (SGD, with or
+without momentum and weight decay) it is exactly data parallelism, because the mean of
+``p - lr * u_i`` is ``p - lr * mean(u_i)``. Optimizer state stays local to each replica, as
+in the papers.
+
+The averaging round is the strategy's ``after_step`` hook (see
+`shardwise.strategies.protocol.after_step`), called by the engine after every optimizer
+step. This module also holds the pieces the other "replicas that step alone" strategies
+share (`shardwise.strategies.diloco`, `shardwise.strategies.gossip`): a plain replica
+`setup`, flattening of parameters and floating-point buffers, and the option check.
+
+>>> from shardwise import Trainer
+>>> Trainer(strategy="local-sgd", strategy_options={"sync_every": 8}, nproc=2)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm.collectives import Group, all_reduce
+from shardwise.comm.recorder import Recorder
+from shardwise.errors import ConfigError
+from shardwise.mesh import Mesh
+from shardwise.precision import Precision
+from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
+from shardwise.strategies.protocol import OptimizerFactory, StepFn
+
+
+# -- shared by local-sgd, diloco and gossip -------------------------------------------------------
+def check_sync_every(strategy: str, sync_every: Any) -> int:
+    """``sync_every`` as an int >= 1, or a ConfigError that says what was received and what to pass."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ConfigError(
+            f"strategy {strategy!r}: sync_every must be a whole number of steps >= 1 (average the replicas "
+            f"every that many steps); got {sync_every!r}. Use sync_every=1 to average after every step"
+        )
+    return sync_every
+
+
+def check_group(strategy: str, world_size: int) -> None:
+    if world_size < 1:
+        raise ConfigError(f"strategy {strategy!r} needs at least one process; got a world size of {world_size}")
+
+
+def setup_replica(strategy: str, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh) -> tuple[nn.Module, torch.optim.Optimizer, Group]:
+    """The model on this rank's device, its own optimizer, and the data-parallel group it averages over.
+
+    Every rank builds the same initial model (the launcher hands each the same object,
+    the CLI seeds it), so replicas start identical; no broadcast is needed.
+    """
+    if not dist.is_initialized():
+        raise ConfigError(f"strategy {strategy!r} needs a process group; start the run with nproc >= 1 through shardwise (Trainer, launch, or shardwise run)")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"{strategy} got a model with no trainable parameters ({type(model).__name__}); nothing to train")
+    model = model.to(mesh.device)
+    return model, make_optimizer(model.parameters()), mesh.group("dp")
+
+
+def replica_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """What a replica average covers: every parameter and every floating-point buffer (BatchNorm statistics)."""
+    return [p.data for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+
+
+def by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return out
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset: offset + n].view_as(t))
+        offset += n
+
+
+def average_replicas(model: nn.Module, group: Group, recorder: Recorder | None) -> None:
+    """Replace every replica's parameters and floating buffers by their mean over ``group``: one allreduce per dtype."""
+    with torch.no_grad():
+        for tensors in by_dtype(replica_tensors(model)).values():
+            flat = flatten(tensors)
+            all_reduce(flat, "mean", group=group, recorder=recorder)
+            unflatten_into(flat, tensors)
+
+
+class ReplicaMethods:
+    """The protocol methods every independently stepping replica shares (a plain module per rank).
+
+    Deliberately flat: the three strategies that use it add only ``setup``, ``after_step``
+    and ``summary``; there is no deeper hierarchy.
+    """
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        # No gradient synchronization at all: each replica steps on its own slice.
+        return accumulate_backward(model, microbatches, step_fn, precision)
+
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        # Each replica clips its own gradient (it is the one it steps with).
+        return clip_local(model, max_norm)
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        return plain_state_dict(model, optimizer)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+        load_plain_state_dict(model, optimizer, state)
+
+
+# -- local SGD --------------------------------------------------------------------------------------
+def apply_local_sgd(model: nn.Module, step: int, sync_every: int, group: Group, recorder: Recorder | None) -> bool:
+    """After optimizer step ``step`` (1-based): average the replicas if ``step`` is a multiple of ``sync_every``."""
+    if step % sync_every:
+        return False
+    average_replicas(model, group, recorder)
+    return True
+
+
+class LocalSGD(ReplicaMethods):
+    """Local SGD: replicas step alone and are averaged every ``sync_every`` steps (Stich 2019; Lin et al. 2020)."""
+
+    name: ClassVar[str] = "local-sgd"
+
+    def __init__(self, *, sync_every: int = 8) -> None:
+        self.sync_every = check_sync_every(self.name, sync_every)
+        self.group: Group | None = None
+        self.recorder: Recorder | None = None
+        self.rounds = 0
+        self.steps = 0
+
+    def validate(self, world_size: int) -> None:
+        check_group(self.name, world_size)
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, optimizer, self.group = setup_replica(self.name, model, make_optimizer, mesh)
+        self.recorder = recorder
+        return model, optimizer
+
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        assert self.group is not None, "after_step before setup"
+        self.steps = step
+        if apply_local_sgd(model, step, self.sync_every, self.group, self.recorder):
+            self.rounds += 1
+
+    def summary(self) -> dict[str, Any]:
+        return {"local_sgd": {"sync_every": self.sync_every, "averaging_rounds": self.rounds, "steps": self.steps}}
