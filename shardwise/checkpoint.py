@@ -288,11 +288,15 @@ def read_sharded_full(path: Path) -> dict[str, Any]:
     assembles each tensor from all the ranks' files.
     """
     import torch.distributed.checkpoint as dcp
+
+    # What torch's own dcp_to_torch_save does (format_utils), without the temporary file: the
+    # public dcp.load only fills keys the caller already has; this planner builds them all.
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     except Exception as exc:  # DCP wraps every reader failure in its own exception types
         raise CheckpointError(f"cannot read the sharded state of {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
     return state
