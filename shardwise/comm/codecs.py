@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -292,6 +293,11 @@ def _random_k(n: int, k: int, generator: torch.Generator, device: torch.device) 
 
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+# Eight 0/1 bytes read as one little-endian int64 x: (x * _GATHER) >> 56 is the byte b0 + 2 b1 + ... + 128 b7
+# (each b_i lands on bit 56 + i, every other product term on a distinct bit, so nothing carries).
+# Unpacking: v * _SPREAD copies a byte into all eight, & _SELECT keeps bit i in byte i.
+_GATHER, _SPREAD, _SELECT = 0x0102040810204080, 0x0101010101010101, -0x7FBFDFEFF7FBFDFF  # the last: 0x8040201008040201 as int64
+_LITTLE = sys.byteorder == "little"
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -299,11 +305,16 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     n = bits.numel()
     padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=bits.device)
     padded[:n] = bits.view(-1)
+    if _LITTLE:
+        return padded.view(torch.int64).mul_(_GATHER).bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
     return (padded.view(-1, 8) * _BITS.to(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of `pack_bits`: the first ``n`` booleans."""
+    if _LITTLE:
+        spread = packed.to(torch.int64).mul_(_SPREAD).bitwise_and_(_SELECT)
+        return spread.view(torch.uint8)[:n] != 0
     bits: torch.Tensor = (packed.unsqueeze(1) & _BITS.to(packed.device)) != 0
     return bits.view(-1)[:n]
 
@@ -333,7 +344,8 @@ class Sign(Codec):
     def decode(self, enc: Encoded) -> torch.Tensor:
         scale = enc.parts["scale"].to(enc.dtype)
         positive = unpack_bits(enc.parts["bits"], enc.numel)
-        return torch.where(positive, scale, -scale)
+        # 1 * 2s - s = s and 0 * 2s - s = -s exactly (doubling is exact); faster than torch.where on CPU.
+        return positive.to(enc.dtype).mul_(2 * scale).sub_(scale)
 
 
 @dataclass(frozen=True)
