@@ -136,7 +136,7 @@ class Codec(ABC):
 
         Returns the payload of each piece and the dense tensor they decode to (what
         this rank contributes); with error feedback, the residual becomes what was
-        left out.
+        left out. The residual tensor is updated in place (``x`` never is).
         """
         self.check(x)
         corrected = x
