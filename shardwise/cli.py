@@ -4,7 +4,8 @@
 
     shardwise train --recipe NAME [--strategy NAME] [--nproc N] [--max-steps N] [--out DIR]
                     [--resume auto|PATH] [--config FILE.toml] [--set section.key=value ...]
-                    [--allreduce ALGO] [--compression CODEC]
+                    [--allreduce ALGO] [--compression CODEC] [--offload]
+    shardwise export CHECKPOINT_DIR OUT.safetensors      # consolidated weights, any strategy's checkpoint
     shardwise run [torchrun flags] script.py [args ...]
     shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
     shardwise strategies | recipes
@@ -59,6 +60,7 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--val-every", type=int)
     p.add_argument("--allreduce", metavar="ALGO", help="ddp: allreduce algorithm for gradient buckets: ring, recursive-doubling, rabenseifner, tree, master-worker, all-to-all, native (sets strategy_options.allreduce)")
     p.add_argument("--compression", metavar="CODEC", help="ddp: gradient compression: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign, powersgd:RANK (sets strategy_options.compression)")
+    p.add_argument("--offload", action="store_true", default=None, help="zero2/zero3/fsdp/hsdp: keep parameter, gradient and optimizer shards in CPU memory (sets strategy_options.offload)")
     p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
     p.add_argument("--print-summary", action="store_true", help="print summary.json to stdout at the end")
@@ -81,7 +83,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, dest)
         if value is not None:
             settings[name] = value
-    for option in ("allreduce", "compression"):  # strategy options with flags of their own
+    for option in ("allreduce", "compression", "offload"):  # strategy options with flags of their own
         value = getattr(args, option)
         if value is not None:
             settings["strategy_options"] = {**settings.get("strategy_options", {}), option: value}
@@ -92,6 +94,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = trainer.fit(parts.model, parts.train, parts.val)
     if args.print_summary:
         print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint import export_safetensors
+
+    n, size = export_safetensors(args.checkpoint, args.out, key=args.key)
+    print(f"wrote {n} tensors ({size / 2**20:.2f} MiB) to {args.out}")
     return 0
 
 
@@ -121,11 +131,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     _train_parser(sub)
     sub.add_parser("run", help="run a script under torchrun with working defaults")
     sub.add_parser("bench", help="benchmarks shipped with the package (`shardwise bench comm --help`)")
+    ex = sub.add_parser("export", help="write a checkpoint's consolidated model weights to one safetensors file",
+                        description="Consolidate a checkpoint's model weights (sharded or not) into one .safetensors file "
+                                    "for use outside shardwise (needs: pip install 'shardwise[export]').")
+    ex.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/checkpoints/step-00000300)")
+    ex.add_argument("out", help="the .safetensors file to write")
+    ex.add_argument("--key", default="model", help="which saved model to export (default: model)")
     sub.add_parser("strategies", help="list the strategies")
     sub.add_parser("recipes", help="list the built-in recipes")
     args = parser.parse_args(argv)
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
+    if args.command == "export":
+        return _guard(lambda: cmd_export(args))
     if args.command == "strategies":
         from shardwise.strategies import available
 

@@ -78,6 +78,8 @@ def _world_of_two() -> dict[str, Any]:
     for strategy in ("zero1", "zero2", "zero3"):
         for opt in OPTIMIZERS:
             out[("memory", strategy, opt)] = _memory(strategy, opt)
+    for strategy in ("zero2", "zero3"):  # CPUOffloadPolicy without pinned memory (no CUDA here)
+        out[("offload", strategy)] = _fit(strategy, "adam", offload=True)
     return out
 
 
@@ -131,6 +133,13 @@ def test_hsdp_two_by_two_equals_single(opt, four, reference):
     for rank in range(4):
         _check_parity(four[rank][("hsdp", opt)], reference[opt])
     assert four[0][("hsdp", opt)][1]["fsdp"]["replicate"] == 2 and four[0][("hsdp", opt)][1]["fsdp"]["shard"] == 2
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_offload_to_cpu_trains_the_same(strategy, two, reference):
+    for rank in range(2):
+        _check_parity(two[rank][("offload", strategy)], reference["adam"])
+    assert two[0][("offload", strategy)][1]["fsdp"]["offload"] is True
 
 
 def test_clipping_matters_in_the_parity_runs():
