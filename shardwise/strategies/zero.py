@@ -22,6 +22,7 @@ with `shardwise.plan.memory.model_state_bytes`.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar, ContextManager, Sequence
 
 import torch
@@ -121,7 +122,11 @@ def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Any) -
     """
     template = make_optimizer(params)
     groups = [dict(g) for g in template.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(template), process_group=group, **template.defaults)
+    # Only the defaults the class's constructor takes (AdamW's defaults carry Adam's
+    # ``decoupled_weight_decay``, which AdamW sets itself and does not accept).
+    accepted = inspect.signature(type(template).__init__).parameters
+    defaults = {k: v for k, v in template.defaults.items() if k in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(template), process_group=group, **defaults)
 
 
 def apply_zero1(model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, ZeroRedundancyOptimizer]:
