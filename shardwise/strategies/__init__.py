@@ -20,6 +20,8 @@ _BUILTIN: dict[str, str] = {
     "local-sgd": "shardwise.strategies.local_sgd:LocalSGD",
     "diloco": "shardwise.strategies.diloco:DiLoCo",
     "gossip": "shardwise.strategies.gossip:Gossip",
+    "ps": "shardwise.strategies.param_server:PS",
+    "central": "shardwise.strategies.param_server:central",
     "zero1": "shardwise.strategies.zero:Zero1",
     "zero2": "shardwise.strategies.fsdp:Zero2",
     "zero3": "shardwise.strategies.fsdp:FSDP",

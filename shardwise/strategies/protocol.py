@@ -98,6 +98,12 @@ def after_step(strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer
         hook(model, optimizer, step)
 
 
+def trainers(strategy: Any, world_size: int) -> int:
+    """``strategy.trainers(world_size)`` if it has one: how many ranks run the loop and take data (default all)."""
+    hook = getattr(strategy, "trainers", None)
+    return int(hook(world_size)) if hook is not None else world_size
+
+
 def placement(strategy: Any) -> Placement:
     """``strategy.placement()`` if it has one, else the default: this rank trains, on the whole world."""
     hook = getattr(strategy, "placement", None)

@@ -16,6 +16,7 @@ from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import launch
 from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
+from shardwise.strategies.protocol import trainers
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.logging import Progress, RunFiles
 
@@ -112,7 +113,9 @@ class Trainer:
                 f"or define a training_step(batch) method on {type(model).__name__}"
             )
         world = self._world_size()
-        get_strategy(cfg.strategy, **cfg.strategy_options).validate(world)
+        strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
+        strategy.validate(world)
+        world = trainers(strategy, world)  # ranks kept for service (parameter servers) take no data
         dataset, _, _, dl_batch = unpack_data(train_data)
         if dataset is None:
             raise ConfigError("fit needs training data: a Dataset or a DataLoader")

@@ -35,3 +35,35 @@ def test_diloco_outer_options_are_checked() -> None:
 def test_unknown_option_names_the_strategy() -> None:
     with pytest.raises(ConfigError, match="bad options for strategy 'local-sgd'"):
         get_strategy("local-sgd", every=2)
+
+
+@pytest.mark.parametrize(
+    "nproc, options, message",
+    [
+        (2, {"servers": 2}, r"servers=2 leaves no worker in a world of 2 processes; use nproc >= 3"),
+        (3, {"servers": 3}, r"servers=3 leaves no worker in a world of 3 processes"),
+        (3, {"servers": 0}, r"servers must be a whole number >= 1; got 0"),
+        (3, {"mode": "ssp", "staleness": -1}, r"staleness must be a whole number of steps >= 0.*got -1"),
+        (3, {"mode": "ssp"}, r"mode='ssp' needs a staleness bound; pass staleness=S"),
+        (3, {"mode": "async", "staleness": 2}, r"staleness=2 applies only to mode='ssp'"),
+        (3, {"mode": "eventual"}, r"mode must be one of sync, async, ssp; got 'eventual'"),
+        (3, {"compression": "powersgd:2"}, r"runs inside DDP's hook"),
+    ],
+)
+def test_bad_parameter_server_options_are_config_errors_before_launch(nproc: int, options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _fit("ps", nproc=nproc, **options)
+
+
+def test_central_needs_a_worker_besides_its_server() -> None:
+    with pytest.raises(ConfigError, match="servers=1 leaves no worker in a world of 1 processes"):
+        _fit("central", nproc=1)
+
+
+def test_the_global_batch_is_split_over_workers_only() -> None:
+    # 3 processes, 1 server: 2 workers take the data, so a global batch of 10 is fine (10 / 3 would not be).
+    from shardwise.strategies.protocol import trainers
+
+    assert trainers(get_strategy("ps", servers=1), 3) == 2 and trainers(get_strategy("ddp"), 3) == 3
+    with pytest.raises(ConfigError, match="not divisible"):
+        Trainer(strategy="ps", strategy_options={"servers": 1}, nproc=4, loss_fn=ce, global_batch_size=10, max_steps=1).fit(mlp(), classification())

@@ -1,0 +1,289 @@
+"""``ps`` and ``central``: parameter servers (sync, async, stale synchronous), and central storage.
+
+A launch of N processes runs ``N - servers`` workers (ranks ``0 .. W-1``) and ``servers``
+parameter servers (ranks ``W .. N-1``), as in Li et al. 2014, "Scaling Distributed Machine
+Learning with the Parameter Server" (OSDI). Parameters are partitioned over the servers
+whole tensor by whole tensor, balanced by bytes; each server holds its shard and the
+optimizer state of that shard (`shardwise.strategies.ps_server`). Each worker step:
+
+    forward/backward on this worker's slice of the global batch (no collective)
+    -> push: one message per server, the gradient of its shard (optionally compressed)
+    -> pull: one answer per server, the shard's fresh parameters
+
+The worker's "optimizer" is a `RemoteOptimizer`, whose ``step`` is that push and pull, so
+the trainer's loop runs unchanged on workers; the worker's scheduler still sets the learning
+rate, which travels in the push header. Server ranks do not run the loop: their ``setup``
+returns only after serving, and ``placement()`` tells the engine so (``trains=False``); the
+workers' placement gives the loop their own group and mesh (data sharded over workers
+only). See docs/architecture.md, "Ranks that serve".
+
+Modes (``mode=``): ``sync`` equals ddp; ``async`` applies each gradient on arrival;
+``ssp`` with ``staleness=S`` bounds how far any worker runs ahead of the slowest (Ho et al.
+2013). The staleness of every applied gradient is recorded and reported in summary.json
+under ``ps``, with the updates each server applied and the workers it lost.
+
+``central`` is TensorFlow's CentralStorageStrategy: one server holds all parameters and the
+optimizer, workers compute, updates are synchronous; here it is ``ps`` with one server in
+sync mode.
+
+Known limits: the servers' shards and optimizer state are not in checkpoints yet (a
+checkpoint holds worker 0's model); clipping is per worker (before the push).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, ClassVar, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm.codecs import Codec, PowerSGD, get_codec
+from shardwise.comm.collectives import Group
+from shardwise.comm.recorder import CommEvent, Recorder
+from shardwise.errors import ConfigError
+from shardwise.mesh import Mesh
+from shardwise.precision import Precision
+from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
+from shardwise.strategies.protocol import OptimizerFactory, Placement, StepFn
+from shardwise.strategies.ps_protocol import (
+    DONE, HEADER_BYTES, PULL_TAG, PUSH, PUSH_TAG, STATS_TAG, VERSION,
+    GradientCoder, ServerStats, header, pack, partition_by_bytes, payload_of, unpack_header,
+)
+from shardwise.strategies.ps_server import Server
+
+MODES = ("sync", "async", "ssp")
+
+
+class Client:
+    """A worker's side of the protocol: push gradients to each shard's server, pull its parameters."""
+
+    def __init__(self, params: list[nn.Parameter], shards: list[list[int]], server_ranks: list[int], worker: int,
+                 codec: Codec | None, recorder: Recorder) -> None:
+        self.params, self.shards, self.server_ranks, self.worker = params, shards, server_ranks, worker
+        dtype = params[0].dtype
+        self.numels = [sum(params[i].numel() for i in shard) for shard in shards]
+        self.coders = [GradientCoder(n, dtype, codec) for n in self.numels]
+        self.message_bytes = [HEADER_BYTES + c.payload_bytes for c in self.coders]
+        self.reply_bytes = [HEADER_BYTES + n * params[0].element_size() for n in self.numels]
+        self.versions = [0] * len(shards)
+        self.recorder = recorder
+        self.finished = False
+
+    def _grad(self, shard: list[int]) -> torch.Tensor:
+        return torch.cat([(self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])).reshape(-1) for i in shard])
+
+    def _unflatten(self, s: int, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for i in self.shards[s]:
+                p = self.params[i]
+                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def push_pull(self, step: int, lr: float) -> None:
+        start = time.perf_counter()
+        sends = []
+        for s, shard in enumerate(self.shards):
+            payload = self.coders[s].encode(self._grad(shard).cpu())
+            msg = pack(header(PUSH, self.worker, step, lr, self.versions[s]), payload, self.message_bytes[s])
+            sends.append(dist.isend(msg, dst=self.server_ranks[s], tag=PUSH_TAG))
+        pushed = time.perf_counter()
+        replies = [torch.empty(n, dtype=torch.uint8) for n in self.reply_bytes]
+        recvs = [dist.irecv(r, src=src, tag=PULL_TAG) for r, src in zip(replies, self.server_ranks)]
+        for w in sends + recvs:
+            w.wait()
+        for s, reply in enumerate(replies):
+            self.versions[s] = int(unpack_header(reply)[VERSION])
+            self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
+        end = time.perf_counter()
+        dense = sum(self.numels) * self.params[0].element_size()
+        k = len(self.shards)
+        self.recorder.add(CommEvent("push", "ps", k + 1, dense, sum(self.message_bytes), 0, pushed - start, 1))
+        self.recorder.add(CommEvent("pull", "ps", k + 1, dense, 0, sum(self.reply_bytes), end - pushed, 1))
+
+    def finish(self, report: bool) -> list[ServerStats]:
+        """Tell every server this worker is done; the reporting worker then gets their stats and final parameters."""
+        if self.finished:
+            return []
+        self.finished = True
+        for s in range(len(self.shards)):
+            dist.send(pack(header(DONE, self.worker, 0, 0.0, 0), None, self.message_bytes[s]), dst=self.server_ranks[s], tag=PUSH_TAG)
+        if not report:
+            return []
+        out = []
+        workers = dist.get_world_size() - len(self.shards)
+        for s, src in enumerate(self.server_ranks):
+            t = torch.empty(ServerStats.size(workers), dtype=torch.float64)
+            dist.recv(t, src=src, tag=STATS_TAG)
+            out.append(ServerStats.from_tensor(t, workers))
+            reply = torch.empty(self.reply_bytes[s], dtype=torch.uint8)
+            dist.recv(reply, src=src, tag=PULL_TAG)
+            self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
+        return out
+
+
+class RemoteOptimizer(torch.optim.Optimizer):
+    """A worker's optimizer: ``step`` pushes the gradients and pulls fresh parameters; the state lives on the servers."""
+
+    def __init__(self, params: Any, lr: float, client: Client) -> None:
+        super().__init__(params, {"lr": lr})
+        self.client = client
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ConfigError("the parameter server's workers do not support an optimizer closure (LBFGS); use a first-order optimizer")
+        self.client.push_pull(self.steps, float(self.param_groups[0]["lr"]))
+        self.steps += 1
+
+
+class PS:
+    """Parameter servers: ``servers`` of the ranks hold the parameters, the rest compute gradients."""
+
+    name: ClassVar[str] = "ps"
+
+    def __init__(self, *, servers: int = 1, mode: str = "sync", staleness: int | None = None,
+                 compression: str | None = None, worker_timeout_s: float = 60.0) -> None:
+        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+            raise ConfigError(f"ps: servers must be a whole number >= 1; got {servers!r}. Example: servers=1 (and at least one more process for a worker)")
+        if mode not in MODES:
+            raise ConfigError(f"ps: mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
+            raise ConfigError(f"ps: staleness must be a whole number of steps >= 0 (how far a worker may run ahead of the slowest); got {staleness!r}")
+        if mode == "ssp" and staleness is None:
+            raise ConfigError("ps: mode='ssp' needs a staleness bound; pass staleness=S (e.g. staleness=2; 0 is bulk synchronous without averaging)")
+        if mode != "ssp" and staleness is not None:
+            raise ConfigError(f"ps: staleness={staleness} applies only to mode='ssp'; got mode={mode!r}. Drop staleness or use mode='ssp'")
+        if worker_timeout_s <= 0:
+            raise ConfigError(f"ps: worker_timeout_s must be > 0 seconds; got {worker_timeout_s!r}")
+        self.servers, self.mode, self.staleness = servers, mode, staleness
+        self.compression = None if compression in (None, "", "none") else compression
+        codec = get_codec(self.compression) if self.compression else None
+        if isinstance(codec, PowerSGD):
+            raise ConfigError(f"ps: compression {compression!r} runs inside DDP's hook; choose fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign")
+        self.codec: Codec | None = codec
+        self.worker_timeout_s = float(worker_timeout_s)
+        self.world_size = 0
+        self._placement = Placement()
+        self.client: Client | None = None
+        self.shard_bytes: list[int] = []
+        self.stats: list[ServerStats] = []
+        self.serve_s = 0.0
+
+    # -- who does what ------------------------------------------------------------------------------
+    def validate(self, world_size: int) -> None:
+        if self.servers >= world_size:
+            raise ConfigError(
+                f"ps: servers={self.servers} leaves no worker in a world of {world_size} processes; "
+                f"use nproc >= {self.servers + 1} or fewer servers"
+            )
+
+    def trainers(self, world_size: int) -> int:
+        """Ranks that run the training loop: the workers."""
+        return world_size - self.servers
+
+    def placement(self) -> Placement:
+        return self._placement
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
+        if not dist.is_initialized():
+            raise ConfigError("strategy 'ps' needs a process group; start the run with nproc >= servers + 1 through shardwise")
+        self.validate(mesh.world_size)
+        params = [p for p in model.parameters()]
+        if len({p.dtype for p in params}) != 1 or not params[0].is_floating_point():
+            raise ConfigError(f"ps sends one floating-point dtype per model; this model has {sorted({str(p.dtype) for p in params})}. Convert it to one dtype")
+        if len(params) < self.servers:
+            raise ConfigError(f"ps: servers={self.servers} but the model has only {len(params)} parameter tensors to share out; use at most {len(params)} servers")
+        model = model.to(mesh.device)
+        params = list(model.parameters())
+        self.world_size = world = mesh.world_size
+        workers = world - self.servers
+        server_ranks = list(range(workers, world))
+        shards = partition_by_bytes([p.numel() * p.element_size() for p in params], self.servers)
+        self.shard_bytes = [sum(params[i].numel() * params[i].element_size() for i in s) for s in shards]
+        # Every rank takes part in making the workers' group (new_group is collective over the world).
+        workers_group = Group("workers", dist.new_group(ranks=list(range(workers))))
+        client = Client(params, shards, server_ranks, mesh.rank if mesh.rank < workers else 0, self.codec, recorder)
+        if mesh.rank >= workers:
+            s = mesh.rank - workers
+            owned = [nn.Parameter(params[i].detach().clone()) for i in shards[s]]
+            server = Server(owned, make_optimizer, index=s, worker_ranks=list(range(workers)), mode=self.mode,
+                            staleness=self.staleness, coder=client.coders[s], message_bytes=client.message_bytes[s],
+                            reply_bytes=client.reply_bytes[s], worker_timeout_s=self.worker_timeout_s)
+            start = time.perf_counter()
+            self.stats = [server.serve()]
+            server.report_to(0)
+            self.serve_s = time.perf_counter() - start
+            self._placement = Placement(trains=False)
+            return model, server.optimizer
+        self.client = client
+        lr = float(make_optimizer(model.parameters()).param_groups[0]["lr"])  # the user's rate, for the scheduler
+        worker_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": workers, "pp": 1, "tp": 1},
+                           _groups={"dp": workers_group})
+        self._placement = Placement(trains=True, mesh=worker_mesh, group=workers_group)
+        return model, RemoteOptimizer(model.parameters(), lr, client)
+
+    # -- the worker's side of the loop ------------------------------------------------------------------
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        return accumulate_backward(model, microbatches, step_fn, precision)
+
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return clip_local(model, max_norm)  # each worker clips the gradient it pushes
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        return plain_state_dict(model, optimizer)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+        load_plain_state_dict(model, optimizer, state)
+
+    def finish(self) -> None:
+        """End this worker's session with the servers (worker 0 also collects their stats and final parameters)."""
+        if self.client is not None and not self.client.finished:
+            self.stats = self.client.finish(report=self.client.worker == 0)
+
+    def summary(self) -> dict[str, Any]:
+        """The ``ps`` section; on workers it first ends the session (the trainer calls it once, at the end)."""
+        self.finish()
+        section: dict[str, Any] = {
+            "servers": self.servers, "workers": self.world_size - self.servers, "mode": self.mode,
+            "staleness_bound": self.staleness, "compression": self.compression, "shard_bytes": self.shard_bytes,
+        }
+        if self.stats:
+            merged = ServerStats(self.world_size - self.servers)
+            for st in self.stats:
+                for i, c in enumerate(st.staleness_hist):
+                    merged.staleness_hist[i] += c
+                for i, c in enumerate(st.version_lag_hist):
+                    merged.version_lag_hist[i] += c
+            report = merged.report()
+            section.update({
+                "updates_per_server": [st.updates for st in self.stats],
+                "gradients_per_server": [st.gradients for st in self.stats],
+                "max_staleness": max(st.max_staleness for st in self.stats),
+                "max_version_lag": max(st.max_version_lag for st in self.stats),
+                "staleness_hist": report["staleness_hist"],
+                "version_lag_hist": report["version_lag_hist"],
+                "lost_workers": sorted({w for st in self.stats for w in st.lost}),
+            })
+        return {"ps": section}
+
+
+def central(*, compression: str | None = None, worker_timeout_s: float = 60.0) -> PS:
+    """``central``: TensorFlow's CentralStorageStrategy, ps with one server in sync mode.
+
+    Parameters and optimizer state live in one process (the last rank), every other rank
+    computes; each step is synchronous, so it equals ddp.
+    """
+    ps = PS(servers=1, mode="sync", compression=compression, worker_timeout_s=worker_timeout_s)
+    ps.name = "central"  # type: ignore[misc]
+    return ps

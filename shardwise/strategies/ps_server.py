@@ -1,0 +1,223 @@
+"""One parameter server: owns a shard of the parameters and its optimizer state, applies pushed gradients.
+
+Three consistency models, after Li et al. 2014 ("Scaling Distributed Machine Learning with
+the Parameter Server", OSDI) and Ho et al. 2013 ("More Effective Distributed ML via a Stale
+Synchronous Parallel Parameter Server", NeurIPS):
+
+- ``sync`` (bulk synchronous): wait for every live worker's gradient of step t, average them
+  in worker order, step once, answer everyone. The same update as ddp.
+- ``async``: apply each gradient the moment it arrives and answer that worker at once
+  (Downpour SGD, Dean et al. 2012). Workers never wait for each other.
+- ``ssp`` (stale synchronous parallel): apply at once like async, but hold back the answer to
+  a worker that would otherwise start a step more than S clocks ahead of the slowest live
+  worker. Every applied gradient is then at most S clocks stale.
+
+Messages arrive from any worker (``irecv`` with no source, which gloo supports). Gloo's
+receive cannot be polled and a timed-out wait closes the connection, so one helper thread
+blocks on the receive and hands messages over a queue; the serving loop waits on the queue
+with a timeout and declares a worker lost when it has been silent for ``worker_timeout_s``
+while the server owed it nothing. A lost worker no longer counts: sync steps with the rest,
+ssp's slowest clock moves on. DONE messages end each worker's session.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.errors import CommError
+from shardwise.strategies.ps_protocol import (
+    DONE, KIND, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, STATS_TAG, STEP, VERSION, WORKER,
+    GradientCoder, ServerStats, header, pack, unpack_header,
+)
+
+
+class Inbox:
+    """Receives whole messages from any worker on a helper thread, one receive at a time, on request."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.messages: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self._asks = threading.Semaphore(0)
+        threading.Thread(target=self._run, name="ps-inbox", daemon=True).start()
+
+    def ask(self) -> None:
+        """Post the next receive (only when a live worker may still send: no receive is left dangling)."""
+        self._asks.release()
+
+    def _run(self) -> None:
+        while True:
+            self._asks.acquire()
+            buf = torch.empty(self.size, dtype=torch.uint8)
+            try:
+                work = dist.irecv(buf, tag=PUSH_TAG)  # any source
+                work.wait()
+                self.messages.put((int(work._source_rank()), buf))
+            except Exception as exc:  # noqa: BLE001 - handed to the serving loop, which decides
+                self.messages.put((-1, exc))
+
+
+class Server:
+    """Serve one shard until every worker is done or lost; returns what was applied."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        make_optimizer: Callable[[Any], torch.optim.Optimizer],
+        *,
+        index: int,
+        worker_ranks: list[int],
+        mode: str,
+        staleness: int | None,
+        coder: GradientCoder,
+        message_bytes: int,
+        reply_bytes: int,
+        worker_timeout_s: float,
+    ) -> None:
+        self.params = params
+        self.optimizer = make_optimizer(params)
+        self.index = index
+        self.worker_ranks = worker_ranks
+        self.mode, self.staleness = mode, staleness
+        self.coder = coder
+        self.message_bytes, self.reply_bytes = message_bytes, reply_bytes
+        self.worker_timeout_s = worker_timeout_s
+        n = len(worker_ranks)
+        self.stats = ServerStats(n)
+        self.version = 0
+        self.completed = [0] * n
+        self.live = set(range(n))
+        self.last_seen = [time.monotonic()] * n
+        self.pending: dict[int, tuple[int, torch.Tensor, float, int]] = {}  # sync: this step's pushes
+        self.held: set[int] = set()  # ssp: workers whose answer is held back
+
+    # -- the loop --------------------------------------------------------------------------------
+    def serve(self) -> ServerStats:
+        inbox = Inbox(self.message_bytes)
+        inbox.ask()
+        while self.live:
+            try:
+                src, msg = inbox.messages.get(timeout=min(1.0, self.worker_timeout_s / 4))
+            except queue.Empty:
+                self._check_silent()
+                continue
+            if isinstance(msg, Exception):
+                raise CommError(f"parameter server {self.index} (rank {dist.get_rank()}): receiving a push failed: {msg}") from msg
+            w = self.worker_ranks.index(src) if src in self.worker_ranks else -1
+            if w in self.live:
+                self.last_seen[w] = time.monotonic()
+                self._handle(w, msg)
+            if self.live:
+                inbox.ask()
+        return self.stats
+
+    def _check_silent(self) -> None:
+        owed = set(self.pending) | self.held  # these wait for us, not we for them
+        now = time.monotonic()
+        for w in sorted(self.live - owed):
+            if now - self.last_seen[w] > self.worker_timeout_s:
+                self.stats.lost.append(w)
+                self._leave(w)
+
+    def _leave(self, w: int) -> None:
+        self.live.discard(w)
+        if self.mode == "sync" and self.pending and set(self.pending) >= self.live:
+            self._apply_sync()
+        if self.mode == "ssp":
+            self._release()
+
+    def _handle(self, w: int, msg: torch.Tensor) -> None:
+        head = unpack_header(msg)
+        kind = float(head[KIND])
+        if kind == DONE:
+            self._leave(w)
+            return
+        assert kind == PUSH and int(head[WORKER]) == w, f"bad message kind {kind} from worker {w}"
+        step, lr, read = int(head[STEP]), float(head[LR]), int(head[VERSION])
+        grad = self.coder.decode(msg)
+        if self.mode == "sync":
+            self.pending[w] = (step, grad, lr, read)
+            if set(self.pending) >= self.live:
+                self._apply_sync()
+            return
+        self._record(w, step, read)
+        self._apply(grad, lr)
+        self.completed[w] += 1
+        if self.mode == "async":
+            self._reply(w)
+        else:
+            self.held.add(w)
+            self._release()
+
+    # -- updates -----------------------------------------------------------------------------------
+    def _record(self, w: int, step: int, read: int) -> None:
+        slowest = min(self.completed[v] for v in self.live | {w})
+        self.stats.record(step - slowest, self.version - read)
+
+    def _apply(self, grad: torch.Tensor, lr: float) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = grad[offset: offset + n].view_as(p).to(p.dtype)
+            offset += n
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr  # the worker's scheduler sets the rate
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        self.stats.updates += 1
+
+    def _apply_sync(self) -> None:
+        workers = sorted(self.pending)
+        for w in workers:
+            step, _, _, read = self.pending[w]
+            self._record(w, step, read)
+        total = self.pending[workers[0]][1].clone()
+        for w in workers[1:]:
+            total.add_(self.pending[w][1])
+        self._apply(total.div_(len(workers)), self.pending[workers[0]][2])
+        for w in workers:
+            self.completed[w] += 1
+        self.pending.clear()
+        for w in workers:
+            if w in self.live:
+                self._reply(w)
+
+    def _release(self) -> None:
+        """ssp: answer every held worker that is now within S clocks of the slowest live worker."""
+        if not self.live:
+            return
+        slowest = min(self.completed[v] for v in self.live)
+        assert self.staleness is not None
+        for w in sorted(self.held):
+            if w not in self.live or self.completed[w] - slowest <= self.staleness:
+                self.held.discard(w)
+                if w in self.live:
+                    self._reply(w)
+
+    # -- answers -------------------------------------------------------------------------------------
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+    def _reply(self, w: int) -> None:
+        msg = pack(header(PARAMS, w, self.completed[w], 0.0, self.version), self.flat_params(), self.reply_bytes)
+        try:
+            dist.send(msg, dst=self.worker_ranks[w], tag=PULL_TAG)
+        except RuntimeError:
+            # The worker is gone (its connection closed): the run goes on without it.
+            self.stats.lost.append(w)
+            self.live.discard(w)
+
+    def report_to(self, worker: int) -> None:
+        """After the last worker: the stats and the final parameters go to ``worker`` (the one that writes the summary)."""
+        if worker in self.stats.lost:
+            return
+        dst = self.worker_ranks[worker]
+        dist.send(self.stats.to_tensor(), dst=dst, tag=STATS_TAG)
+        dist.send(pack(header(PARAMS, worker, 0, 0.0, self.version), self.flat_params(), self.reply_bytes), dst=dst, tag=PULL_TAG)

@@ -1,0 +1,74 @@
+"""The parameter server's wire format, partition and staleness bookkeeping, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.comm.codecs import get_codec
+from shardwise.strategies.ps_protocol import (
+    HEADER_BYTES, KIND, LR, PUSH, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, partition_by_bytes, payload_of, unpack_header,
+)
+from shardwise.trainer.straggler import Straggler, parse_straggler
+from shardwise.errors import ConfigError
+
+
+def test_partition_is_balanced_by_bytes_deterministic_and_complete() -> None:
+    sizes = [4096, 64, 4096, 16, 1024, 1024, 8]
+    for k in (1, 2, 3):
+        bins = partition_by_bytes(sizes, k)
+        assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+        assert bins == partition_by_bytes(sizes, k)
+        assert all(b == sorted(b) for b in bins)
+    # Largest first onto the lightest: 4096 | 4096, then 1024 | 1024, then 64, 16, 8 even it out.
+    assert [sum(sizes[i] for i in b) for b in partition_by_bytes(sizes, 2)] == [4096 + 1024 + 64, 4096 + 1024 + 16 + 8]
+    assert partition_by_bytes([400, 40, 400, 10], 2) == [[0, 1], [2, 3]]
+
+
+def test_a_message_is_a_header_then_the_payload_bytes() -> None:
+    grad = torch.arange(5, dtype=torch.float64) / 3
+    msg = pack(header(PUSH, 2, 17, 0.125, 9), grad, HEADER_BYTES + 40)
+    assert msg.dtype == torch.uint8 and msg.numel() == HEADER_BYTES + 40
+    head = unpack_header(msg)
+    assert (head[KIND], head[WORKER], head[STEP], head[LR], head[VERSION]) == (PUSH, 2, 17, 0.125, 9)
+    assert torch.equal(payload_of(msg, torch.float64, 5), grad)
+
+
+@pytest.mark.parametrize("spec", [None, "fp16", "int8", "topk:0.25", "sign"])
+def test_gradient_coder_round_trips_and_sizes_every_payload_the_same(spec: str | None) -> None:
+    codec = get_codec(spec) if spec else None
+    sender, receiver = GradientCoder(64, torch.float32, codec), GradientCoder(64, torch.float32, codec)
+    g = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        payload = sender.encode(g)
+        nbytes = payload.numel() * payload.element_size()
+        assert nbytes == sender.payload_bytes
+        got = receiver.decode(pack(header(PUSH, 0, 0, 0.1, 0), payload, HEADER_BYTES + sender.payload_bytes))
+        if codec is None:
+            assert torch.equal(got, g)
+        elif codec.error_feedback:
+            # What was sent plus what is kept back is the gradient (plus the last residual).
+            assert got.shape == g.shape and sender.state.residual is not None
+        else:
+            assert torch.allclose(got, g, atol=1e-2)
+    if spec is not None:
+        assert sender.payload_bytes <= 64 * 4 // 2  # at most half the dense float32 bytes
+
+
+def test_server_stats_histograms_and_tensor_round_trip() -> None:
+    st = ServerStats(3)
+    for s, v in [(0, 0), (1, 2), (1, 3), (70, 100)]:
+        st.record(s, v)
+    st.updates, st.lost = 4, [2]
+    back = ServerStats.from_tensor(st.to_tensor(), 3)
+    assert back == st
+    rep = back.report()
+    assert rep["staleness_hist"] == {"0": 1, "1": 2, "63": 1} and rep["max_staleness"] == 70 and rep["lost_workers"] == [2]
+
+
+def test_straggler_spec() -> None:
+    assert parse_straggler("1:3") == (1, 3.0)
+    for bad in ("1", "x:3", "1:0.5", "-1:2"):
+        with pytest.raises(ConfigError, match="RANK:FACTOR"):
+            parse_straggler(bad)
+    assert Straggler.from_spec("0:2.5").factor == 2.5
