@@ -118,3 +118,64 @@ def test_servers_modes_and_bounds_in_one_launch():
     assert set(ssp["staleness_hist"]) <= {"0", "1"} and ssp["staleness_hist"].get("1", 0) > 0, ssp
     # async under the same straggler: the fast workers run well ahead.
     assert r["async"]["ps"]["max_staleness"] > 1 and r["async"]["ps"]["max_version_lag"] > 2, r["async"]["ps"]
+
+
+# -- digits accuracy and a lost worker: one launch of three processes (one server, two workers) --------
+def _ps_digits(mode: str, steps: int = 300) -> float | None:
+    """Validation accuracy (%) of the digits MLP after ``steps`` AdamW steps of global batch 64 (worker 0; None elsewhere)."""
+    from shardwise.recipes.digits import DigitsMLP, load_digits_split
+
+    train, val = load_digits_split()
+    engine = Engine(strategy="ps", strategy_options={"servers": 1, "mode": mode}, accelerator="cpu", seed=0)
+    model, opt = engine.setup(DigitsMLP(), lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=1e-4))
+    if not engine.trains:
+        return None
+    x, y = train.tensors
+    workers, w = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+    per = 64 // workers
+    g = torch.Generator().manual_seed(1)
+    steps_per_epoch = len(x) // 64
+    for step in range(steps):
+        if step % steps_per_epoch == 0:
+            perm = torch.randperm(len(x), generator=g)
+        idx = perm[(step % steps_per_epoch) * 64 + w * per:][:per]
+        engine.forward_backward(model, [(x[idx], y[idx])], lambda m, b: ce(m(b[0]), b))
+        engine.step(opt)
+        opt.zero_grad(set_to_none=True)
+    engine.strategy.summary()  # ends the session; worker 0 receives the servers' final parameters
+    if w != 0:
+        return None
+    module = engine.unwrap(model).eval()
+    with torch.no_grad():
+        return float((module(val.tensors[0]).argmax(-1) == val.tensors[1]).double().mean() * 100)
+
+
+def _lost_worker() -> dict[str, Any] | None:
+    """Worker 1 leaves at step 5 without a word (its process ends); worker 0 trains on to step 30."""
+    engine = Engine(strategy="ps", strategy_options={"servers": 1, "mode": "async", "worker_timeout_s": 2.0}, precision="64", accelerator="cpu")
+    model, opt = engine.setup(mlp(), adam)
+    if not engine.trains:
+        return None
+    x, y = classification().tensors
+    w = engine.mesh.coordinate("dp")
+    for step in range(30 if w == 0 else 5):
+        lo = (step * 8) % 96 + w * 4
+        engine.forward_backward(model, [(x[lo: lo + 4], y[lo: lo + 4])], lambda m, b: ce(m(b[0]), b))
+        engine.step(opt)
+        opt.zero_grad(set_to_none=True)
+    if w != 0:
+        return None  # no DONE: to the server this worker just went silent, then its connection closed
+    return engine.strategy.summary()["ps"]
+
+
+def _three_processes() -> dict[str, Any]:
+    return {"sync": _ps_digits("sync"), "async": _ps_digits("async"), "lost": _lost_worker()}
+
+
+def test_async_digits_accuracy_near_sync_and_a_lost_worker_does_not_stop_the_run():
+    r = shardwise.launch(_three_processes, nproc=3, threads_per_proc=1, timeout=170)[0]
+    assert r["sync"] > 90
+    assert abs(r["async"] - r["sync"]) <= 2.0, r
+    lost = r["lost"]
+    assert lost["lost_workers"] == [1], lost
+    assert lost["updates_per_server"] == [30 + 5], lost  # every gradient that arrived was applied
