@@ -93,9 +93,13 @@ class ModelStateProbe:
 
         def after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             self.measured = measure_model_states(module, opt)
-            dtype_bytes = next(iter(module.parameters())).element_size()
+            # Bytes per element as kept: the compute parameters' type (bf16 when zero2 keeps them
+            # gathered under mixed precision), and the stepped parameters' type for their
+            # gradients, state and master copy (fp32 under FSDP2's MixedPrecisionPolicy).
+            compute = next(iter(module.parameters())).element_size()
+            stepped = opt.param_groups[0]["params"][0].element_size()
             slots = optimizer_slots(opt)
-            self.per_param = BytesPerParam(dtype_bytes, dtype_bytes, dtype_bytes * (slots + int(master_copy)))
+            self.per_param = BytesPerParam(compute, stepped, stepped * (slots + int(master_copy)))
             handle.remove()
 
         handle = optimizer.register_step_post_hook(after_step)
