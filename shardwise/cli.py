@@ -61,6 +61,11 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--allreduce", metavar="ALGO", help="ddp: allreduce algorithm for gradient buckets: ring, recursive-doubling, rabenseifner, tree, master-worker, all-to-all, native (sets strategy_options.allreduce)")
     p.add_argument("--compression", metavar="CODEC", help="ddp: gradient compression: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign, powersgd:RANK (sets strategy_options.compression)")
     p.add_argument("--offload", action="store_true", default=None, help="zero2/zero3/fsdp/hsdp: keep parameter, gradient and optimizer shards in CPU memory (sets strategy_options.offload)")
+    p.add_argument("--sync-every", type=int, metavar="H", help="local-sgd/diloco/gossip: average the replicas every H steps (sets strategy_options.sync_every)")
+    p.add_argument("--servers", type=int, metavar="K", help="ps: parameter-server processes among --nproc (sets strategy_options.servers)")
+    p.add_argument("--mode", choices=["sync", "async", "ssp"], help="ps: sync (equals ddp), async, or ssp with --staleness (sets strategy_options.mode)")
+    p.add_argument("--staleness", type=int, metavar="S", help="ps --mode ssp: no worker runs more than S steps ahead of the slowest (sets strategy_options.staleness)")
+    p.add_argument("--straggler", metavar="RANK:FACTOR", help="slow rank RANK down FACTOR times on purpose (demonstrations, benchmarks)")
     p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
     p.add_argument("--print-summary", action="store_true", help="print summary.json to stdout at the end")
@@ -83,14 +88,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, dest)
         if value is not None:
             settings[name] = value
-    for option in ("allreduce", "compression", "offload"):  # strategy options with flags of their own
+    for option in ("allreduce", "compression", "offload", "sync_every", "servers", "mode", "staleness"):  # strategy options with flags of their own
         value = getattr(args, option)
         if value is not None:
             settings["strategy_options"] = {**settings.get("strategy_options", {}), option: value}
     config = from_mapping(settings)  # validates before anything is built or started
     seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
     parts = recipe.parts(sections.get("recipe"))
-    trainer = Trainer(config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler, metrics=parts.metrics)
+    callbacks = []
+    if args.straggler is not None:
+        from shardwise.trainer.straggler import Straggler
+
+        callbacks.append(Straggler.from_spec(args.straggler))
+    trainer = Trainer(config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler, metrics=parts.metrics, callbacks=callbacks)
     summary = trainer.fit(parts.model, parts.train, parts.val)
     if args.print_summary:
         print(json.dumps(summary, indent=2, default=str))

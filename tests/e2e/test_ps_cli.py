@@ -1,0 +1,40 @@
+"""The parameter-server, local-SGD and straggler flags of ``shardwise train``, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.test_cli import shardwise
+
+
+@pytest.mark.timeout(240)
+def test_ps_ssp_with_a_straggler_trains_digits_keeps_its_bound_and_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    proc = shardwise("train", "--recipe", "digits", "--strategy", "ps", "--nproc", "3", "--servers", "1", "--mode", "ssp",
+                     "--staleness", "2", "--straggler", "1:3", "--max-steps", "100", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    ps = summary["ps"]
+    assert summary["strategy"] == "ps" and summary["world_size"] == 3 and summary["steps"] == 100
+    assert ps["workers"] == 2 and ps["mode"] == "ssp" and ps["updates_per_server"] == [200]
+    assert ps["max_staleness"] <= 2 and ps["lost_workers"] == []
+    assert summary["val_accuracy"] > 0.85
+    assert (out / "checkpoints" / "step-00000100" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--strategy", "ps", "--nproc", "2", "--servers", "2"], "servers=2 leaves no worker in a world of 2 processes"),
+        (["--strategy", "ps", "--nproc", "3", "--mode", "ssp"], "mode='ssp' needs a staleness bound"),
+        (["--strategy", "ps", "--nproc", "3", "--mode", "ssp", "--staleness", "-1"], "staleness must be a whole number of steps >= 0"),
+        (["--strategy", "local-sgd", "--nproc", "2", "--sync-every", "0"], "sync_every must be a whole number of steps >= 1"),
+        (["--strategy", "ddp", "--nproc", "2", "--straggler", "1"], "straggler takes RANK:FACTOR"),
+    ],
+)
+def test_bad_flags_are_one_clear_line_and_exit_code_2(args, message):
+    proc = shardwise("train", "--recipe", "digits", *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
