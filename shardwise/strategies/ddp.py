@@ -5,9 +5,12 @@ averaged across the data-parallel group in buckets that overlap with the rest of
 backward (Li et al., "PyTorch Distributed", VLDB 2020). Gradient accumulation
 skips that allreduce on all but the last micro-batch (``no_sync``).
 
-The bucket allreduce goes through a communication hook that records each bucket
-in the run's `Recorder`, so DDP's traffic shows up in ``summary.json`` like any
-other collective. Options ``allreduce="ring"`` (or any algorithm of
+DDP's traffic shows up in ``summary.json`` like any other collective. By default
+the buckets go through DDP's own C++ allreduce (no Python on the backward path)
+and each synchronized step is recorded as one ``all_reduce`` event carrying every
+gradient byte; ``record_buckets=True`` instead routes each bucket through a Python
+hook that records it with its time (about 5% slower on a small model, measured by
+benchmarks/overhead.py's setting). Options ``allreduce="ring"`` (or any algorithm of
 `shardwise.comm.algorithms`) and ``compression="int8"`` (or any codec of
 `shardwise.comm.codecs`) swap in our own hooks from `shardwise.comm.hooks`.
 """
@@ -61,8 +64,29 @@ def recorded_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     return fut.then(done)
 
 
+def record_synced_steps(ddp: DistributedDataParallel, group: Group, recorder: Recorder) -> None:
+    """Record one allreduce of all gradient bytes for each forward whose backward will sync.
+
+    DDP reduces every gradient bucket after a forward run with gradients enabled
+    outside ``no_sync`` (``require_backward_grad_sync``), so the bytes are known at
+    forward time, without a Python hook on the backward path. Seconds are not
+    observed on this path (the reduction overlaps backward inside DDP's reducer).
+    """
+    p = group.size
+    n = sum(t.numel() * t.element_size() for t in ddp.parameters() if t.requires_grad)
+    sent, recv = wire_bytes("all_reduce", n, p)
+    event = CommEvent("all_reduce", group.name, p, n, sent, recv, 0.0)
+
+    def before_forward(module: nn.Module, args: Any) -> None:
+        if ddp.require_backward_grad_sync and torch.is_grad_enabled():
+            recorder.add(event)
+
+    ddp.register_forward_pre_hook(before_forward)
+
+
 def apply_ddp(
-    model: nn.Module, mesh: Mesh, recorder: Recorder, *, allreduce: str = "native", compression: str | None = None, **ddp_kwargs: Any
+    model: nn.Module, mesh: Mesh, recorder: Recorder, *, allreduce: str = "native", compression: str | None = None,
+    record_buckets: bool = False, **ddp_kwargs: Any,
 ) -> DistributedDataParallel:
     """Wrap ``model`` (already on its device) in DDP over the mesh's data-parallel group.
 
@@ -74,7 +98,10 @@ def apply_ddp(
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group.pg, **ddp_kwargs)
     if allreduce == "native" and compression in (None, "", "none"):
-        ddp.register_comm_hook(_HookState(group, recorder), recorded_allreduce_hook)
+        if record_buckets:
+            ddp.register_comm_hook(_HookState(group, recorder), recorded_allreduce_hook)
+        else:
+            record_synced_steps(ddp, group, recorder)
     else:
         ddp.register_comm_hook(*make_comm_hook(group, recorder, allreduce=allreduce, compression=compression))
     return ddp
@@ -94,11 +121,12 @@ class DDP:
         broadcast_buffers: bool = True,
         allreduce: str = "native",
         compression: str | None = None,
+        record_buckets: bool = False,
     ) -> None:
         if bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb}")
         parse_options(allreduce, compression)  # a bad name fails here, before any process starts
-        self.allreduce, self.compression = allreduce, compression
+        self.allreduce, self.compression, self.record_buckets = allreduce, compression, record_buckets
         self.kwargs = dict(
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
@@ -119,7 +147,7 @@ class DDP:
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(f"ddp got a model with no trainable parameters ({type(model).__name__}); nothing to synchronize")
         self.world_size = mesh.size("dp")
-        wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, allreduce=self.allreduce, compression=self.compression, **self.kwargs)
+        wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, allreduce=self.allreduce, compression=self.compression, record_buckets=self.record_buckets, **self.kwargs)
         return wrapped, make_optimizer(wrapped.parameters())
 
     def unwrap(self, model: nn.Module) -> nn.Module:

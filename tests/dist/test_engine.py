@@ -55,7 +55,17 @@ def _engine_loop(out: str, steps: int) -> dict:
     fresh, fresh_opt = engine.setup(mlp(seed=3), sgd)
     rest = engine.load(Path(out) / "ck", {"model": fresh, "optimizer": fresh_opt, "step": None})
     engine.barrier()
+    # The timed variant: each bucket through a Python hook, recorded with its time.
+    timed = Engine(strategy="ddp", accelerator="cpu", precision="64", strategy_options={"record_buckets": True})
+    tmodel, topt = timed.setup(mlp(), sgd)
+    for step in range(3):
+        with timed.no_sync(tmodel):
+            timed.backward(ce(tmodel(x[:4]), (None, y[:4])))
+        timed.backward(ce(tmodel(x[4:8]), (None, y[4:8])))
+        timed.step(topt)
+    timed_totals = timed.recorder.totals()["all_reduce"]
     return {
+        "timed": (timed_totals["count"], timed_totals["payload_bytes"], timed_totals["seconds"]),
         "params": params(engine.unwrap(model)),
         "loaded": params(engine.unwrap(fresh)),
         "rest": rest,
@@ -75,3 +85,6 @@ def test_engine_loop_with_ddp_equals_plain_pytorch(tmp_path):
     assert r0["sum"] == r1["sum"] == 3.0
     assert r0["allreduces"] == 5  # no_sync skipped the first micro-batch of every step
     assert r0["norm"] > 0.1  # the clip was active
+    n_bytes = sum(p.numel() for p in mlp().parameters()) * 8
+    count, payload, seconds = r0["timed"]
+    assert count == 3 and payload == 3 * n_bytes and seconds > 0  # one bucket a step, timed
