@@ -91,5 +91,4 @@ class Gossip(ReplicaMethods):
             self.rounds += 1
 
     def summary(self) -> dict[str, Any]:
-        assert self.group is not None or self.rounds == 0
         return {"gossip": {"sync_every": self.sync_every, "rounds": self.rounds, "topology": "ring"}}

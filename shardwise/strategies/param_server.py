@@ -27,7 +27,8 @@ optimizer, workers compute, updates are synchronous; here it is ``ps`` with one 
 sync mode.
 
 Known limits: the servers' shards and optimizer state are not in checkpoints yet (a
-checkpoint holds worker 0's model); clipping is per worker (before the push).
+checkpoint holds worker 0's model, and resuming is refused with a ConfigError rather than
+silently restarting the servers); clipping is per worker (before the push).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
-from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
+from shardwise.strategies.common import accumulate_backward, clip_local, plain_state_dict
 from shardwise.strategies.protocol import OptimizerFactory, Placement, StepFn
 from shardwise.strategies.ps_protocol import (
     DONE, HEADER_BYTES, PULL_TAG, PUSH, PUSH_TAG, STATS_TAG, VERSION,
@@ -73,7 +74,8 @@ class Client:
         self.finished = False
 
     def _grad(self, shard: list[int]) -> torch.Tensor:
-        return torch.cat([(self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])).reshape(-1) for i in shard])
+        grads = [self.params[i].grad for i in shard]
+        return torch.cat([(g if g is not None else torch.zeros_like(self.params[i])).reshape(-1) for g, i in zip(grads, shard)])
 
     def _unflatten(self, s: int, flat: torch.Tensor) -> None:
         offset = 0
@@ -93,8 +95,9 @@ class Client:
         pushed = time.perf_counter()
         replies = [torch.empty(n, dtype=torch.uint8) for n in self.reply_bytes]
         recvs = [dist.irecv(r, src=src, tag=PULL_TAG) for r, src in zip(replies, self.server_ranks)]
-        for w in sends + recvs:
-            w.wait()
+        for work in sends + recvs:
+            if work is not None:
+                work.wait()
         for s, reply in enumerate(replies):
             self.versions[s] = int(unpack_header(reply)[VERSION])
             self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
@@ -244,7 +247,12 @@ class PS:
         return plain_state_dict(model, optimizer)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(model, optimizer, state)
+        # The servers' shards and optimizer state are not in checkpoints yet: loading worker 0's
+        # model alone would be overwritten by the servers' first answer, a silent restart.
+        raise ConfigError(
+            f"strategy {self.name!r} cannot resume from a checkpoint yet: the servers' parameter shards and optimizer "
+            "state are not saved. Start without resume, or resume the checkpoint's model with ddp"
+        )
 
     def finish(self) -> None:
         """End this worker's session with the servers (worker 0 also collects their stats and final parameters)."""

@@ -57,6 +57,7 @@ class Inbox:
             buf = torch.empty(self.size, dtype=torch.uint8)
             try:
                 work = dist.irecv(buf, tag=PUSH_TAG)  # any source
+                assert work is not None, "this rank is not in the default group"
                 work.wait()
                 self.messages.put((int(work._source_rank()), buf))
             except Exception as exc:  # noqa: BLE001 - handed to the serving loop, which decides

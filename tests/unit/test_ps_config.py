@@ -67,3 +67,8 @@ def test_the_global_batch_is_split_over_workers_only() -> None:
     assert trainers(get_strategy("ps", servers=1), 3) == 2 and trainers(get_strategy("ddp"), 3) == 3
     with pytest.raises(ConfigError, match="not divisible"):
         Trainer(strategy="ps", strategy_options={"servers": 1}, nproc=4, loss_fn=ce, global_batch_size=10, max_steps=1).fit(mlp(), classification())
+
+
+def test_ps_refuses_to_resume_rather_than_silently_restarting_its_servers() -> None:
+    with pytest.raises(ConfigError, match="cannot resume from a checkpoint yet"):
+        get_strategy("ps", servers=1).load_state_dict(mlp(), None, {"model": mlp().state_dict()})
