@@ -62,6 +62,7 @@ class StepTimer:
     def on_fit_start(self, trainer: Any, engine: Any) -> None:
         if self.baseline:
             self.probe.attach(engine.unwrap(engine._model), engine._optimizer)
+            self.probe.arm()
         self.last = time.perf_counter()
 
     def on_train_step_end(self, trainer: Any, engine: Any, step: int, loss: torch.Tensor) -> None:

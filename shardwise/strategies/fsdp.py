@@ -214,6 +214,7 @@ class FSDP:
         return model  # fully_shard changes the module in place; names stay the user's
 
     def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        self.probe.arm()
         return accumulate_backward(model, microbatches, step_fn, precision, no_sync=lambda: self.no_sync(model))
 
     @contextlib.contextmanager

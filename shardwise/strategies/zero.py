@@ -85,10 +85,25 @@ class ModelStateProbe:
         self.measured: dict[str, int] | None = None
         self.per_param: BytesPerParam | None = None
         self.psi = 0
+        self._pending: tuple[nn.Module, torch.optim.Optimizer, bool] | None = None
 
     def attach(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, master_copy: bool = False) -> None:
-        """Measure once, right after the first ``optimizer.step()`` (before ``zero_grad``)."""
+        """Measure once, right after the first ``optimizer.step()`` of training (before ``zero_grad``).
+
+        The hook is registered by `arm`, which the strategy calls from its first
+        ``forward_backward``: loading a checkpoint before that may run a step with zero
+        gradients to create optimizer state (torch's ``get_optimizer_state_dict`` does), and
+        that one is not a training step.
+        """
         self.psi = sum(p.numel() for p in module.parameters())  # global numel (a DTensor reports its full shape)
+        self._pending = (module, optimizer, master_copy)
+
+    def arm(self) -> None:
+        """Start measuring: the next optimizer step is the one measured (a no-op after the first call)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        module, optimizer, master_copy = pending
         handle: Any = None
 
         def after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -172,6 +187,7 @@ class Zero1:
         return getattr(model, "module", model)
 
     def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        self.probe.arm()
         return accumulate_backward(model, microbatches, step_fn, precision, no_sync=lambda: self.no_sync(model))
 
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
