@@ -17,9 +17,9 @@ from shardwise.strategies.protocol import OptimizerFactory, StepFn, Strategy
 _BUILTIN: dict[str, str] = {
     "single": "shardwise.strategies.single:Single",
     "ddp": "shardwise.strategies.ddp:DDP",
-    "local-sgd": "shardwise.strategies.local_sgd:LocalSGD",
-    "diloco": "shardwise.strategies.diloco:DiLoCo",
-    "gossip": "shardwise.strategies.gossip:Gossip",
+    "local-sgd": "shardwise.strategies.local_sgd:local_sgd",
+    "diloco": "shardwise.strategies.diloco:diloco",
+    "gossip": "shardwise.strategies.gossip:gossip",
     "ps": "shardwise.strategies.param_server:PS",
     "central": "shardwise.strategies.param_server:central",
     "zero1": "shardwise.strategies.zero:Zero1",

@@ -22,7 +22,7 @@ the pseudo-gradient compressed with error feedback, through
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,9 +32,7 @@ from shardwise.comm.collectives import Group, all_reduce
 from shardwise.comm.compressed import compressed_allreduce
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
-from shardwise.mesh import Mesh
-from shardwise.strategies.local_sgd import ReplicaMethods, by_dtype, check_group, check_sync_every, flatten, replica_tensors, setup_replica, unflatten_into
-from shardwise.strategies.protocol import OptimizerFactory
+from shardwise.strategies.local_sgd import Replicas, by_dtype, check_sync_every, flatten, replica_tensors, unflatten_into
 
 
 class OuterState:
@@ -67,45 +65,38 @@ def apply_diloco(
             unflatten_into(theta.detach(), tensors)
 
 
-class DiLoCo(ReplicaMethods):
-    """DiLoCo: inner optimizer for ``sync_every`` steps, outer Nesterov SGD on the mean pseudo-gradient."""
+class OuterStep:
+    """DiLoCo's round: the outer optimizer's step on the mean pseudo-gradient."""
 
-    name: ClassVar[str] = "diloco"
-
-    def __init__(self, *, sync_every: int = 8, outer_lr: float = 0.7, outer_momentum: float = 0.9, compression: str | None = None) -> None:
-        self.sync_every = check_sync_every(self.name, sync_every)
-        if not isinstance(outer_lr, (int, float)) or outer_lr <= 0:
-            raise ConfigError(f"diloco: outer_lr must be > 0 (the paper uses 0.7); got {outer_lr!r}")
-        if not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
-            raise ConfigError(f"diloco: outer_momentum must be in [0, 1) (the paper uses 0.9; 0 turns Nesterov off); got {outer_momentum!r}")
-        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
-        self.compression = None if compression in (None, "", "none") else compression
-        self.codec = get_codec(self.compression) if self.compression else None
-        if isinstance(self.codec, PowerSGD):
-            raise ConfigError(
-                f"diloco: compression {compression!r} runs inside DDP's communication hook and cannot compress a "
-                "pseudo-gradient; choose fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign"
-            )
+    def __init__(self, lr: float, momentum: float, codec: Any) -> None:
+        self.lr, self.momentum, self.codec = lr, momentum, codec
         self.group: Group | None = None
         self.recorder: Recorder | None = None
         self.outer: OuterState | None = None
-        self.rounds = 0
 
-    def validate(self, world_size: int) -> None:
-        check_group(self.name, world_size)
+    def attach(self, model: nn.Module, group: Group, recorder: Recorder | None) -> None:
+        self.group, self.recorder = group, recorder
+        self.outer = OuterState(model, self.lr, self.momentum)
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model, inner, self.group = setup_replica(self.name, model, make_optimizer, mesh)
-        self.recorder = recorder
-        self.outer = OuterState(model, self.outer_lr, self.outer_momentum)
-        return model, inner
-
-    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        assert self.group is not None and self.outer is not None, "after_step before setup"
-        if step % self.sync_every == 0:
-            apply_diloco(model, self.outer, self.group, self.recorder, self.codec)
-            self.rounds += 1
+    def round(self, model: nn.Module) -> None:
+        assert self.group is not None and self.outer is not None, "round before setup"
+        apply_diloco(model, self.outer, self.group, self.recorder, self.codec)
 
     def summary(self) -> dict[str, Any]:
-        return {"diloco": {"sync_every": self.sync_every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                           "compression": self.compression, "outer_rounds": self.rounds}}
+        return {"outer_lr": self.lr, "outer_momentum": self.momentum, "compression": getattr(self.codec, "spec", None)}
+
+
+def diloco(*, sync_every: int = 8, outer_lr: float = 0.7, outer_momentum: float = 0.9, compression: str | None = None) -> Replicas:
+    """DiLoCo: inner optimizer for ``sync_every`` steps, outer Nesterov SGD on the mean pseudo-gradient."""
+    check_sync_every("diloco", sync_every)
+    if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or outer_lr <= 0:
+        raise ConfigError(f"diloco: outer_lr must be > 0 (the paper uses 0.7); got {outer_lr!r}")
+    if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)) or not 0 <= outer_momentum < 1:
+        raise ConfigError(f"diloco: outer_momentum must be in [0, 1) (the paper uses 0.9; 0 turns Nesterov off); got {outer_momentum!r}")
+    codec = get_codec(compression) if compression not in (None, "", "none") else None
+    if isinstance(codec, PowerSGD):
+        raise ConfigError(
+            f"diloco: compression {compression!r} runs inside DDP's communication hook and cannot compress a "
+            "pseudo-gradient; choose fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign"
+        )
+    return Replicas("diloco", "diloco", sync_every, OuterStep(float(outer_lr), float(outer_momentum), codec))

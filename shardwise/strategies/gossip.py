@@ -19,7 +19,7 @@ recorded as one ``gossip`` event per round.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +27,7 @@ from torch import nn
 from shardwise.comm.collectives import Group
 from shardwise.comm.p2p import Peers
 from shardwise.comm.recorder import CommEvent, Recorder
-from shardwise.mesh import Mesh
-from shardwise.strategies.local_sgd import ReplicaMethods, by_dtype, check_group, check_sync_every, flatten, replica_tensors, setup_replica, unflatten_into
-from shardwise.strategies.protocol import OptimizerFactory
+from shardwise.strategies.local_sgd import Replicas, by_dtype, flatten, replica_tensors, unflatten_into
 
 
 def ring_neighbours(rank: int, size: int) -> list[int]:
@@ -65,30 +63,24 @@ def gossip_round(model: nn.Module, group: Group, recorder: Recorder | None) -> N
         recorder.add(CommEvent("gossip", group.name, p, payload, peers.sent, peers.received, time.perf_counter() - start, peers.steps))
 
 
-class Gossip(ReplicaMethods):
-    """Gossip (decentralized) SGD on a ring: neighbour averaging every ``sync_every`` steps (Lian et al. 2017)."""
+class RingGossip:
+    """Gossip's round: mix with the ring neighbours."""
 
-    name: ClassVar[str] = "gossip"
-
-    def __init__(self, *, sync_every: int = 1) -> None:
-        self.sync_every = check_sync_every(self.name, sync_every)
+    def __init__(self) -> None:
         self.group: Group | None = None
         self.recorder: Recorder | None = None
-        self.rounds = 0
 
-    def validate(self, world_size: int) -> None:
-        check_group(self.name, world_size)
+    def attach(self, model: nn.Module, group: Group, recorder: Recorder | None) -> None:
+        self.group, self.recorder = group, recorder
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model, optimizer, self.group = setup_replica(self.name, model, make_optimizer, mesh)
-        self.recorder = recorder
-        return model, optimizer
-
-    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        assert self.group is not None, "after_step before setup"
-        if step % self.sync_every == 0:
-            gossip_round(model, self.group, self.recorder)
-            self.rounds += 1
+    def round(self, model: nn.Module) -> None:
+        assert self.group is not None, "round before setup"
+        gossip_round(model, self.group, self.recorder)
 
     def summary(self) -> dict[str, Any]:
-        return {"gossip": {"sync_every": self.sync_every, "rounds": self.rounds, "topology": "ring"}}
+        return {"topology": "ring"}
+
+
+def gossip(*, sync_every: int = 1) -> Replicas:
+    """Gossip (decentralized) SGD on a ring: neighbour averaging every ``sync_every`` steps (Lian et al. 2017)."""
+    return Replicas("gossip", "gossip", sync_every, RingGossip())

@@ -12,8 +12,9 @@ in the papers.
 The averaging round is the strategy's ``after_step`` hook (see
 `shardwise.strategies.protocol.after_step`), called by the engine after every optimizer
 step. This module also holds the pieces the other "replicas that step alone" strategies
-share (`shardwise.strategies.diloco`, `shardwise.strategies.gossip`): a plain replica
-`setup`, flattening of parameters and floating-point buffers, and the option check.
+share (`shardwise.strategies.diloco`, `shardwise.strategies.gossip`): the `Replicas` strategy
+object, which the three build by composition with their own `Mixer` (an average, an outer
+step, a ring gossip), flattening of parameters and floating-point buffers, and the option check.
 
 >>> from shardwise import Trainer
 >>> Trainer(strategy="local-sgd", strategy_options={"sync_every": 8}, nproc=2)  # doctest: +SKIP
@@ -22,7 +23,7 @@ share (`shardwise.strategies.diloco`, `shardwise.strategies.gossip`): a plain re
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar, ContextManager, Sequence
+from typing import Any, ContextManager, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,12 +101,47 @@ def average_replicas(model: nn.Module, group: Group, recorder: Recorder | None) 
             unflatten_into(flat, tensors)
 
 
-class ReplicaMethods:
-    """The protocol methods every independently stepping replica shares (a plain module per rank).
+class Mixer(Protocol):
+    """How replicas are brought together every ``sync_every`` steps: an average, an outer step, a gossip."""
 
-    Deliberately flat: the three strategies that use it add only ``setup``, ``after_step``
-    and ``summary``; there is no deeper hierarchy.
+    def attach(self, model: nn.Module, group: Group, recorder: Recorder | None) -> None:
+        """Called once after setup, with the model this rank steps."""
+
+    def round(self, model: nn.Module) -> None:
+        """One synchronization round (every rank of the group calls it at the same step)."""
+
+    def summary(self) -> dict[str, Any]:
+        """What this mixer adds to the strategy's summary section."""
+
+
+class Replicas:
+    """The strategy object of local-sgd, diloco and gossip: a plain module and optimizer per rank,
+    no gradient synchronization, and a `Mixer` round every ``sync_every`` steps (``after_step``).
+
+    Composition instead of a class per strategy: the three differ only in their mixer.
     """
+
+    def __init__(self, name: str, section: str, sync_every: int, mixer: Mixer) -> None:
+        self.name = name
+        self.section = section
+        self.sync_every = check_sync_every(name, sync_every)
+        self.mixer = mixer
+        self.rounds = 0
+        self.steps = 0
+
+    def validate(self, world_size: int) -> None:
+        check_group(self.name, world_size)
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, optimizer, group = setup_replica(self.name, model, make_optimizer, mesh)
+        self.mixer.attach(model, group, recorder)
+        return model, optimizer
+
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        self.steps = step
+        if step % self.sync_every == 0:
+            self.mixer.round(model)
+            self.rounds += 1
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -127,41 +163,29 @@ class ReplicaMethods:
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
         load_plain_state_dict(model, optimizer, state)
 
+    def summary(self) -> dict[str, Any]:
+        return {self.section: {"sync_every": self.sync_every, "rounds": self.rounds, "steps": self.steps, **self.mixer.summary()}}
+
 
 # -- local SGD --------------------------------------------------------------------------------------
-def apply_local_sgd(model: nn.Module, step: int, sync_every: int, group: Group, recorder: Recorder | None) -> bool:
-    """After optimizer step ``step`` (1-based): average the replicas if ``step`` is a multiple of ``sync_every``."""
-    if step % sync_every:
-        return False
-    average_replicas(model, group, recorder)
-    return True
+class Average:
+    """Local SGD's round: every replica becomes the mean of all of them (one allreduce per dtype)."""
 
-
-class LocalSGD(ReplicaMethods):
-    """Local SGD: replicas step alone and are averaged every ``sync_every`` steps (Stich 2019; Lin et al. 2020)."""
-
-    name: ClassVar[str] = "local-sgd"
-
-    def __init__(self, *, sync_every: int = 8) -> None:
-        self.sync_every = check_sync_every(self.name, sync_every)
+    def __init__(self) -> None:
         self.group: Group | None = None
         self.recorder: Recorder | None = None
-        self.rounds = 0
-        self.steps = 0
 
-    def validate(self, world_size: int) -> None:
-        check_group(self.name, world_size)
+    def attach(self, model: nn.Module, group: Group, recorder: Recorder | None) -> None:
+        self.group, self.recorder = group, recorder
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model, optimizer, self.group = setup_replica(self.name, model, make_optimizer, mesh)
-        self.recorder = recorder
-        return model, optimizer
-
-    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        assert self.group is not None, "after_step before setup"
-        self.steps = step
-        if apply_local_sgd(model, step, self.sync_every, self.group, self.recorder):
-            self.rounds += 1
+    def round(self, model: nn.Module) -> None:
+        assert self.group is not None, "round before setup"
+        average_replicas(model, self.group, self.recorder)
 
     def summary(self) -> dict[str, Any]:
-        return {"local_sgd": {"sync_every": self.sync_every, "averaging_rounds": self.rounds, "steps": self.steps}}
+        return {}
+
+
+def local_sgd(*, sync_every: int = 8) -> Replicas:
+    """Local SGD: replicas step alone and are averaged every ``sync_every`` steps (Stich 2019; Lin et al. 2020)."""
+    return Replicas("local-sgd", "local_sgd", sync_every, Average())

@@ -57,11 +57,11 @@ def test_sync_every_one_equals_ddp_for_local_sgd_diloco_and_two_rank_gossip():
             assert max_diff(ref, r[name]["params"]) < 1e-10, name
         assert max_diff(ref, mlp().state_dict()) > 1e-3  # it did train
     r = results[0]
-    assert r["local"]["summary"]["local_sgd"] == {"sync_every": 1, "averaging_rounds": 10, "steps": 10}
+    assert r["local"]["summary"]["local_sgd"] == {"sync_every": 1, "rounds": 10, "steps": 10}
     # One parameter allreduce per step in place of ddp's gradient allreduce: the same bytes.
     local_ops = r["local"]["comm"]["by_op"]
     assert local_ops["dp/all_reduce"]["count"] == 10 and local_ops["dp/all_reduce"]["payload_bytes"] == 10 * n_bytes
-    assert r["diloco"]["summary"]["diloco"]["outer_rounds"] == 10
+    assert r["diloco"]["summary"]["diloco"]["rounds"] == 10
     gossip_ops = r["gossip"]["comm"]["by_op"]
     assert gossip_ops["dp/gossip"]["count"] == 10 and gossip_ops["dp/gossip"]["sent_bytes"] == 10 * n_bytes
     assert "dp/all_reduce" not in gossip_ops  # no global allreduce at all
@@ -131,7 +131,7 @@ def test_replicas_agree_exactly_after_each_averaging_round_and_gossip_mixes_neig
     r0 = results[0]
     # local SGD, H = 3: identical exactly after steps 3 and 6, apart in between.
     assert r0["local"]["identical"] == [False, False, True, False, False, True, False]
-    assert r0["local"]["summary"]["local_sgd"]["averaging_rounds"] == 2
+    assert r0["local"]["summary"]["local_sgd"]["rounds"] == 2
     assert r0["local"]["comm"]["by_op"]["dp/all_reduce"]["count"] == 2
     assert r0["diloco"]["identical"] == [False, True, False, True, False]
     assert r0["diloco_int8"]["identical"] == [False, True, False, True]
