@@ -22,9 +22,11 @@ nothing is lost, only delayed:
 
 How the payloads of ``p`` ranks are combined is the codec's ``exchange``
 (`shardwise.comm.compressed` runs it): ``"allreduce"`` (the payload can be summed
-as it is: fp16, bf16), ``"allgather"`` (everyone gathers everyone's payload and
-decodes the sum: topk, randomk, sign), or ``"scatter-gather"`` (int8, as Bagua's
-ByteGrad: each rank decodes and sums one piece, re-encodes it, and all-gathers).
+as it is: fp16, bf16, and randomk, whose ranks all draw the same indices, so only
+the k values are summed), ``"allgather"`` (everyone gathers everyone's payload
+and decodes the sum: topk, whose indices differ by rank, and sign), or
+``"scatter-gather"`` (int8, as Bagua's ByteGrad: each rank decodes and sums one
+piece, re-encodes it, and all-gathers).
 
 Codec names: ``fp16``, ``bf16``, ``int8``, ``topk:RATIO``, ``randomk:RATIO``,
 ``sign``, ``powersgd:RANK``. PowerSGD (Vogels, Karimireddy & Jaggi 2019,
@@ -60,6 +62,10 @@ class Encoded:
     """Elements of the dense tensor this payload stands for."""
     dtype: torch.dtype
     """Dtype of the dense tensor."""
+    local: dict[str, torch.Tensor] = field(default_factory=dict)
+    """What the encoding rank already knows and never sends (random-k's indices, which any
+    receiver can draw again from the payload's seed). Not packed, not counted, not copied
+    by `unpack_like`: a peer's payload is decoded from its own parts."""
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +100,8 @@ class CodecState:
 
     residual: torch.Tensor | None = None
     seed: int = 0
-    """Seeds the random choices (randomk); give each rank its own."""
+    """Seeds the random choices (randomk). Give every rank the same seed: random-k's
+    exchange sums the values at indices that all ranks draw alike, call after call."""
     generator: torch.Generator | None = field(default=None, repr=False)
 
     def rng(self, device: torch.device) -> torch.Generator:
@@ -221,19 +228,35 @@ class Int8(Codec):
 
 
 class Sparse(Codec):
-    """topk:RATIO / randomk:RATIO: keep ``k = max(1, floor(RATIO n))`` entries, send (index, value) pairs.
+    """topk:RATIO / randomk:RATIO: keep ``k = max(1, floor(RATIO n))`` entries of each tensor.
 
     Top-k keeps the largest magnitudes (Aji & Heafield 2017, "Sparse Communication
-    for Distributed Gradient Descent"); random-k keeps a uniform sample drawn from
-    this rank's generator (Stich et al. 2018). Error feedback keeps the rest; the
-    kept entries are sent exactly, so it is exact. Indices are int32 when the
-    tensor has fewer than 2^31 elements. Payloads are exchanged by all-gather.
-    """
+    for Distributed Gradient Descent"): every rank picks its own indices, so the
+    payload is ``k`` (index, value) pairs (int32 indices when the tensor has fewer
+    than 2^31 elements), exchanged by all-gather.
 
-    exchange = "allgather"
+    Random-k keeps a uniform sample (Stich, Cordonnier & Jaggi 2018, "Sparsified SGD
+    with Memory"). The sample is drawn from the state's generator, which every rank
+    seeds alike and advances once per call, so all ranks pick the same ``k`` indices
+    at each step: the exchange is an allreduce of the ``k`` values alone (no indices
+    on the wire), and every coordinate sent is the average over all ranks, as in
+    the all-reduce-compatible random-k that Vogels et al. 2019 ("PowerSGD") compare
+    against. With indices drawn independently per rank, each sent value would be
+    averaged with ``p - 1`` zeros instead, and every index would cross the wire too.
+    On digits (300 AdamW steps, p = 2, 96.66% uncompressed), at the same 5x fewer
+    bytes than fp32, per-rank indices (randomk:0.1 as (index, value) pairs, this
+    codec before) reached about 95.0%, shared indices (randomk:0.2, values only)
+    96.66% (tests/dist/test_ddp_comm.py). The payload also carries the 8-byte seed
+    the indices were drawn from, so a standalone message (a parameter-server push)
+    can be decoded by any peer; the allreduce exchange sends only the values,
+    because every rank drew the seed.
+
+    Error feedback keeps the rest; the kept entries are sent exactly, so it is exact.
+    """
 
     def __init__(self, name: str, ratio: float, error_feedback: bool = True) -> None:
         self.name = name  # type: ignore[misc]
+        self.exchange = "allreduce" if name == "randomk" else "allgather"  # type: ignore[misc]
         self.ratio = ratio
         self.spec = f"{name}:{ratio:g}"
         self.error_feedback = error_feedback
@@ -242,18 +265,32 @@ class Sparse(Codec):
         return min(numel, max(1, math.floor(self.ratio * numel)))
 
     def encode(self, x: torch.Tensor, state: CodecState) -> Encoded:
-        k = self.k(x.numel())
-        idx = _top_k(x.abs(), k) if self.name == "topk" else _random_k(x.numel(), k, state.rng(x.device), x.device)
-        idx_dtype = torch.int32 if x.numel() < 2**31 else torch.int64
-        return Encoded({"idx": idx.to(idx_dtype), "val": x[idx]}, x.numel(), x.dtype)
+        n, k = x.numel(), self.k(x.numel())
+        if self.name == "topk":
+            idx = _top_k(x.abs(), k)
+            idx_dtype = torch.int32 if n < 2**31 else torch.int64
+            return Encoded({"idx": idx.to(idx_dtype), "val": x[idx]}, n, x.dtype)
+        # One draw from the shared stream seeds this call's indices: the same on every rank.
+        seed = torch.randint(0, 2**62, (1,), generator=state.rng(torch.device("cpu")), dtype=torch.int64)
+        idx = _random_k_from_seed(n, k, int(seed), x.device)
+        return Encoded({"val": x[idx], "seed": seed}, n, x.dtype, local={"idx": idx})
+
+    def indices(self, enc: Encoded) -> torch.Tensor:
+        """The indices a payload's values belong at: sent (topk), kept locally or drawn again from the seed (randomk)."""
+        if "idx" in enc.parts:
+            return enc.parts["idx"].long()
+        if "idx" in enc.local:
+            return enc.local["idx"]
+        val = enc.parts["val"]
+        return _random_k_from_seed(enc.numel, val.numel(), int(enc.parts["seed"].item()), val.device)
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         out = torch.zeros(enc.numel, dtype=enc.dtype, device=enc.parts["val"].device)
-        out[enc.parts["idx"].long()] = enc.parts["val"]
+        out[self.indices(enc)] = enc.parts["val"]
         return out
 
     def decode_add(self, enc: Encoded, out: torch.Tensor) -> None:
-        out.index_add_(0, enc.parts["idx"].long(), enc.parts["val"])
+        out.index_add_(0, self.indices(enc), enc.parts["val"])
 
 
 def _top_k(a: torch.Tensor, k: int) -> torch.Tensor:
@@ -278,6 +315,11 @@ def _top_k(a: torch.Tensor, k: int) -> torch.Tensor:
     return candidates[torch.topk(a[candidates], k, sorted=False).indices]
 
 
+def _random_k_from_seed(n: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The ``k`` indices `_random_k` draws from a generator seeded with ``seed`` (on the CPU, so any device agrees)."""
+    return _random_k(n, k, torch.Generator().manual_seed(seed), torch.device("cpu")).to(device)
+
+
 def _random_k(n: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """``k`` distinct indices of ``range(n)``, uniformly at random, in O(k log k) rather than O(n).
 
@@ -287,9 +329,10 @@ def _random_k(n: int, k: int, generator: torch.Generator, device: torch.device) 
     if k * 4 > n:
         return torch.randperm(n, generator=generator, device=device)[:k]
     while True:
-        draws = torch.randint(0, n, (k + k * k // n + 16,), generator=generator, device=device).unique()
+        draws: torch.Tensor = torch.randint(0, n, (k + k * k // n + 16,), generator=generator, device=device).unique()  # type: ignore[no-untyped-call]
         if draws.numel() >= k:
-            return draws[torch.randperm(draws.numel(), generator=generator, device=device)[:k]]
+            picked: torch.Tensor = draws[torch.randperm(draws.numel(), generator=generator, device=device)[:k]]
+            return picked
 
 
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -385,7 +428,7 @@ def _ratio(name: str, arg: str | None) -> float:
     except ValueError:
         raise ConfigError(f"codec '{name}' needs a number as its ratio, e.g. '{name}:0.01'; got {arg!r}") from None
     if not 0 < ratio <= 1:
-        raise ConfigError(f"the ratio of codec '{name}' must be in (0, 1] (a fraction of entries to keep); got {ratio:g}")
+        raise ConfigError(f"the ratio of codec '{name}' must be in (0, 1] (a fraction of entries to keep), e.g. '{name}:0.01'; got {ratio:g} in '{name}:{arg}'")
     return ratio
 
 

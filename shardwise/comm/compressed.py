@@ -5,9 +5,15 @@
 - ``allreduce`` (fp16, bf16): prescale by 1/p for an average (as torch's
   ``fp16_compress_hook`` does, so the 16-bit sum cannot overflow where the mean
   would not), encode, allreduce the 16-bit payload with any algorithm, decode.
-- ``allgather`` (topk, randomk, sign): each rank's payload has the same layout;
-  a ring all-gather gives everyone all ``p`` of them, which every rank decodes and
-  adds in rank order (so all ranks hold the same bits).
+- ``allreduce`` (randomk): every rank draws the same ``k`` indices from its
+  state's generator (seeded alike on every rank, advanced once per call), so the
+  ``k`` selected values are allreduced with any algorithm, averaged, and put back
+  at those indices (Stich, Cordonnier & Jaggi 2018; Vogels et al. 2019). No
+  indices cross the wire, and each coordinate sent is the mean over all ranks.
+- ``allgather`` (topk, sign): each rank's payload has the same layout; a ring
+  all-gather gives everyone all ``p`` of them, which every rank decodes and adds
+  in rank order (so all ranks hold the same bits). Top-k's indices differ by rank,
+  so its payloads cannot be summed as they are.
 - ``scatter-gather`` (int8, Bagua's ByteGrad; Gan et al. 2021, "BAGUA: Scaling up
   Distributed Learning with System Relaxations"): the tensor is cut into ``p``
   pieces, each quantized with its own range; piece ``j`` of every rank goes to rank
@@ -44,7 +50,9 @@ def compressed_traffic(codec: Codec, n: int, dtype: torch.dtype, p: int, rank: i
     """Bytes and rounds for ``rank`` in `compressed_allreduce` of ``n`` elements of ``dtype``.
 
     - fp16/bf16: the allreduce ``algorithm``'s traffic at 2 bytes an element.
-    - topk/randomk: ``(p-1) k (4 + b)`` each way in ``p-1`` rounds (int32 indices, ``b``-byte values).
+    - randomk: the allreduce ``algorithm``'s traffic for ``k`` elements of ``b`` bytes
+      (``native`` at ``p = 2``: ``k b``, a ``n / k`` = 1/RATIO reduction of fp32's ``n b``).
+    - topk: ``(p-1) k (4 + b)`` each way in ``p-1`` rounds (int32 indices, ``b``-byte values).
     - sign: ``(p-1) (ceil(n/8) + m)`` each way, ``m`` the scale's bytes (4, or 8 for float64).
     - int8: piece ``j`` packs to ``e_j = c_j + 2m`` bytes; the all-to-all sends
       ``sum_{j != k} e_j`` and receives ``(p-1) e_k``, the ring all-gather sends all but
@@ -56,6 +64,8 @@ def compressed_traffic(codec: Codec, n: int, dtype: torch.dtype, p: int, rank: i
     m = _meta_bytes(dtype)
     if isinstance(codec, Cast):
         return allreduce_traffic(algorithm, n, 2, p, rank)
+    if isinstance(codec, Sparse) and codec.exchange == "allreduce":
+        return allreduce_traffic(algorithm, codec.k(n), itemsize, p, rank)
     if isinstance(codec, Sparse):
         k = codec.k(n)
         payload = k * ((4 if n < 2**31 else 8) + itemsize)
@@ -74,6 +84,15 @@ def _cast(flat: torch.Tensor, codec: Cast, state: CodecState, op: str, algorithm
     wire = enc.parts["x"]
     reduce_with(wire, "sum", algorithm, peers, ws)
     flat.copy_(codec.decode(enc))
+
+
+def _shared_sparse(flat: torch.Tensor, codec: Sparse, state: CodecState, op: str, algorithm: str, peers: Peers, ws: Workspace) -> None:
+    """Random-k: allreduce the values at the indices every rank drew alike, and put them back."""
+    (enc,), _ = codec.compress(flat, state)
+    values = enc.parts["val"]  # a fresh tensor (advanced indexing copies)
+    reduce_with(values, op, algorithm, peers, ws)
+    flat.zero_()
+    flat[codec.indices(enc)] = values
 
 
 def _allgather(flat: torch.Tensor, codec: Codec, state: CodecState, op: str, peers: Peers, ws: Workspace) -> None:
@@ -126,18 +145,19 @@ def compressed_allreduce(
     """Sum or average a floating-point ``tensor`` across ``group`` in compressed form, in place.
 
     ``state`` is this tensor's error-feedback state (keep one per tensor, across
-    steps). ``algorithm`` is the allreduce used for the 16-bit casts; the other
-    codecs have their own exchange. Records one event ``compressed:<codec>``.
+    steps; for randomk, seeded alike on every rank). ``algorithm`` is the allreduce
+    used by the codecs whose exchange is an allreduce (fp16, bf16, randomk); the
+    others have their own exchange. Records one event ``compressed:<codec>``.
     """
     if op not in ("sum", "avg", "mean"):
         raise ConfigError(f"compressed allreduce sums or averages; got op {op!r}. Use op='sum' or op='avg'")
     op = "avg" if op == "mean" else op
     codec.check(tensor)
     check_algorithm(algorithm)
-    if not isinstance(codec, Cast) and algorithm != "native":
+    if codec.exchange != "allreduce" and algorithm != "native":
         raise ConfigError(
             f"codec {codec.spec!r} has its own exchange ({codec.exchange}); allreduce={algorithm!r} applies only to "
-            "uncompressed or fp16/bf16 payloads. Leave allreduce at 'native' with this codec"
+            "uncompressed, fp16, bf16 or randomk payloads. Leave allreduce at 'native' with this codec"
         )
     p = group.size
     if p == 1 or not dist.is_initialized():
@@ -149,6 +169,8 @@ def compressed_allreduce(
     if flat.numel():
         if isinstance(codec, Cast):
             _cast(flat, codec, state, op, algorithm, peers, ws)
+        elif isinstance(codec, Sparse) and codec.exchange == "allreduce":
+            _shared_sparse(flat, codec, state, op, algorithm, peers, ws)
         elif codec.exchange == "allgather":
             _allgather(flat, codec, state, op, peers, ws)
         else:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from shardwise.comm.algorithms import allreduce, check_algorithm
-from shardwise.comm.codecs import Cast, Codec, CodecState, PowerSGD, get_codec
+from shardwise.comm.codecs import Codec, CodecState, PowerSGD, get_codec
 from shardwise.comm.collectives import Group
 from shardwise.comm.compressed import compressed_allreduce
 from shardwise.comm.p2p import Workspace
@@ -39,18 +39,19 @@ from shardwise.errors import ConfigError
 def parse_options(allreduce: str = "native", compression: str | None = None) -> tuple[str, Codec | PowerSGD | None]:
     """Validate the ddp options ``allreduce`` and ``compression``; returns (algorithm, codec or None).
 
-    ``compression`` None, '' or 'none' means no compression. Codecs other than the
-    16-bit casts have their own exchange, so they combine only with ``allreduce='native'``.
+    ``compression`` None, '' or 'none' means no compression. Codecs whose exchange is
+    not an allreduce (int8, topk, sign, powersgd) combine only with ``allreduce='native'``;
+    fp16, bf16 and randomk run over any algorithm.
     """
     algorithm = check_algorithm(allreduce)
     if compression is None or compression in ("", "none"):
         return algorithm, None
     codec = get_codec(compression)
-    if not isinstance(codec, Cast) and algorithm != "native":
+    if codec.exchange != "allreduce" and algorithm != "native":
         raise ConfigError(
             f"compression {codec.spec!r} has its own exchange ({codec.exchange}), so it cannot run over "
-            f"allreduce={algorithm!r}; the allreduce algorithm applies to uncompressed, fp16 and bf16 buckets. "
-            "Drop the allreduce option or choose compression 'fp16' or 'bf16'"
+            f"allreduce={algorithm!r}; the allreduce algorithm applies to uncompressed, fp16, bf16 and randomk buckets. "
+            "Drop the allreduce option or choose compression 'fp16', 'bf16' or 'randomk:RATIO'"
         )
     return algorithm, codec
 
@@ -68,6 +69,8 @@ class CommHookState:
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     """Error-feedback residual of each parameter, by ``id(param)``."""
     generator: torch.Generator | None = None
+    """The codec's random stream (randomk): seeded with ``seed`` on every rank alike, so that
+    all ranks draw the same indices for the same bucket (buckets come in the same order)."""
     powersgd: Any = None
 
 
@@ -105,8 +108,9 @@ def compression_hook(state, bucket):  # type: ignore[no-untyped-def]
     buf = bucket.buffer()
     codec = state.codec
     if state.generator is None:
-        state.generator = torch.Generator(device=buf.device)
-        state.generator.manual_seed(state.seed + 1_000_003 * state.group.rank)  # each rank its own draws
+        # The same seed on every rank: random-k's exchange sums values at indices all ranks drew alike.
+        state.generator = torch.Generator()
+        state.generator.manual_seed(state.seed)
     cstate = CodecState(generator=state.generator)
     layout = _bucket_layout(bucket, buf) if codec.error_feedback else []
     if layout:

@@ -5,8 +5,8 @@
 - every codec: a small regression still trains (and fp16 stays close to fp32);
 - PowerSGD sends a rank-2 gradient exactly;
 - digits: every codec with error feedback reaches the uncompressed validation
-  accuracy within 1 point in the same 300 steps (random-k: see the note there),
-  and the recorded bytes show the saving.
+  accuracy within 1 point in the same 300 steps, and the recorded bytes show the
+  saving (random-k at ratio 0.2: 5x fewer bytes; see `_digits_with_each_codec`).
 
 Everything runs inside one launch of 2 processes (process start costs seconds on
 two cores); each worker returns a list of failures, and the parent asserts the
@@ -31,7 +31,7 @@ from shardwise.mesh import Mesh
 from shardwise.recipes.digits import DigitsMLP, load_digits_split
 from shardwise.strategies.ddp import DDP
 
-CODECS = ("fp16", "bf16", "int8", "topk:0.1", "randomk:0.1", "sign", "powersgd:2")
+CODECS = ("fp16", "bf16", "int8", "topk:0.1", "randomk:0.2", "sign", "powersgd:2")
 
 
 _TARGET = torch.linspace(-1, 1, 18, dtype=torch.float64).view(6, 3)
@@ -88,7 +88,8 @@ def _algorithms_and_codecs() -> list[str]:
     fp32_sent = base_rec.totals()["all_reduce"]["sent_bytes"]
     for spec in CODECS:
         params, losses, rec = _train({"compression": spec}, long, torch.float32)
-        # Random-k delays each coordinate ~1/ratio steps in the residual (Stich et al. 2018): it lags most.
+        # Random-k sends each coordinate once every ~1/ratio steps, the rest waits in the residual
+        # (Stich et al. 2018): over 40 plain SGD steps that delay shows, so it gets more slack.
         slack = 2.0 if spec.startswith("randomk") else 1.2
         end, base_end = sum(losses[-5:]) / 5, sum(base_losses[-5:]) / 5
         if not (end < 0.25 * losses[0] and end < slack * base_end):
@@ -165,18 +166,24 @@ def _digits_accuracy(compression: str | None, train: Any, val: Any, steps: int =
     return acc, int(sum(t["sent_bytes"] for t in rec.totals().values()))
 
 
+DIGITS_CODECS = ("fp16", "bf16", "int8", "topk:0.01", "randomk:0.2", "sign", "powersgd:4")
+"""Random-k at 0.2: all ranks draw the same k = floor(0.2 n) indices, so it sends k values
+(no indices), 5x fewer bytes than fp32. Measured here (300 AdamW steps, p = 2; uncompressed
+96.66%): randomk:0.01 90.81%, 0.05 94.99%, 0.1 94.99%, 0.15 95.54%, 0.2 96.66%, 0.25 97.21%.
+Under Adam a coordinate that random-k sends once every 1/RATIO steps (its residual
+accumulated in between) moves about sqrt(RATIO) as far as a dense one, since Adam divides
+by the root of the squared spikes' mean; 0.2 is the smallest ratio tried within 1 point."""
+
+
 def _digits_with_each_codec() -> list[str]:
     train, val = load_digits_split()
     base_acc, base_sent = _digits_accuracy(None, train, val)
     fails = []
-    for spec in ("fp16", "bf16", "int8", "topk:0.01", "randomk:0.01", "sign", "powersgd:4"):
+    for spec in DIGITS_CODECS:
         acc, sent = _digits_accuracy(spec, train, val)
-        # Random-k keeps a random 1% each step, so most of the gradient waits in the residual
-        # for ~100 steps (Stich et al. 2018); in 300 steps it lags by ~2.5 points here.
-        points = 4.0 if spec.startswith("randomk") else 1.0
-        if acc < base_acc - points:
-            fails.append(f"digits, {spec}: validation accuracy {acc:.2f}% vs {base_acc:.2f}% uncompressed (allowed: {points} points less)")
-        least = {"fp16": 2.0, "bf16": 2.0, "int8": 3.99, "topk:0.01": 50.0, "randomk:0.01": 50.0, "sign": 31.9}.get(spec, 1.0)
+        if acc < base_acc - 1.0:  # the issue's bar, for every codec
+            fails.append(f"digits, {spec}: validation accuracy {acc:.2f}% vs {base_acc:.2f}% uncompressed (allowed: 1 point less)")
+        least = {"fp16": 2.0, "bf16": 2.0, "int8": 3.99, "topk:0.01": 50.0, "randomk:0.2": 4.99, "sign": 31.9}.get(spec, 1.0)
         if base_sent / sent < least:
             fails.append(f"digits, {spec}: sent {sent} bytes vs {base_sent} uncompressed, a {base_sent / sent:.2f}x saving; expected >= {least}x")
     return fails

@@ -83,13 +83,46 @@ def test_topk_keeps_exactly_k_of_the_largest(ratio):
 
 def test_randomk_keeps_exactly_k_distinct_entries_drawn_from_the_seed():
     codec = get_codec("randomk:0.1")
+    assert codec.exchange == "allreduce"  # every rank draws the same indices: the values can be summed
     x = torch.randn(500, generator=torch.Generator().manual_seed(0)) + 10  # no zeros
     (a,), sent = codec.compress(x, CodecState(seed=1))
     (b,), _ = codec.compress(x, CodecState(seed=1))
     (c,), _ = codec.compress(x, CodecState(seed=2))
-    assert a.parts["idx"].numel() == 50 == len(set(a.parts["idx"].tolist())) == int((sent != 0).sum())
-    assert torch.equal(a.parts["idx"], b.parts["idx"]) and not torch.equal(a.parts["idx"], c.parts["idx"])
-    assert torch.equal(sent[a.parts["idx"].long()], x[a.parts["idx"].long()])
+    idx = a.local["idx"]
+    assert idx.numel() == 50 == len(set(idx.tolist())) == int((sent != 0).sum())
+    assert torch.equal(idx, b.local["idx"]) and not torch.equal(idx, c.local["idx"])
+    assert torch.equal(sent[idx], x[idx]) and torch.equal(a.parts["val"], x[idx])
+    # On the wire: the k values and the 8-byte seed they were drawn from, never the indices.
+    assert set(a.parts) == {"val", "seed"} and a.nbytes == 50 * 4 + 8
+
+
+def test_randomk_ranks_with_one_seed_draw_the_same_fresh_indices_every_call():
+    """The shared-randomness exchange: equal seeds agree call after call, and each call draws anew."""
+    codec = get_codec("randomk:0.05")
+    ranks = [CodecState(seed=11) for _ in range(3)]
+    seen = []
+    for step in range(4):
+        grads = [torch.randn(1000, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(3)]
+        encs = [codec.compress(g, st)[0][0] for g, st in zip(grads, ranks)]
+        assert all(torch.equal(e.local["idx"], encs[0].local["idx"]) for e in encs)
+        seen.append(set(encs[0].local["idx"].tolist()))
+        # Summing the values is the sum of the sparse tensors: what the allreduce exchange relies on.
+        total = torch.zeros(1000)
+        total[encs[0].local["idx"]] = sum(e.parts["val"] for e in encs)
+        assert torch.allclose(total, sum(codec.decode(e) for e in encs), rtol=0, atol=1e-6)
+    assert all(seen[i] != seen[j] for i in range(4) for j in range(i))
+
+
+def test_a_randomk_payload_decodes_from_its_bytes_alone():
+    """A standalone message (a parameter-server push) carries the seed; the receiver draws the indices again."""
+    codec = get_codec("randomk:0.1")
+    x = torch.randn(300, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    state = CodecState(seed=5)
+    codec.compress(x, state)  # advance the stream: the second call's seed is not the first
+    (enc,), sent = codec.compress(x, state)
+    template = codec.encode(torch.zeros(300, dtype=torch.float64), CodecState())
+    back = template.unpack_like(enc.pack())
+    assert back.local == {} and torch.equal(codec.decode(back), sent)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -141,7 +174,7 @@ def test_sign_packs_one_bit_per_element_and_a_scale():
 
 def test_payloads_pack_into_one_message_and_back_at_any_offset():
     x = torch.randn(33, dtype=torch.float64)
-    for spec in ("int8", "topk:0.2", "sign", "fp16"):
+    for spec in ("int8", "topk:0.2", "randomk:0.2", "sign", "fp16"):
         (enc,), _ = get_codec(spec).compress(x, CodecState())
         raw = enc.pack()
         assert raw.dtype == torch.uint8 and raw.numel() == enc.nbytes
@@ -156,6 +189,7 @@ def test_names_options_and_defaults():
     assert get_codec("int8").error_feedback and get_codec("sign").error_feedback
     topk = get_codec("topk:0.01")
     assert isinstance(topk, Sparse) and topk.ratio == 0.01 and topk.spec == "topk:0.01" and topk.exchange == "allgather"
+    assert get_codec("randomk:0.1").exchange == "allreduce" and get_codec("sign").exchange == "allgather"
     assert not get_codec("topk:0.01", error_feedback=False).error_feedback
     assert get_codec("powersgd:4") == PowerSGD(4) and PowerSGD(4).spec == "powersgd:4"
     assert len(NAMES) == 7
@@ -168,7 +202,7 @@ def test_names_options_and_defaults():
         ("tpok:0.1", r"Did you mean 'topk'\?"),
         ("zstd", r"unknown compression codec 'zstd'\. Known codecs"),
         ("topk", r"codec 'topk' needs a ratio of entries to keep, e.g. 'topk:0.01'; got 'topk'"),
-        ("topk:0", r"the ratio of codec 'topk' must be in \(0, 1\] \(a fraction of entries to keep\); got 0"),
+        ("topk:0", r"the ratio of codec 'topk' must be in \(0, 1\] \(a fraction of entries to keep\), e.g. 'topk:0.01'; got 0 in 'topk:0'"),
         ("randomk:1.5", r"must be in \(0, 1\].*got 1.5"),
         ("topk:-0.1", r"must be in \(0, 1\].*got -0.1"),
         ("topk:lots", r"codec 'topk' needs a number as its ratio, e.g. 'topk:0.01'; got 'lots'"),
@@ -229,3 +263,17 @@ def test_fast_random_k_draws_k_distinct_uniform_indices():
         counts += torch.bincount(idx // (n // 10), minlength=10)
     # 50 000 draws over 10 equal bins: each within 5% of 5 000 (about 7 standard deviations).
     assert ((counts - 5000).abs() < 250).all(), counts
+
+
+def test_ddp_options_pair_allreduce_algorithms_only_with_codecs_whose_exchange_is_an_allreduce():
+    from shardwise.comm.hooks import parse_options
+
+    assert parse_options("ring", None) == ("ring", None) and parse_options("native", "none") == ("native", None)
+    for spec in ("fp16", "bf16", "randomk:0.2"):  # summed as they are: any algorithm
+        algorithm, codec = parse_options("tree", spec)
+        assert algorithm == "tree" and codec is not None and codec.spec == spec
+    for spec, exchange in (("int8", "scatter-gather"), ("topk:0.01", "allgather"), ("sign", "allgather"), ("powersgd:2", "powersgd")):
+        with pytest.raises(ConfigError, match=rf"compression '{spec}' has its own exchange \({exchange}\), so it cannot run over allreduce='ring'"):
+            parse_options("ring", spec)
+    with pytest.raises(ConfigError, match=r"unknown allreduce algorithm 'rign'\. Did you mean 'ring'\? Known algorithms: ring"):
+        parse_options("rign", None)

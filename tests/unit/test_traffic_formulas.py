@@ -118,7 +118,11 @@ def test_compressed_exchanges():
     n, p = 10_000, 4
     # topk: k = floor(0.01 n) = 100 (int32 index, fp32 value), all-gathered: (p - 1) k 8 bytes in p - 1 rounds.
     assert compressed_traffic(get_codec("topk:0.01"), n, torch.float32, p, 0) == Traffic(3 * 800, 3 * 800, 3)
-    assert compressed_traffic(get_codec("randomk:0.01"), n, torch.float64, p, 2) == Traffic(3 * 1200, 3 * 1200, 3)
+    # randomk: every rank draws the same k = 100 indices, so the exchange is an allreduce of k values alone.
+    assert compressed_traffic(get_codec("randomk:0.01"), n, torch.float64, p, 2) == allreduce_traffic("native", 100, 8, p, 2)
+    assert compressed_traffic(get_codec("randomk:0.01"), n, torch.float32, p, 1, "ring") == Traffic(6 * 25 * 4, 6 * 25 * 4, 6)
+    # k = floor(0.3 * 10) = 3 values over p = 4 by ring: pieces [1, 1, 1, 0]; rank 0 sends all but pieces 0 and 1.
+    assert compressed_traffic(get_codec("randomk:0.3"), 10, torch.float32, 4, 0, "ring") == Traffic((6 - 1 - 1) * 4, (6 - 0 - 1) * 4, 6)
     # sign: ceil(n / 8) bytes of bits and a 4-byte scale.
     assert compressed_traffic(get_codec("sign"), 1001, torch.float32, p, 1) == Traffic(3 * (126 + 4), 3 * (126 + 4), 3)
     # int8 over pieces [2500] * 4 with an 8-byte (scale, zero point) each: all-to-all + ring all-gather.
@@ -134,6 +138,10 @@ def test_the_savings_the_issue_asks_for_at_p_2():
     n = 16 * 2**20  # float32 elements: 64 MB
     fp32 = allreduce_traffic("ring", n, 4, 2, 0).sent
     assert fp32 / compressed_traffic(get_codec("topk:0.01"), n, torch.float32, 2, 0).sent >= 50
+    # randomk sends values only: 1 / RATIO fewer bytes than fp32 at any p with the same algorithm.
+    for ratio in (0.01, 0.05, 0.1):
+        got = compressed_traffic(get_codec(f"randomk:{ratio}"), n, torch.float32, 2, 0, "ring").sent
+        assert fp32 / got == pytest.approx(1 / ratio, rel=1e-5)
     assert fp32 / compressed_traffic(get_codec("int8"), n, torch.float32, 2, 0).sent == pytest.approx(4, rel=1e-5)
     assert fp32 / compressed_traffic(get_codec("sign"), n, torch.float32, 2, 0).sent == pytest.approx(32, rel=1e-5)
     assert fp32 / compressed_traffic(get_codec("fp16"), n, torch.float32, 2, 0, "ring").sent == 2
