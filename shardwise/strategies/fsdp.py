@@ -279,18 +279,27 @@ class Zero2(FSDP):
     def _after_setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         for m in fsdp_modules(model):
             m.set_reshard_after_backward(False, recurse=False)
+        self._in_state_dict = False
         # Registered before the probe's hook, so the probe sees the parameters gathered again.
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: regather(model))
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._regather_after_step(model))
         self.probe.attach(model, optimizer, master_copy=True)
+
+    def _regather_after_step(self, model: nn.Module) -> None:
+        # Not while a state dict is built or loaded: torch's get_optimizer_state_dict may run a
+        # step (zero gradients) to create the state, and it maps parameters to names on the shards.
+        if not self._in_state_dict:
+            regather(model)
 
     @contextlib.contextmanager
     def _sharded(self, model: nn.Module) -> Iterator[None]:
         # State dicts are read and written on the shards; the whole parameters are gathered again after.
         for m in fsdp_modules(model):
             m.reshard()
+        self._in_state_dict = True
         try:
             yield
         finally:
+            self._in_state_dict = False
             regather(model)
 
 

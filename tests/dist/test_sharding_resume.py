@@ -15,6 +15,10 @@ from shardwise import Trainer, launch
 from shardwise.checkpoint import read_sharded_full, verify
 from tests.dist.models import adam, ce, classification, max_diff, mlp, params, step_lr
 
+# One module fixture runs every fit (eight launches, 1 to 4 processes): more than the 180 s a
+# single dist test gets on a busy two-core machine.
+pytestmark = pytest.mark.timeout(480)
+
 N = 8  # 100 samples in global batches of 16: step 8 is in the middle of epoch 1
 
 
@@ -43,6 +47,9 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     ckpt = root / "z3/checkpoints/step-00000008"
     for name, strategy, nproc in (("at1", "zero3", 1), ("at4", "zero3", 4), ("ddp", "ddp", 2)):
         out[name] = _fit(strategy, nproc, root / name, 2 * N, str(ckpt))
+    # zero2 keeps its parameters gathered between steps: its checkpoints reshard first, then gather again.
+    out["z2_first"] = _fit("zero2", 2, root / "z2", N)
+    out["z2_resumed"] = _fit("zero2", 2, root / "z2", 2 * N, "auto")
     # The ddp run's own (plain, unsharded) checkpoint at step 16, resumed under zero3.
     out["from_ddp"] = _fit("zero3", 2, root / "from_ddp", 3 * N, str(root / "ddp/checkpoints/step-00000016"))
     return out
@@ -73,6 +80,19 @@ def test_a_zero3_checkpoint_resumes_at_another_world_size_and_strategy(runs, nam
     assert max_diff(full, resumed) < 1e-9
     assert summary["train_loss"] == pytest.approx(full_summary["train_loss"], abs=1e-9)
     assert max_diff(runs["first"][0], resumed) > 1e-3  # it trained on
+
+
+def test_zero2_saves_and_resumes_exactly_and_measures_its_memory_after_resuming(runs):
+    full, _ = runs["full"]
+    resumed, summary = runs["z2_resumed"]
+    assert summary["resumed_from"].endswith("step-00000008") and summary["steps_this_run"] == N
+    assert max_diff(full, resumed) < 1e-9
+    assert "sharded" in verify(runs["root"] / "z2/checkpoints/step-00000008")
+    # Measured at the first training step after the resume, not at the step that loading
+    # runs to create optimizer state: the same bytes as the run that started fresh.
+    fresh = runs["z2_first"][1]["memory_per_rank"]
+    assert summary["memory_per_rank"] == fresh
+    assert fresh["params"]["measured"] == 8 * 163  # whole parameters between steps (float64)
 
 
 def test_a_ddp_checkpoint_resumes_under_zero3(runs):
