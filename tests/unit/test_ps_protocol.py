@@ -34,12 +34,13 @@ def test_a_message_is_a_header_then_the_payload_bytes() -> None:
     assert torch.equal(payload_of(msg, torch.float64, 5), grad)
 
 
-@pytest.mark.parametrize("spec", [None, "fp16", "int8", "topk:0.25", "sign"])
+@pytest.mark.parametrize("spec", [None, "fp16", "int8", "topk:0.25", "randomk:0.25", "sign"])
 def test_gradient_coder_round_trips_and_sizes_every_payload_the_same(spec: str | None) -> None:
     codec = get_codec(spec) if spec else None
     sender, receiver = GradientCoder(64, torch.float32, codec), GradientCoder(64, torch.float32, codec)
     g = torch.randn(64, generator=torch.Generator().manual_seed(0))
     for _ in range(3):
+        before = sender.state.residual.clone() if sender.state.residual is not None else torch.zeros_like(g)
         payload = sender.encode(g)
         nbytes = payload.numel() * payload.element_size()
         assert nbytes == sender.payload_bytes
@@ -47,8 +48,9 @@ def test_gradient_coder_round_trips_and_sizes_every_payload_the_same(spec: str |
         if codec is None:
             assert torch.equal(got, g)
         elif codec.error_feedback:
-            # What was sent plus what is kept back is the gradient (plus the last residual).
-            assert got.shape == g.shape and sender.state.residual is not None
+            # The server decodes exactly what the worker meant to send: sent + kept back = gradient + old residual.
+            assert sender.state.residual is not None
+            assert torch.allclose(got + sender.state.residual, g + before, atol=1e-6)
         else:
             assert torch.allclose(got, g, atol=1e-2)
     if spec is not None:
