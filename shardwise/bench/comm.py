@@ -91,7 +91,8 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
             ws = Workspace()
             runs[algo] = (lambda a, w: lambda rec=None: allreduce(buf, "sum", algorithm=a, recorder=rec, workspace=w))(algo, ws)
         for spec in codecs:
-            codec, state, ws = get_codec(spec), CodecState(seed=rank), Workspace()
+            # One seed on every rank: random-k draws the same indices everywhere (shared randomness).
+            codec, state, ws = get_codec(spec), CodecState(seed=0), Workspace()
             assert isinstance(codec, Codec)  # main() turned powersgd away
             runs[f"compressed:{codec.spec}"] = (lambda c, s, w: lambda rec=None: compressed_allreduce(buf, c, s, op="sum", recorder=rec, workspace=w))(codec, state, ws)
         # Rounds inside the backend's allreduce are hidden: native, and the 16-bit casts that ride on it.
