@@ -27,7 +27,7 @@ from torch import nn
 from shardwise.comm.collectives import Group
 from shardwise.comm.p2p import Peers
 from shardwise.comm.recorder import CommEvent, Recorder
-from shardwise.strategies.local_sgd import Replicas, by_dtype, flatten, replica_tensors, unflatten_into
+from shardwise.strategies.local_sgd import Replicas, StatelessMixer, by_dtype, flatten, replica_tensors, unflatten_into
 
 
 def ring_neighbours(rank: int, size: int) -> list[int]:
@@ -63,24 +63,6 @@ def gossip_round(model: nn.Module, group: Group, recorder: Recorder | None) -> N
         recorder.add(CommEvent("gossip", group.name, p, payload, peers.sent, peers.received, time.perf_counter() - start, peers.steps))
 
 
-class RingGossip:
-    """Gossip's round: mix with the ring neighbours."""
-
-    def __init__(self) -> None:
-        self.group: Group | None = None
-        self.recorder: Recorder | None = None
-
-    def attach(self, model: nn.Module, group: Group, recorder: Recorder | None) -> None:
-        self.group, self.recorder = group, recorder
-
-    def round(self, model: nn.Module) -> None:
-        assert self.group is not None, "round before setup"
-        gossip_round(model, self.group, self.recorder)
-
-    def summary(self) -> dict[str, Any]:
-        return {"topology": "ring"}
-
-
 def gossip(*, sync_every: int = 1) -> Replicas:
     """Gossip (decentralized) SGD on a ring: neighbour averaging every ``sync_every`` steps (Lian et al. 2017)."""
-    return Replicas("gossip", "gossip", sync_every, RingGossip())
+    return Replicas("gossip", "gossip", sync_every, StatelessMixer(gossip_round, {"topology": "ring"}))

@@ -23,7 +23,7 @@ step, a ring gossip), flattening of parameters and floating-point buffers, and t
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -167,11 +167,17 @@ class Replicas:
         return {self.section: {"sync_every": self.sync_every, "rounds": self.rounds, "steps": self.steps, **self.mixer.summary()}}
 
 
-# -- local SGD --------------------------------------------------------------------------------------
-class Average:
-    """Local SGD's round: every replica becomes the mean of all of them (one allreduce per dtype)."""
+class StatelessMixer:
+    """A round that keeps no state of its own: ``mix(model, group, recorder)`` on the replicas.
 
-    def __init__(self) -> None:
+    Local SGD's round is `average_replicas` (every replica becomes the mean of all of
+    them); gossip's is a neighbour exchange. DiLoCo keeps an outer optimizer, so it
+    has its own mixer.
+    """
+
+    def __init__(self, mix: Callable[[nn.Module, Group, Recorder | None], None], summary: dict[str, Any] | None = None) -> None:
+        self.mix = mix
+        self._summary = dict(summary or {})
         self.group: Group | None = None
         self.recorder: Recorder | None = None
 
@@ -180,12 +186,13 @@ class Average:
 
     def round(self, model: nn.Module) -> None:
         assert self.group is not None, "round before setup"
-        average_replicas(model, self.group, self.recorder)
+        self.mix(model, self.group, self.recorder)
 
     def summary(self) -> dict[str, Any]:
-        return {}
+        return dict(self._summary)
 
 
+# -- local SGD --------------------------------------------------------------------------------------
 def local_sgd(*, sync_every: int = 8) -> Replicas:
     """Local SGD: replicas step alone and are averaged every ``sync_every`` steps (Stich 2019; Lin et al. 2020)."""
-    return Replicas("local-sgd", "local_sgd", sync_every, Average())
+    return Replicas("local-sgd", "local_sgd", sync_every, StatelessMixer(average_replicas))
