@@ -102,9 +102,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         callbacks.append(Straggler.from_spec(args.straggler))
     trainer = Trainer(config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler, metrics=parts.metrics, callbacks=callbacks)
     summary = trainer.fit(parts.model, parts.train, parts.val)
+    if parts.after_fit is not None and _is_rank_zero():
+        print(parts.after_fit(parts.model), flush=True)
     if args.print_summary:
         print(json.dumps(summary, indent=2, default=str))
     return 0
+
+
+def _is_rank_zero() -> bool:
+    from shardwise.launcher.env import detect_env
+
+    return detect_env().rank == 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -27,6 +27,8 @@ class RecipeParts:
     optimizer: Callable[[Any], Any]
     metrics: dict[str, Callable[[Any, Any], Any]] = field(default_factory=dict)
     lr_scheduler: Callable[[Any], Any] | None = None
+    after_fit: Callable[[nn.Module], str] | None = None
+    """Run on the trained model (whole, in the launching process) after fit; its text is printed (charlm samples text)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Recipe:
         return self.build({**self.options, **overrides})
 
 
-_RECIPES = {"digits": "shardwise.recipes.digits:RECIPE"}
+_RECIPES = {"digits": "shardwise.recipes.digits:RECIPE", "charlm": "shardwise.recipes.charlm:RECIPE"}
 
 
 def available() -> list[str]:
