@@ -65,6 +65,12 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--servers", type=int, metavar="K", help="ps: parameter-server processes among --nproc (sets strategy_options.servers)")
     p.add_argument("--mode", choices=["sync", "async", "ssp"], help="ps: sync (equals ddp), async, or ssp with --staleness (sets strategy_options.mode)")
     p.add_argument("--staleness", type=int, metavar="S", help="ps --mode ssp: no worker runs more than S steps ahead of the slowest (sets strategy_options.staleness)")
+    p.add_argument("--pp", type=int, metavar="N", help="pipeline: number of pipeline stages (sets strategy_options.pp)")
+    p.add_argument("--tp", type=int, metavar="N", help="tp/pipeline: tensor-parallel degree (sets strategy_options.tp)")
+    p.add_argument("--microbatches", type=int, metavar="M", help="pipeline: micro-batches per step (sets strategy_options.microbatches)")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], help="pipeline: schedule (sets strategy_options.schedule)")
+    p.add_argument("--sequence-parallel", action="store_true", default=None, help="tp: shard norms and dropout along the sequence (sets strategy_options.sequence_parallel)")
+    p.add_argument("--dp-strategy", choices=["ddp", "fsdp"], help="tp/pipeline: how the data-parallel dimension is kept in sync (sets strategy_options.dp_strategy)")
     p.add_argument("--straggler", metavar="RANK:FACTOR", help="slow rank RANK down FACTOR times on purpose (demonstrations, benchmarks)")
     p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
@@ -88,7 +94,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, dest)
         if value is not None:
             settings[name] = value
-    for option in ("allreduce", "compression", "offload", "sync_every", "servers", "mode", "staleness"):  # strategy options with flags of their own
+    for option in ("allreduce", "compression", "offload", "sync_every", "servers", "mode", "staleness",
+                   "pp", "tp", "microbatches", "schedule", "sequence_parallel", "dp_strategy"):  # strategy options with flags of their own
         value = getattr(args, option)
         if value is not None:
             settings["strategy_options"] = {**settings.get("strategy_options", {}), option: value}

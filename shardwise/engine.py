@@ -36,7 +36,7 @@ from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, co
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies import OptimizerFactory, StepFn, Strategy, get_strategy
-from shardwise.strategies.protocol import after_step, placement
+from shardwise.strategies.protocol import after_step, mesh_degrees, placement
 
 
 def seed_everything(seed: int) -> None:
@@ -67,7 +67,7 @@ class Engine:
         self.strategy.validate(self.env.world_size)
         self.device = choose_device(accelerator, self.env)
         self._owns_group = connect(self.env, self.device, timeout_s)
-        self.mesh = Mesh.build(world_size=self.env.world_size, rank=self.env.rank, device=self.device, **(mesh or {}))
+        self.mesh = Mesh.build(world_size=self.env.world_size, rank=self.env.rank, device=self.device, **mesh_degrees(self.strategy, mesh))
         self.precision = Precision(precision, self.device)
         self.recorder = Recorder()
         if deterministic:

@@ -27,6 +27,9 @@ _BUILTIN: dict[str, str] = {
     "zero3": "shardwise.strategies.fsdp:FSDP",
     "fsdp": "shardwise.strategies.fsdp:FSDP",
     "hsdp": "shardwise.strategies.fsdp:HSDP",
+    "pipeline": "shardwise.strategies.pipeline:Pipeline",
+    "tp": "shardwise.strategies.tensor_parallel:TensorParallel",
+    "naive-mp": "shardwise.strategies.naive_mp:NaiveModelParallel",
 }
 _EXTRA: dict[str, Callable[..., Strategy]] = {}
 

@@ -108,3 +108,28 @@ def placement(strategy: Any) -> Placement:
     """``strategy.placement()`` if it has one, else the default: this rank trains, on the whole world."""
     hook = getattr(strategy, "placement", None)
     return hook() if hook is not None else Placement()
+
+
+def mesh_degrees(strategy: Any, requested: dict[str, int] | None = None) -> dict[str, int]:
+    """The mesh degrees a strategy asks for (its optional ``mesh_degrees()``: pipeline ``pp``,
+    tensor ``tp``) merged with the ones a user set directly (``mesh={...}``); a conflict is a
+    `ConfigError`. ``dp`` is left out unless given: it is whatever the world size leaves."""
+    from shardwise.errors import ConfigError
+
+    hook = getattr(strategy, "mesh_degrees", None)
+    own = {k: int(v) for k, v in (hook() if hook is not None else {}).items()}
+    merged = dict(requested or {})
+    for key, value in own.items():
+        if key in merged and merged[key] != value:
+            raise ConfigError(f"strategy {getattr(strategy, 'name', strategy)!r} asks for {key}={value} but the mesh settings say {key}={merged[key]}")
+        merged[key] = value
+    return merged
+
+
+def check_batch(strategy: Any, micro_batch: int, accumulate: int) -> None:
+    """``strategy.check_batch(micro_batch, accumulate)`` if it has one: refuse, before anything
+    runs, a batch the strategy cannot split (a pipeline's micro-batches). Each step hands
+    ``forward_backward`` ``accumulate`` loader micro-batches of ``micro_batch`` samples per rank."""
+    hook = getattr(strategy, "check_batch", None)
+    if hook is not None:
+        hook(micro_batch, accumulate)

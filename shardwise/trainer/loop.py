@@ -16,7 +16,7 @@ from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import launch
 from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
-from shardwise.strategies.protocol import trainers
+from shardwise.strategies.protocol import check_batch, mesh_degrees, trainers
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.logging import Progress, RunFiles
 
@@ -119,8 +119,14 @@ class Trainer:
         dataset, _, _, dl_batch = unpack_data(train_data)
         if dataset is None:
             raise ConfigError("fit needs training data: a Dataset or a DataLoader")
-        dp = world // max(1, cfg.mesh.get("pp", 1) * cfg.mesh.get("tp", 1))
-        per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
+        degrees = mesh_degrees(strategy, cfg.mesh)
+        if world % (degrees.get("pp", 1) * degrees.get("tp", 1)):
+            from shardwise.mesh import Mesh
+
+            Mesh.build(world_size=world, **degrees)  # raises with the valid shapes
+        dp = degrees.get("dp") or world // (degrees.get("pp", 1) * degrees.get("tp", 1))
+        micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
+        check_batch(strategy, micro, cfg.accumulate)
 
     def _global_batch(self, dl_batch: int | None) -> int:
         return self.config.global_batch_size or dl_batch or 32
