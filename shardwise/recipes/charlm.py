@@ -256,7 +256,7 @@ RECIPE = Recipe(
     build=build,
     options={
         "block_size": 64, "d_model": 128, "n_heads": 4, "n_layers": 4, "dropout": 0.0,
-        "lr": 3e-3, "weight_decay": 0.01, "val_fraction": 0.1, "stride": 64, "val_windows": 256, "sample_chars": 200,
+        "lr": 1e-3, "weight_decay": 0.01, "val_fraction": 0.1, "stride": 64, "val_windows": 256, "sample_chars": 200,
     },
     trainer_defaults={"global_batch_size": 32, "max_steps": 300, "log_every": 20, "val_every": 100, "checkpoint_every": 100},
 )
