@@ -86,6 +86,17 @@ class Mesh:
             self._groups[dim] = Group(dim, self._device_mesh()[dim].get_group())
         return self._groups[dim]
 
+    def device_mesh(self, *dims: str) -> Any:
+        """torch's ``DeviceMesh`` over one or more of this mesh's dimensions (``mesh.device_mesh("dp")``,
+        ``mesh.device_mesh("dp", "tp")``), for DTensor, FSDP2 and tensor parallelism; collective on first use."""
+        if not dims:
+            return self._device_mesh()
+        unknown = [d for d in dims if d not in self.degrees]
+        if unknown:
+            raise KeyError(f"mesh has no dimension {unknown[0]!r}; it has {list(self.degrees)}")
+        full = self._device_mesh()
+        return full[dims[0]] if len(dims) == 1 else full[tuple(dims)]
+
     def _device_mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
