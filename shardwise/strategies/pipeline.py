@@ -108,7 +108,7 @@ def balance(weights: Sequence[int], parts: int) -> list[int]:
                 if prev == inf or run <= 0:
                     continue
                 cand = (max(prev[0], run), prev[1] + run * run)
-                if cand < best[j][i]:
+                if cand <= best[j][i]:  # ties: the later cut (a layer without parameters stays with the one before)
                     best[j][i], cut[j][i] = cand, s
     starts, i = [], n
     for j in range(parts, 0, -1):

@@ -1,0 +1,124 @@
+"""``naive-mp``: one process, the model's layers placed across several devices, run one after
+the other (the lectures' ``ToyMpModel``: ``net1`` on ``cuda:0``, ``net2`` on ``cuda:1``, the
+activation moved between them).
+
+Only one device computes at a time, so this is model parallelism without any overlap: it lets
+a model that does not fit one device run, at the speed of one device (the pipeline strategy
+overlaps micro-batches instead). The model is split as ``pipeline`` splits it (a sequence of
+layers, balanced by parameter count or at ``split_points``), and keeps its original names, so
+checkpoints move to and from every other strategy.
+
+>>> import torch
+>>> from torch import nn
+>>> mp = apply_naive_mp(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), ["cpu", "cpu"])
+>>> [str(d) for d in mp.devices], mp.stage_layers
+(['cpu', 'cpu'], [['0', '1'], ['2']])
+>>> mp(torch.zeros(3, 4)).shape
+torch.Size([3, 2])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ClassVar, ContextManager, Sequence
+
+import torch
+from torch import nn
+
+from shardwise.comm.recorder import Recorder
+from shardwise.errors import ConfigError
+from shardwise.mesh import Mesh
+from shardwise.precision import Precision, move
+from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
+from shardwise.strategies.pipeline import StageModule, _register, sequence_layers, split_layers
+from shardwise.strategies.protocol import OptimizerFactory, StepFn
+
+
+class NaiveMP(nn.Module):
+    """The model's layers spread over ``devices``; ``forward`` moves the activation to each stage's
+    device, and the output to ``output_device`` (the first device: where the loader puts labels)."""
+
+    def __init__(self, stages: Sequence[StageModule], devices: Sequence[torch.device], output_device: torch.device) -> None:
+        super().__init__()
+        for stage in stages:
+            for name in stage.layer_names:
+                _register(self, name, stage.get_submodule(name))
+        self._stages = list(stages)
+        self.devices = list(devices)
+        self.output_device = output_device
+        self.stage_layers = [list(s.layer_names) for s in stages]
+
+    def forward(self, *x: Any) -> Any:
+        out: Any = x
+        for stage, device in zip(self._stages, self.devices):
+            out = stage(*move(out, device)) if isinstance(out, tuple) else stage(move(out, device))
+        return move(out, self.output_device)
+
+
+def apply_naive_mp(model: nn.Module, devices: Sequence[str | torch.device], split_points: Sequence[str] | None = None, output_device: str | torch.device | None = None) -> NaiveMP:
+    """Split ``model`` into ``len(devices)`` stages and put stage ``i`` on ``devices[i]``."""
+    devs = [torch.device(d) for d in devices]
+    if len(devs) < 2:
+        raise ConfigError(f"naive model parallelism needs at least 2 devices; got {[str(d) for d in devs]}")
+    runs = split_layers(sequence_layers(model), len(devs), split_points)
+    stages = [StageModule(run).to(dev) for run, dev in zip(runs, devs)]
+    return NaiveMP(stages, devs, torch.device(output_device) if output_device is not None else devs[0])
+
+
+class NaiveModelParallel:
+    """Layers placed across the visible CUDA devices of one process (or the ``devices`` given)."""
+
+    name: ClassVar[str] = "naive-mp"
+
+    def __init__(self, *, devices: Sequence[str] | None = None, split_points: Sequence[str] | None = None) -> None:
+        if isinstance(devices, str):
+            devices = [d for d in devices.split(",") if d]
+        if isinstance(split_points, str):
+            split_points = [s for s in split_points.split(",") if s]
+        self.devices = list(devices) if devices is not None else None
+        self.split_points = list(split_points or [])
+        self.stage_layers: list[list[str]] = []
+
+    def _devices(self) -> list[str]:
+        if self.devices is not None:
+            return self.devices
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+    def validate(self, world_size: int) -> None:
+        if world_size != 1:
+            raise ConfigError(f"naive-mp runs in one process that drives several devices; got a world size of {world_size}; use strategy 'pipeline' for one process per stage")
+        devices = self._devices()
+        if len(devices) < 2:
+            raise ConfigError(
+                f"naive-mp places layers on several GPUs of one process, but this machine has {len(devices)} visible "
+                "CUDA device(s); it needs at least 2. Use strategy 'pipeline' (--strategy pipeline --pp N --nproc N), "
+                "which splits the model the same way across processes and also runs on CPUs"
+            )
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.validate(1)
+        wrapped = apply_naive_mp(model, self._devices(), self.split_points, output_device=mesh.device)
+        self.stage_layers = wrapped.stage_layers
+        return wrapped, make_optimizer(wrapped.parameters())
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        return accumulate_backward(model, microbatches, step_fn, precision)
+
+    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        # One process holds every gradient; clip_grad_norm_ handles tensors on several devices.
+        return clip_local(model, max_norm)
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        return plain_state_dict(model, optimizer)
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+        load_plain_state_dict(model, optimizer, state)
+
+    def summary(self) -> dict[str, Any]:
+        return {"naive_mp": {"devices": self._devices(), "stage_layers": self.stage_layers}}

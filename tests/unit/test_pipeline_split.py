@@ -1,0 +1,251 @@
+"""Pipeline splitting (balance, split points, names), the bubble formulas, naive layer placement,
+and the configurations refused before anything runs. No process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from shardwise import Trainer
+from shardwise.errors import ConfigError
+from shardwise.plan.bubble import idle_to_busy, measured_bubble, predicted_bubble, step_bubbles
+from shardwise.recipes.charlm import CharGPT
+from shardwise.strategies import get_strategy
+from shardwise.strategies.naive_mp import NaiveModelParallel, apply_naive_mp
+from shardwise.strategies.pipeline import (
+    Pipeline, StageModule, balance, check_rows, check_schedule, concat_batches, sequence_layers, split_batch, split_layers,
+)
+
+
+def gpt(n_layers: int = 4) -> CharGPT:
+    torch.manual_seed(0)
+    return CharGPT(11, 8, 16, 2, n_layers).double()
+
+
+def names(runs):
+    return [[n for n, _ in run] for run in runs]
+
+
+# -- layers and names ------------------------------------------------------------------------------
+
+
+def test_chargpt_layers_are_embed_blocks_head():
+    assert [n for n, _ in sequence_layers(gpt())] == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    assert [n for n, _ in sequence_layers(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)))] == ["0", "1", "2"]
+
+
+def test_a_stage_keeps_the_original_names_and_runs_its_layers_in_order():
+    model = gpt()
+    runs = split_layers(sequence_layers(model), 2, ["blocks.2"])
+    full = model.state_dict()
+    second = StageModule(runs[1])
+    assert list(second.state_dict()) == [k for k in full if k.startswith(("blocks.2.", "blocks.3.", "head."))]
+    first = StageModule(runs[0])
+    assert list(first.state_dict()) + list(second.state_dict()) == list(full)  # the whole model, in order
+    x = torch.randint(0, 11, (3, 8))
+    torch.testing.assert_close(second(first(x)), model(x), rtol=0, atol=0)
+    # The stage's tensors are the model's (no copy): a checkpoint of the stage is a slice of the model's.
+    assert second.state_dict()["blocks.2.attn.q.weight"].data_ptr() == full["blocks.2.attn.q.weight"].data_ptr()
+
+
+def test_models_that_cannot_be_split_are_config_errors():
+    class OwnParam(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(1))
+            self.lin = nn.Linear(2, 2)
+
+    with pytest.raises(ConfigError, match=r"holds tensors of its own \(scale\)"):
+        sequence_layers(OwnParam())
+    with pytest.raises(ConfigError, match="it has no child modules"):
+        sequence_layers(nn.Module())
+    holder = nn.Module()
+    holder.parts = nn.ModuleDict({"a": nn.Linear(2, 2)})
+    with pytest.raises(ConfigError, match="ModuleDict"):
+        sequence_layers(holder)
+
+
+def test_fewer_layers_than_stages_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"the model has 4 layers \(4 with parameters.*needs 6 stages"):
+        split_layers(sequence_layers(gpt(2)), 6)
+
+
+# -- balance ---------------------------------------------------------------------------------------
+
+
+def test_balance_minimises_the_largest_stage():
+    assert balance([4, 1, 1, 1, 1], 2) == [0, 1]
+    assert balance([1, 1, 1, 1], 2) == [0, 2]
+    assert balance([1, 1, 1, 1, 1, 1, 1, 1], 4) == [0, 2, 4, 6]
+    assert balance([5, 1, 1, 1, 1, 5], 3) == [0, 1, 5]
+    # A layer without parameters (an activation) stays with the layer before it.
+    assert balance([3, 0, 3, 0], 2) == [0, 2]
+    with pytest.raises(ValueError):
+        balance([1, 0, 0], 2)
+
+
+def test_chargpt_balanced_by_parameter_count():
+    model = gpt()
+    runs = split_layers(sequence_layers(model), 2)
+    assert names(runs) == [["embed", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]
+    counts = [sum(p.numel() for _, m in run for p in m.parameters()) for run in runs]
+    assert sum(counts) == sum(p.numel() for p in model.parameters())
+    # No other 2-way cut has a smaller largest stage.
+    layer_counts = [sum(p.numel() for p in m.parameters()) for _, m in sequence_layers(model)]
+    best = min(max(sum(layer_counts[:c]), sum(layer_counts[c:])) for c in range(1, len(layer_counts)))
+    assert max(counts) == best
+    # Interleaved: pp 2 x v 2 = 4 stages.
+    assert len(split_layers(sequence_layers(model), 4)) == 4
+
+
+def test_split_points_name_where_stages_start():
+    layers = sequence_layers(gpt())
+    assert names(split_layers(layers, 2, ["blocks.1"])) == [["embed", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3", "head"]]
+    assert names(split_layers(layers, 3, ["embed", "blocks.1", "head"])) == [["embed", "blocks.0"], ["blocks.1", "blocks.2", "blocks.3"], ["head"]]
+    with pytest.raises(ConfigError, match=r"split_points \['block.1'\] are not layers of the model"):
+        split_layers(layers, 2, ["block.1"])
+    with pytest.raises(ConfigError, match="make 3 stages but the pipeline has 2"):
+        split_layers(layers, 2, ["blocks.1", "blocks.2"])
+    with pytest.raises(ConfigError, match="in model order"):
+        split_layers(layers, 3, ["blocks.2", "blocks.1"])
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        split_layers(sequence_layers(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))), 3, ["1", "2"])
+
+
+def test_batches_split_like_the_schedule_splits_inputs():
+    x, y = torch.arange(12).reshape(6, 2), torch.arange(6)
+    chunks = split_batch((x, y), 3)
+    assert len(chunks) == 3 and all(isinstance(c, tuple) for c in chunks)
+    torch.testing.assert_close(chunks[1][0], x[2:4])
+    torch.testing.assert_close(chunks[2][1], y[4:6])
+    whole = concat_batches([(x[:3], y[:3]), (x[3:], y[3:])])
+    torch.testing.assert_close(whole[0], x)
+
+
+# -- bubble formulas -----------------------------------------------------------------------------
+
+
+def test_bubble_formulas():
+    assert predicted_bubble("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert predicted_bubble("1f1b", 2, 4) == pytest.approx(1 / 5)
+    assert predicted_bubble("interleaved", 4, 8, v=2) == pytest.approx(3 / 19)
+    assert predicted_bubble("gpipe", 4, 8, v=2) == predicted_bubble("gpipe", 4, 8)  # v only matters interleaved
+    assert predicted_bubble("gpipe", 1, 8) == 0.0
+    # The paper's idle/busy ratio and the idle share of the step describe the same times.
+    for sched, p, m, v in (("gpipe", 4, 8, 1), ("interleaved", 4, 8, 2), ("1f1b", 2, 16, 1)):
+        r = idle_to_busy(sched, p, m, v)
+        assert predicted_bubble(sched, p, m, v) == pytest.approx(r / (1 + r))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        predicted_bubble("zb", 2, 2)
+
+
+def test_measured_bubble_from_busy_and_wall_times():
+    assert measured_bubble(3.0, 4.0) == 0.25
+    assert measured_bubble(1.0, 0.0) == 0.0
+    # Two stages of a GPipe step, m = 2, t_f = t_b = 1: wall 6, each busy 4.
+    wall, bubbles = step_bubbles([4.0, 4.0], [10.0, 10.0], [16.0, 15.0])
+    assert wall == 6.0 and bubbles == [pytest.approx(1 / 3), pytest.approx(1 / 3)]
+    assert bubbles[0] == pytest.approx(predicted_bubble("gpipe", 2, 2))
+
+
+# -- refused before anything runs ---------------------------------------------------------------
+
+
+def test_schedule_validation():
+    with pytest.raises(ConfigError, match=r"1f1b needs at least as many micro-batches as stages; got microbatches=2 < pp=4"):
+        check_schedule("1f1b", 4, 2, 1)
+    with pytest.raises(ConfigError, match="unknown pipeline schedule 'gpipe2'.*Did you mean 'gpipe'"):
+        Pipeline(schedule="gpipe2")
+    with pytest.raises(ConfigError, match="multiple of max"):
+        check_schedule("interleaved", 2, 7, 2)  # rounds of max(1, 7 // 2) = 3 micro-batches: 7 is not a multiple
+    with pytest.raises(ConfigError, match="virtual_stages >= 2"):
+        Pipeline(schedule="interleaved", virtual_stages=1)
+    with pytest.raises(ConfigError, match="needs schedule interleaved"):
+        Pipeline(schedule="gpipe", virtual_stages=2)
+    with pytest.raises(ConfigError, match="dp_strategy"):
+        Pipeline(dp_strategy="zero")
+    check_schedule("gpipe", 4, 2, 1)  # GPipe runs any m
+    check_schedule("interleaved", 2, 4, 2)
+    assert Pipeline(schedule="interleaved").virtual_stages == 2
+    assert get_strategy("pipeline", pp=2).mesh_degrees() == {"pp": 2, "tp": 1}
+
+
+def test_pp_that_does_not_divide_the_world_lists_valid_shapes():
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by pp 2 x tp 1; valid shapes: .*dp3xpp1xtp1"):
+        Pipeline(pp=2).validate(3)
+
+
+def test_indivisible_batch_is_refused():
+    with pytest.raises(ConfigError, match="per-rank batch of 6 samples does not split into 4 equal pipeline micro-batches"):
+        Pipeline(pp=2, microbatches=4, schedule="gpipe").check_batch(3, 2)
+    Pipeline(pp=2, microbatches=4).check_batch(4, 2)
+    with pytest.raises(ConfigError):
+        check_rows(2, 4, "x")
+
+
+def _lm(output, batch):
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), batch[1].reshape(-1))
+
+
+def _tokens(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, 11, (n, 8), generator=g), torch.randint(0, 11, (n, 8), generator=g))
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(strategy_options=dict(pp=2, microbatches=1, schedule="1f1b")), "1f1b needs at least as many micro-batches as stages"),
+        (dict(strategy_options=dict(pp=2, microbatches=4, schedule="gpipe"), global_batch_size=6), "per-rank batch of 6 samples does not split into 4"),
+        (dict(strategy_options=dict(pp=2, microbatches=4, schedule="gpipe"), global_batch_size=12, accumulate=2, nproc=4), "per-rank batch of 6 samples"),
+        (dict(strategy_options=dict(pp=2), nproc=3), "world size 3 is not divisible by pp 2"),
+        (dict(strategy_options=dict(pp=2, schedule="interleaved", microbatches=3)), None),
+    ],
+)
+def test_the_trainer_refuses_before_launch(settings, message):
+    settings = {"nproc": 2, "global_batch_size": 8, "max_steps": 1, "progress_bar": False, **settings}
+    trainer = Trainer(strategy="pipeline", loss_fn=_lm, **settings)
+    if message is None:  # interleaved with 3 micro-batches at pp 2: rounds of 1 micro-batch; 8 rows do not split into 3
+        message = "does not split into 3"
+    with pytest.raises(ConfigError, match=message):
+        trainer._check(gpt(), _tokens())
+
+
+# -- naive layer placement -------------------------------------------------------------------------
+
+
+def test_naive_placement_on_fake_devices_equals_the_model():
+    model = gpt()
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 11, (3, 8))
+    want = model(x)
+    mp = apply_naive_mp(model, ["cpu", "cpu", "cpu"])
+    assert len(mp.stage_layers) == 3 and sum(len(s) for s in mp.stage_layers) == 6
+    assert [str(d) for d in mp.devices] == ["cpu"] * 3
+    assert list(mp.state_dict()) == list(ref)  # original names, original order
+    torch.testing.assert_close(mp(x), want, rtol=0, atol=0)
+    mp2 = apply_naive_mp(gpt(), ["cpu", "cpu"], split_points=["blocks.3"])
+    assert mp2.stage_layers == [["embed", "blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "head"]]
+
+
+def test_naive_placement_trains_like_single():
+    torch.manual_seed(1)
+    trainer_args = dict(precision="64", global_batch_size=8, max_steps=3, progress_bar=False, loss_fn=_lm, accelerator="cpu")
+    ref = gpt()
+    Trainer(strategy="single", **trainer_args).fit(ref, _tokens())
+    mp = gpt()
+    summary = Trainer(strategy="naive-mp", strategy_options={"devices": ["cpu", "cpu"]}, **trainer_args).fit(mp, _tokens())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(mp.state_dict()[k], v, rtol=0, atol=1e-12)
+    assert summary["naive_mp"]["stage_layers"] == [["embed", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs: naive-mp is allowed")
+def test_naive_mp_without_two_gpus_says_so_and_suggests_pipeline():
+    with pytest.raises(ConfigError, match=r"needs at least 2. Use strategy 'pipeline'"):
+        get_strategy("naive-mp").validate(1)
+    with pytest.raises(ConfigError, match="world size of 2"):
+        NaiveModelParallel(devices=["cpu", "cpu"]).validate(2)
