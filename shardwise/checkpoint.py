@@ -117,11 +117,16 @@ def write(
     barrier: Callable[[], None],
     meta: dict[str, Any] | None = None,
     sharded: dict[str, Any] | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write a checkpoint directory ``final`` atomically; every rank calls it (rank 0 passes ``shared``).
 
     ``sharded`` (every rank, the same keys) is state of DTensors, written collectively with
     ``torch.distributed.checkpoint`` into ``dcp/`` of the temporary directory.
+    ``extra(tmp)`` runs on every rank after its own files and before the closing barrier:
+    files it puts in the temporary directory (each replica's own state, a parameter server's
+    shards, written by the servers themselves) are hashed into the manifest and published by
+    the same rename.
     """
     final = Path(final)
     root = final.parent
@@ -141,6 +146,8 @@ def write(
         if shared is None:
             raise CheckpointError("rank 0 must pass the shared state to write a checkpoint")
         _write(tmp / "state.pt", shared)
+    if extra is not None:
+        extra(tmp)
     barrier()
     if rank == 0:
         files = {p.relative_to(tmp).as_posix(): {"sha256": sha256(p), "bytes": p.stat().st_size} for p in sorted(tmp.rglob("*")) if p.is_file()}

@@ -81,6 +81,13 @@ class Engine:
         """The ranks that run the loop (the world, unless the strategy's placement keeps some to serve)."""
         self.trains = True
         """False on a rank that only serves (a parameter server): it served in ``setup``; skip the loop."""
+        self.data_mesh: Mesh = self.mesh
+        """The mesh the training data is sharded over: the loop's mesh, unless the strategy's optional
+        ``data_mesh()`` says otherwise (asynchronous parameter-server workers take their slice of
+        each global batch, but log, evaluate and checkpoint alone)."""
+        self.writes_checkpoints = True
+        """False on a training rank whose loop group lacks rank 0 (it loops alone, as an async
+        parameter-server worker does): ``save`` writes nothing there, so it never races rank 0."""
         self.steps_taken = 0
         if self.is_rank_zero and self.env.distributed and dist.is_initialized():
             print(f"shardwise: {self.env.world_size} processes, backend {dist.get_backend()} on {self.device.type}, strategy {self.strategy.name}", flush=True)
@@ -126,6 +133,10 @@ class Engine:
         self.trains = place.trains
         self.mesh = place.mesh or self.mesh
         self.group = place.group or self.group
+        data_mesh = getattr(self.strategy, "data_mesh", None)
+        self.data_mesh = (data_mesh() if data_mesh is not None else None) or self.mesh
+        if self.group.pg is not None and dist.is_initialized():
+            self.writes_checkpoints = 0 in dist.get_process_group_ranks(self.group.pg)
         return wrapped, optimizer
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -218,6 +229,8 @@ class Engine:
             else:
                 shared[key] = value
         shared["__precision__"] = self.precision.state_dict()
+        # The optimizer-step count drives after_step rounds (local SGD's every H): it must survive a resume.
+        shared["__engine__"] = {"steps_taken": self.steps_taken}
         return shared, (sharded or None)
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any], *, meta: dict[str, Any] | None = None) -> Path:
@@ -227,7 +240,11 @@ class Engine:
         with ``state_dict()`` (schedulers, the data loader), or to plain values.
         Every rank's RNG streams are saved with it. Under a sharded strategy the model
         and optimizer are written in shards by every rank (``dcp/``, see `shardwise.checkpoint`).
+        A strategy's optional ``save_extra_state(model, optimizer, directory)`` adds its own files
+        (each replica's state, the parameter servers' shards) before the manifest is written.
         """
+        if not self.writes_checkpoints:
+            return Path(path)  # this rank loops alone; rank 0 writes the run's checkpoints
         # Every rank builds the state (a sharded strategy's is collective); rank 0 writes the shared part.
         split, sharded = self._split_state(state)
         shared: dict[str, Any] | None = split
@@ -239,9 +256,12 @@ class Engine:
             model_state = (sharded or split)[models[0]] if models else None
             meta["model_fingerprint"] = ckpt.fingerprint(model_state) if model_state is not None else None
             meta["strategy"] = self.strategy.name
+        save_extra = getattr(self.strategy, "save_extra_state", None)
+        model, optimizer = self._model, self._optimizer
+        extra = (lambda tmp: save_extra(model, optimizer, tmp)) if save_extra is not None and model is not None else None
         return ckpt.write(
             Path(path), rank=self.rank, world_size=self.world_size, shared=shared,
-            own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta, sharded=sharded,
+            own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta, sharded=sharded, extra=extra,
         )
 
     def consolidated_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -273,6 +293,9 @@ class Engine:
                 if optim_key is not None:
                     sub["optimizer"] = shared[optim_key]
             self.strategy.load_state_dict(model, optimizer, sub)
+            load_extra = getattr(self.strategy, "load_extra_state", None)
+            if load_extra is not None:
+                load_extra(model, optimizer, path)
         for key, value in state.items():
             if key in (model_key, optim_key):
                 continue
@@ -281,6 +304,7 @@ class Engine:
             else:
                 plain[key] = shared[key]
         self.precision.load_state_dict(shared.get("__precision__", {}))
+        self.steps_taken = int(shared.get("__engine__", {}).get("steps_taken", self.steps_taken))
         if restore_rng:
             if own is not None:
                 ckpt.restore_rng(own["rng"])

@@ -6,6 +6,11 @@ watches all of them: when one fails, the others are stopped at once (they would
 otherwise wait in a collective until its timeout) and the failure is raised in
 the parent with the worker's traceback; a launch that runs past ``timeout``
 is stopped and names the ranks still running.
+
+``expendable`` names ranks the job can lose (asynchronous parameter-server workers,
+which no other rank waits for): when one of them dies or fails, the parent says so on
+stderr and waits for the others; its result is ``None``. Every other rank still stops
+the job at once.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import pickle
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from shardwise.errors import ConfigError, LaunchError
 
@@ -100,11 +105,13 @@ def launch(
     threads_per_proc: int | None = None,
     accelerator: str = "cpu",
     collective_timeout_s: float = 120.0,
+    expendable: Collection[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local processes joined in one process group.
 
-    Returns the list of each rank's return value. ``fn`` and its arguments are
+    Returns the list of each rank's return value (``None`` for a rank of ``expendable``
+    that died or failed: the others ran on without it). ``fn`` and its arguments are
     pickled by value (each rank gets its own copy of every tensor), so they must be
     picklable: a function defined at the top level of a module. In a notebook,
     define it in a module, or run the notebook's code as a script with ``shardwise run``.
@@ -117,6 +124,9 @@ def launch(
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc must be a whole number >= 1; got {nproc!r}")
+    lost_ok = set(expendable)
+    if 0 in lost_ok or any(not isinstance(r, int) or not 0 <= r < nproc for r in lost_ok):
+        raise ConfigError(f"expendable ranks must be in 1 .. {nproc - 1} (rank 0 reports the result); got {sorted(expendable)}")
     if start_method not in mp.get_all_start_methods():
         raise ConfigError(f"start_method must be one of {mp.get_all_start_methods()}; got {start_method!r}")
     import torch.distributed as dist
@@ -152,7 +162,7 @@ def launch(
             child_conn.close()
             procs.append(p)
             conns[rank] = parent_conn
-        return _supervise(procs, conns, timeout)
+        return _supervise(procs, conns, timeout, lost_ok)
     finally:
         for p in procs:
             if p.is_alive():
@@ -166,7 +176,8 @@ def launch(
 
 
 def _supervise(
-    procs: list[mp.process.BaseProcess], conns: dict[int, mpc.Connection], timeout: float | None
+    procs: list[mp.process.BaseProcess], conns: dict[int, mpc.Connection], timeout: float | None,
+    expendable: Collection[int] = (),
 ) -> list[Any]:
     results: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -183,11 +194,22 @@ def _supervise(
                     status, payload = conn.recv()
                 except EOFError:
                     procs[rank].join(_GRACE_S)
+                    if rank in expendable:
+                        del pending[rank]
+                        results[rank] = None
+                        print(f"shardwise: rank {rank} died with exit code {procs[rank].exitcode}; the strategy "
+                              "can lose it, so the run goes on without it", file=sys.stderr, flush=True)
+                        continue
                     raise LaunchError(
                         f"rank {rank} died with exit code {procs[rank].exitcode} before reporting a result "
                         "(killed, out of memory, or a crash in native code)"
                     ) from None
                 del pending[rank]
+                if status == "error" and rank in expendable:
+                    results[rank] = None
+                    print(f"shardwise: rank {rank} failed; the strategy can lose it, so the run goes on without it:\n"
+                          f"{payload[1]}", file=sys.stderr, flush=True)
+                    continue
                 if status == "error":
                     exc_payload, tb = payload
                     exc = pickle.loads(exc_payload)

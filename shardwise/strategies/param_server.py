@@ -26,15 +26,30 @@ under ``ps``, with the updates each server applied and the workers it lost.
 optimizer, workers compute, updates are synchronous; here it is ``ps`` with one server in
 sync mode.
 
-Known limits: the servers' shards and optimizer state are not in checkpoints yet (a
-checkpoint holds worker 0's model, and resuming is refused with a ConfigError rather than
-silently restarting the servers); clipping is per worker (before the push).
+Checkpoints: ``save_extra_state`` (worker 0, called by the engine inside the checkpoint's
+temporary directory) has every server write its shard, optimizer state and version there
+(``server-NNN.pt``) before the manifest; ``load_extra_state`` (every worker) has every server
+restore its file and answer with its parameters. Workers keep their clock in the
+`RemoteOptimizer`'s state. A sync run resumed in new processes equals an uninterrupted one
+bit for bit; an async or ssp resume continues from the servers' state at the save (which
+gradients were in flight then is timing, so it cannot be bit-exact).
+
+Lost workers: under ``async`` and ``ssp`` no worker waits for another, so each worker's
+loop runs alone (the trainer's logged loss, evaluation and checkpoints: its own; rank 0's
+are the run's), ``data_mesh()`` still splits each global batch over the workers, and
+``expendable_ranks`` lets `shardwise.launch` lose workers other than rank 0: the servers
+drop a worker silent for ``worker_timeout_s`` and summary.json lists it under
+``ps.lost_workers``. Under ``sync`` a lost worker stops the run (the launcher names it).
+
+Known limits: clipping is per worker (before the push); codecs' error-feedback residuals
+(worker side) restart at zero after a resume.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any, ClassVar, ContextManager, Sequence
 
 import torch
@@ -44,14 +59,14 @@ from torch import nn
 from shardwise.comm.codecs import Codec, PowerSGD, get_codec
 from shardwise.comm.collectives import Group
 from shardwise.comm.recorder import CommEvent, Recorder
-from shardwise.errors import ConfigError
+from shardwise.errors import CheckpointError, ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
-from shardwise.strategies.common import accumulate_backward, clip_local, plain_state_dict
+from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
 from shardwise.strategies.protocol import OptimizerFactory, Placement, StepFn
 from shardwise.strategies.ps_protocol import (
-    DONE, HEADER_BYTES, PULL_TAG, PUSH, PUSH_TAG, STATS_TAG, VERSION,
-    GradientCoder, ServerStats, header, pack, partition_by_bytes, payload_of, unpack_header,
+    CTRL_TAG, DONE, HEADER_BYTES, KIND, LOAD, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED, SERVER_FILE, STATS_TAG, VERSION,
+    GradientCoder, ServerStats, header, pack, partition_by_bytes, path_bytes, payload_of, unpack_header,
 )
 from shardwise.strategies.ps_server import Server
 
@@ -107,6 +122,29 @@ class Client:
         self.recorder.add(CommEvent("push", "ps", k + 1, dense, sum(self.message_bytes), 0, pushed - start, 1))
         self.recorder.add(CommEvent("pull", "ps", k + 1, dense, 0, sum(self.reply_bytes), end - pushed, 1))
 
+    def save(self, directory: Path) -> None:
+        """Have every server write its file into ``directory``; returns once all of them have."""
+        raw = path_bytes(directory)
+        for s, dst in enumerate(self.server_ranks):
+            dist.send(pack(header(SAVE, self.worker, 0, 0.0, 0, raw.numel()), None, self.message_bytes[s]), dst=dst, tag=PUSH_TAG)
+            dist.send(raw, dst=dst, tag=CTRL_TAG)
+        for src in self.server_ranks:
+            ack = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+            dist.recv(ack, src=src, tag=CTRL_TAG)
+            assert float(unpack_header(ack)[KIND]) == SAVED, f"server rank {src} answered a save with {unpack_header(ack).tolist()}"
+
+    def load(self, directory: Path, clock: int) -> None:
+        """Have every server restore its file from ``directory``, and take the parameters they answer with."""
+        raw = path_bytes(directory)
+        for s, dst in enumerate(self.server_ranks):
+            dist.send(pack(header(LOAD, self.worker, clock, 0.0, 0, raw.numel()), None, self.message_bytes[s]), dst=dst, tag=PUSH_TAG)
+            dist.send(raw, dst=dst, tag=CTRL_TAG)
+        for s, src in enumerate(self.server_ranks):
+            reply = torch.empty(self.reply_bytes[s], dtype=torch.uint8)
+            dist.recv(reply, src=src, tag=PULL_TAG)
+            self.versions[s] = int(unpack_header(reply)[VERSION])
+            self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
+
     def finish(self, report: bool) -> list[ServerStats]:
         """Tell every server this worker is done; the reporting worker then gets their stats and final parameters."""
         if self.finished:
@@ -143,6 +181,16 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.client.push_pull(self.steps, float(self.param_groups[0]["lr"]))
         self.steps += 1
 
+    def state_dict(self) -> dict[str, Any]:
+        # The worker's clock (steps pushed) goes with the learning rate: the servers' staleness
+        # bookkeeping counts from it after a resume.
+        return {**super().state_dict(), "clock": self.steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        self.steps = int(state.pop("clock", self.steps))
+        super().load_state_dict(state)
+
 
 class PS:
     """Parameter servers: ``servers`` of the ranks hold the parameters, the rest compute gradients."""
@@ -173,6 +221,7 @@ class PS:
         self.world_size = 0
         self._placement = Placement()
         self.client: Client | None = None
+        self._data_mesh: Mesh | None = None
         self.shard_bytes: list[int] = []
         self.stats: list[ServerStats] = []
         self.serve_s = 0.0
@@ -192,6 +241,19 @@ class PS:
     def placement(self) -> Placement:
         return self._placement
 
+    @property
+    def alone(self) -> bool:
+        """Whether each worker's loop runs alone: async and ssp workers never wait for each other."""
+        return self.mode != "sync"
+
+    def data_mesh(self) -> Mesh | None:
+        """The workers' mesh that global batches are split over (None: the loop's own mesh)."""
+        return self._data_mesh
+
+    def expendable_ranks(self, world_size: int) -> list[int]:
+        """Ranks the run can lose: async and ssp workers other than rank 0 (which writes the summary)."""
+        return list(range(1, world_size - self.servers)) if self.alone else []
+
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
         if not dist.is_initialized():
             raise ConfigError("strategy 'ps' needs a process group; start the run with nproc >= servers + 1 through shardwise")
@@ -208,15 +270,18 @@ class PS:
         server_ranks = list(range(workers, world))
         shards = partition_by_bytes([p.numel() * p.element_size() for p in params], self.servers)
         self.shard_bytes = [sum(params[i].numel() * params[i].element_size() for i in s) for s in shards]
-        # Every rank takes part in making the workers' group (new_group is collective over the world).
+        # Every rank takes part in making the workers' group (new_group is collective over the world),
+        # and, when workers loop alone (async, ssp), one group per worker for its loop's own collectives.
         workers_group = Group("workers", dist.new_group(ranks=list(range(workers))))
+        solo = [dist.new_group(ranks=[w]) for w in range(workers)] if self.alone else []
         client = Client(params, shards, server_ranks, mesh.rank if mesh.rank < workers else 0, self.codec, recorder)
         if mesh.rank >= workers:
             s = mesh.rank - workers
             owned = [nn.Parameter(params[i].detach().clone()) for i in shards[s]]
             server = Server(owned, make_optimizer, index=s, worker_ranks=list(range(workers)), mode=self.mode,
                             staleness=self.staleness, coder=client.coders[s], message_bytes=client.message_bytes[s],
-                            reply_bytes=client.reply_bytes[s], worker_timeout_s=self.worker_timeout_s)
+                            reply_bytes=client.reply_bytes[s], worker_timeout_s=self.worker_timeout_s,
+                            param_ids=shards[s], servers=self.servers)
             start = time.perf_counter()
             self.stats = [server.serve()]
             server.report_to(0)
@@ -227,7 +292,12 @@ class PS:
         lr = float(make_optimizer(model.parameters()).param_groups[0]["lr"])  # the user's rate, for the scheduler
         worker_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": workers, "pp": 1, "tp": 1},
                            _groups={"dp": workers_group})
+        self._data_mesh = worker_mesh
         self._placement = Placement(trains=True, mesh=worker_mesh, group=workers_group)
+        if self.alone:
+            own = Group("alone", solo[mesh.rank])
+            alone_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": 1, "pp": 1, "tp": 1}, _groups={"dp": own})
+            self._placement = Placement(trains=True, mesh=alone_mesh, group=own)
         return model, RemoteOptimizer(model.parameters(), lr, client)
 
     # -- the worker's side of the loop ------------------------------------------------------------------
@@ -247,17 +317,38 @@ class PS:
         return plain_state_dict(model, optimizer)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        # The servers' shards and optimizer state are not in checkpoints yet: loading worker 0's
-        # model alone would be overwritten by the servers' first answer, a silent restart.
-        raise ConfigError(
-            f"strategy {self.name!r} cannot resume from a checkpoint yet: the servers' parameter shards and optimizer "
-            "state are not saved. Start without resume, or resume the checkpoint's model with ddp"
-        )
+        # Worker 0's model and the worker's clock; the servers' files follow in load_extra_state.
+        load_plain_state_dict(model, optimizer, state)
+
+    def save_extra_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
+        """Worker 0 has every server write its shard into the checkpoint's (temporary) directory."""
+        if self.client is not None and self.client.worker == 0:
+            self.client.save(Path(directory))
+
+    def load_extra_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
+        """Every worker has the servers restore their files from ``directory`` and takes their parameters."""
+        if self.client is None:
+            return
+        directory = Path(directory)
+        missing = [SERVER_FILE.format(index=s) for s in range(self.servers) if not (directory / SERVER_FILE.format(index=s)).is_file()]
+        if missing:
+            held = sorted(p.name for p in directory.glob("server-*.pt"))
+            raise CheckpointError(
+                f"checkpoint {directory} has no parameter-server state {missing} (it holds {held or 'none'}): it was "
+                f"saved by another strategy or with another number of servers. Resume with the strategy and servers "
+                "it was saved with, or load its model into a fresh run"
+            )
+        clock = optimizer.steps if isinstance(optimizer, RemoteOptimizer) else 0
+        self.client.load(directory, clock)
 
     def finish(self) -> None:
         """End this worker's session with the servers (worker 0 also collects their stats and final parameters)."""
         if self.client is not None and not self.client.finished:
             self.stats = self.client.finish(report=self.client.worker == 0)
+            lost = sorted({w for st in self.stats for w in st.lost})
+            if lost:
+                print(f"shardwise ps: lost worker(s) {lost} during the run (silent for worker_timeout_s={self.worker_timeout_s:g}s "
+                      "or gone); the servers applied the others' gradients and the run finished without them", flush=True)
 
     def summary(self) -> dict[str, Any]:
         """The ``ps`` section; on workers it first ends the session (the trainer calls it once, at the end)."""

@@ -13,7 +13,14 @@ header slot   meaning
 ``STEP``      the worker's step: the gradient of its step ``t`` (clock ``t``)
 ``LR``        the worker's learning rate (its scheduler runs on the worker)
 ``VERSION``   push: the shard version the gradient was computed on; reply: the version sent
+``LENGTH``    `SAVE`, `LOAD`: bytes of the checkpoint directory's path that follows on `CTRL_TAG`
 ============  =====================================================================
+
+Checkpoints (`SAVE`, `LOAD`) name a directory: its path follows as a second message of
+UTF-8 bytes on `CTRL_TAG` (a path is text, not a pickled object). On `SAVE` (worker 0, inside
+the checkpoint's temporary directory, before the manifest) each server writes
+``server-NNN.pt`` there itself and answers `SAVED` on `CTRL_TAG`; on `LOAD` (every worker,
+with its clock in ``STEP``) it reads that file once and answers with its parameters.
 
 Parameters are partitioned over the servers whole tensor by whole tensor, balanced by
 bytes (largest first onto the least loaded server), as in Li et al. 2014, "Scaling
@@ -23,6 +30,7 @@ owns a key range.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -32,9 +40,11 @@ from shardwise.comm.codecs import Codec, CodecState, Encoded
 
 HEADER_FIELDS = 8
 HEADER_BYTES = HEADER_FIELDS * 8
-KIND, WORKER, STEP, LR, VERSION = range(5)
-PUSH, DONE, PARAMS = 1.0, 2.0, 3.0
-PUSH_TAG, PULL_TAG, STATS_TAG = 11, 12, 13
+KIND, WORKER, STEP, LR, VERSION, LENGTH = range(6)
+PUSH, DONE, PARAMS, SAVE, SAVED, LOAD = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
+PUSH_TAG, PULL_TAG, STATS_TAG, CTRL_TAG = 11, 12, 13, 14
+SERVER_FILE = "server-{index:03d}.pt"
+"""Each server's file in a checkpoint directory: its shard, its optimizer state, its version."""
 HIST_BUCKETS = 64
 """Staleness histograms count 0 .. 62 exactly; the last bucket holds everything >= 63."""
 
@@ -56,10 +66,20 @@ def partition_by_bytes(sizes: Sequence[int], servers: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def header(kind: float, worker: int, step: int, lr: float, version: int) -> torch.Tensor:
+def header(kind: float, worker: int, step: int, lr: float, version: int, length: int = 0) -> torch.Tensor:
     h = torch.zeros(HEADER_FIELDS, dtype=torch.float64)
-    h[KIND], h[WORKER], h[STEP], h[LR], h[VERSION] = kind, worker, step, lr, version
+    h[KIND], h[WORKER], h[STEP], h[LR], h[VERSION], h[LENGTH] = kind, worker, step, lr, version, length
     return h
+
+
+def path_bytes(path: str | os.PathLike[str]) -> torch.Tensor:
+    """A directory's path as a ``uint8`` tensor of its UTF-8 bytes (what follows a `SAVE` or `LOAD`)."""
+    raw = os.fsencode(os.fspath(path))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+
+
+def path_of(raw: torch.Tensor) -> str:
+    return os.fsdecode(bytes(raw.tolist()))
 
 
 def pack(head: torch.Tensor, payload: torch.Tensor | None, size: int) -> torch.Tensor:

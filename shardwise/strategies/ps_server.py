@@ -18,23 +18,32 @@ blocks on the receive and hands messages over a queue; the serving loop waits on
 with a timeout and declares a worker lost when it has been silent for ``worker_timeout_s``
 while the server owed it nothing. A lost worker no longer counts: sync steps with the rest,
 ssp's slowest clock moves on. DONE messages end each worker's session.
+
+Checkpoints: a `SAVE` from worker 0 names the checkpoint's temporary directory; the server
+writes its shard, its optimizer state and its version there (``server-NNN.pt``, fsynced)
+and answers, so the file is in place before worker 0 writes the manifest. A `LOAD` from
+each resuming worker names a checkpoint; the server reads its file on the first one, sets
+that worker's clock, and answers with the restored parameters.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.errors import CommError
+from shardwise.checkpoint import load_file
+from shardwise.errors import CheckpointError, CommError
 from shardwise.strategies.ps_protocol import (
-    DONE, KIND, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, STATS_TAG, STEP, VERSION, WORKER,
-    GradientCoder, ServerStats, header, pack, unpack_header,
+    CTRL_TAG, DONE, KIND, LENGTH, LOAD, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED,
+    SERVER_FILE, STATS_TAG, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, path_of, unpack_header,
 )
 
 
@@ -80,8 +89,14 @@ class Server:
         message_bytes: int,
         reply_bytes: int,
         worker_timeout_s: float,
+        param_ids: list[int] | None = None,
+        servers: int = 1,
     ) -> None:
         self.params = params
+        self.param_ids = list(param_ids) if param_ids is not None else list(range(len(params)))
+        """Which of the model's parameter tensors (by position) this shard holds; checked on resume."""
+        self.servers = servers
+        self.loaded_from: str | None = None
         self.optimizer = make_optimizer(params)
         self.index = index
         self.worker_ranks = worker_ranks
@@ -138,6 +153,12 @@ class Server:
         kind = float(head[KIND])
         if kind == DONE:
             self._leave(w)
+            return
+        if kind == SAVE:
+            self._save(w, self._receive_path(w, int(head[LENGTH])))
+            return
+        if kind == LOAD:
+            self._load(w, int(head[STEP]), self._receive_path(w, int(head[LENGTH])))
             return
         assert kind == PUSH and int(head[WORKER]) == w, f"bad message kind {kind} from worker {w}"
         step, lr, read = int(head[STEP]), float(head[LR]), int(head[VERSION])
@@ -201,6 +222,50 @@ class Server:
                 self.held.discard(w)
                 if w in self.live:
                     self._reply(w)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _receive_path(self, w: int, length: int) -> Path:
+        # No receive of the inbox is posted while a message is handled, so this one cannot cross it.
+        raw = torch.empty(length, dtype=torch.uint8)
+        dist.recv(raw, src=self.worker_ranks[w], tag=CTRL_TAG)
+        return Path(path_of(raw))
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this server: its shard, its optimizer state, its version."""
+        return {"index": self.index, "servers": self.servers, "param_ids": self.param_ids,
+                "params": [p.detach().clone() for p in self.params], "optimizer": self.optimizer.state_dict(),
+                "version": self.version, "clocks": list(self.completed)}
+
+    def _save(self, w: int, directory: Path) -> None:
+        path = directory / SERVER_FILE.format(index=self.index)
+        with open(path, "wb") as f:
+            torch.save(self.state(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        ack = header(SAVED, w, 0, 0.0, self.version)
+        dist.send(ack.view(torch.uint8).clone(), dst=self.worker_ranks[w], tag=CTRL_TAG)
+
+    def _load(self, w: int, clock: int, directory: Path) -> None:
+        """Restore this shard from ``directory`` (on the first worker's LOAD), set ``w``'s clock, answer it."""
+        if self.loaded_from is None:
+            path = directory / SERVER_FILE.format(index=self.index)
+            state = load_file(path)
+            if state["param_ids"] != self.param_ids or [tuple(t.shape) for t in state["params"]] != [tuple(p.shape) for p in self.params]:
+                raise CheckpointError(
+                    f"{path} holds parameter tensors {state['param_ids']} of a run with servers={state['servers']}; "
+                    f"server {self.index} of this run (servers={self.servers}) holds {self.param_ids}. "
+                    f"Resume with servers={state['servers']}"
+                )
+            with torch.no_grad():
+                for p, t in zip(self.params, state["params"]):
+                    p.copy_(t)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.version = int(state["version"])
+            self.loaded_from = str(directory)
+        elif self.loaded_from != str(directory):
+            raise CheckpointError(f"parameter server {self.index}: worker {w} resumes from {directory}, another worker from {self.loaded_from}")
+        self.completed[w] = clock
+        self._reply(w)
 
     # -- answers -------------------------------------------------------------------------------------
     def flat_params(self) -> torch.Tensor:

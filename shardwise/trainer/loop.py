@@ -128,6 +128,13 @@ class Trainer:
         micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
         check_batch(strategy, micro, cfg.accumulate)
 
+    def _expendable_ranks(self) -> list[int]:
+        """Ranks whose death the run survives: the strategy's optional ``expendable_ranks(world_size)``
+        (asynchronous parameter-server workers other than rank 0); none by default."""
+        strategy = get_strategy(self.config.strategy, **self.config.strategy_options)
+        hook = getattr(strategy, "expendable_ranks", None)
+        return sorted(hook(self.config.nproc)) if hook is not None else []
+
     def _global_batch(self, dl_batch: int | None) -> int:
         return self.config.global_batch_size or dl_batch or 32
 
@@ -142,7 +149,7 @@ class Trainer:
                 _fit_worker, self, model, train_data, val_data,
                 nproc=self.config.nproc, start_method=self.config.start_method,
                 accelerator="cpu" if self.config.accelerator == "cpu" else "auto",
-                collective_timeout_s=self.config.timeout_s,
+                collective_timeout_s=self.config.timeout_s, expendable=self._expendable_ranks(),
             )
             summary, state = results[0]
             model.load_state_dict(state)
@@ -179,7 +186,7 @@ class Trainer:
         dataset, collate, workers, dl_batch = unpack_data(train_data)
         global_batch = self._global_batch(dl_batch)
         loader = ShardedLoader(
-            dataset, global_batch=global_batch, world_size=engine.mesh.size("dp"), rank=engine.mesh.coordinate("dp"),
+            dataset, global_batch=global_batch, world_size=engine.data_mesh.size("dp"), rank=engine.data_mesh.coordinate("dp"),
             accumulate=cfg.accumulate, seed=cfg.seed, collate_fn=collate, num_workers=max(workers, cfg.num_workers),
         )
         total = cfg.max_steps or (cfg.max_epochs or 1) * loader.steps_per_epoch
@@ -224,7 +231,8 @@ class Trainer:
                 losses.append(loss)
                 done = self.step >= total
                 if self.step % cfg.log_every == 0 or done:
-                    # The only per-log collective: the mean training loss over ranks and steps.
+                    # The only per-log collective: the mean training loss over the loop's group and steps
+                    # (a rank that loops alone, an async parameter-server worker, logs its own).
                     mean = engine.all_reduce(torch.stack(losses).double().mean().reshape(1), "mean")
                     last_train_loss = float(mean.item())
                     now = time.perf_counter()

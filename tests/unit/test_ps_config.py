@@ -69,6 +69,20 @@ def test_the_global_batch_is_split_over_workers_only() -> None:
         Trainer(strategy="ps", strategy_options={"servers": 1}, nproc=4, loss_fn=ce, global_batch_size=10, max_steps=1).fit(mlp(), classification())
 
 
-def test_ps_refuses_to_resume_rather_than_silently_restarting_its_servers() -> None:
-    with pytest.raises(ConfigError, match="cannot resume from a checkpoint yet"):
-        get_strategy("ps", servers=1).load_state_dict(mlp(), None, {"model": mlp().state_dict()})
+def test_ps_workers_loop_alone_and_are_expendable_only_when_no_one_waits_for_them() -> None:
+    # async and ssp: workers 1 .. W-1 may die (rank 0 writes the summary; servers hold the model).
+    assert get_strategy("ps", servers=1, mode="async").expendable_ranks(4) == [1, 2]
+    assert get_strategy("ps", servers=2, mode="ssp", staleness=1).expendable_ranks(4) == [1]
+    # sync: every step waits for every worker, so losing one must stop the run.
+    assert get_strategy("ps", servers=1).expendable_ranks(4) == [] and get_strategy("central").expendable_ranks(3) == []
+
+
+def test_a_worker_keeps_its_clock_in_its_optimizer_state() -> None:
+    from shardwise.strategies.param_server import RemoteOptimizer
+
+    model = mlp()
+    opt = RemoteOptimizer(model.parameters(), 0.1, client=None)  # type: ignore[arg-type]
+    opt.steps = 7
+    other = RemoteOptimizer(mlp().parameters(), 0.2, client=None)  # type: ignore[arg-type]
+    other.load_state_dict(opt.state_dict())
+    assert other.steps == 7 and other.param_groups[0]["lr"] == 0.1

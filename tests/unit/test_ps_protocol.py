@@ -7,7 +7,8 @@ import torch
 
 from shardwise.comm.codecs import get_codec
 from shardwise.strategies.ps_protocol import (
-    HEADER_BYTES, KIND, LR, PUSH, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, partition_by_bytes, payload_of, unpack_header,
+    HEADER_BYTES, KIND, LENGTH, LOAD, LR, PUSH, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, partition_by_bytes,
+    path_bytes, path_of, payload_of, unpack_header,
 )
 from shardwise.trainer.straggler import Straggler, parse_straggler
 from shardwise.errors import ConfigError
@@ -74,3 +75,12 @@ def test_straggler_spec() -> None:
         with pytest.raises(ConfigError, match="RANK:FACTOR"):
             parse_straggler(bad)
     assert Straggler.from_spec("0:2.5").factor == 2.5
+
+
+def test_a_checkpoint_path_travels_as_its_utf8_bytes_after_a_header_with_its_length() -> None:
+    path = "/tmp/runs/ünïcode run/checkpoints/.tmp-step-00000008"
+    raw = path_bytes(path)
+    assert raw.dtype == torch.uint8 and raw.numel() == len(path.encode())
+    assert path_of(raw) == path
+    head = unpack_header(pack(header(LOAD, 1, 8, 0.0, 0, raw.numel()), None, HEADER_BYTES))
+    assert head[KIND] == LOAD and head[STEP] == 8 and head[LENGTH] == raw.numel()

@@ -1,0 +1,87 @@
+"""Parameter servers resume from checkpoints: the servers' shards, optimizer state and versions are
+in the checkpoint (each server writes ``server-NNN.pt`` into the checkpoint's temporary directory
+before the manifest), and a run resumed in new processes goes on from them.
+
+Sync equals an uninterrupted run bit for bit (one and two servers). Async cannot: which worker's
+gradient reaches a server first is timing, so the test checks that it resumes from the servers'
+saved state and trains on. Two launches of four processes: the first runs every uninterrupted
+run (its mid-run checkpoints are the ones resumed), the second every resume.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import shardwise
+from shardwise import Trainer
+from shardwise import checkpoint as ckpt
+from tests.dist.models import adam, ce, classification, mlp, params, step_lr
+
+N = 6  # 100 samples in global batches of 12: 8 steps an epoch, so step 6 is mid-epoch
+SYNC = {"one_server": {"servers": 1, "mode": "sync"}, "two_servers": {"servers": 2, "mode": "sync"}}
+ASYNC = {"servers": 1, "mode": "async"}
+
+
+def _fit(out: Path, max_steps: int, resume: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    # Dropout draws from each worker's RNG every step: a resume that lost it would differ.
+    model = mlp(dropout=0.2)
+    trainer = Trainer(
+        strategy="ps", strategy_options=options, precision="64", global_batch_size=12, accumulate=2,
+        max_steps=max_steps, clip_grad_norm=1.0, optimizer=adam, loss_fn=ce, lr_scheduler=step_lr, out=str(out),
+        checkpoint_every=3, resume=resume, deterministic=True, log_every=3, progress_bar=False,
+    )
+    summary = trainer.fit(model, classification(100))
+    return {"params": params(model), "summary": summary}
+
+
+def _uninterrupted(root: Path) -> dict[str, Any]:
+    out = {name: _fit(root / name, 2 * N, None, options) for name, options in SYNC.items()}
+    out["async"] = _fit(root / "async", N, None, ASYNC)
+    return out
+
+
+def _resumed(root: Path) -> dict[str, Any]:
+    step = f"checkpoints/step-{N:08d}"
+    out = {name: _fit(root / f"{name}-resumed", 2 * N, str(root / name / step), options) for name, options in SYNC.items()}
+    out["async"] = _fit(root / "async", 2 * N, "auto", ASYNC)
+    return out
+
+
+def test_servers_checkpoint_their_shards_and_a_resume_goes_on_from_them(tmp_path):
+    full = shardwise.launch(_uninterrupted, tmp_path, nproc=4, threads_per_proc=1, timeout=170)[0]
+    for name, servers in (("one_server", 1), ("two_servers", 2)):
+        step = tmp_path / name / f"checkpoints/step-{N:08d}"
+        manifest = ckpt.verify(step)  # every file hashed, the servers' included
+        assert sorted(f for f in manifest["files"] if f.startswith("server-")) == [f"server-{s:03d}.pt" for s in range(servers)]
+        saved = [ckpt.load_file(step / f"server-{s:03d}.pt") for s in range(servers)]
+        assert [st["version"] for st in saved] == [N] * servers and all(st["optimizer"]["state"] for st in saved)
+    first_async = full["async"]
+    saved_async = ckpt.load_file(tmp_path / f"async/checkpoints/step-{N:08d}/server-000.pt")
+    # Saved when worker 0 finished its N steps: its N pushes and however many of worker 1's had arrived.
+    assert N <= saved_async["version"] <= 3 * N and first_async["summary"]["ps"]["updates_per_server"] == [3 * N]
+
+    resumed = shardwise.launch(_resumed, tmp_path, nproc=4, threads_per_proc=1, timeout=170)[0]
+    for name, servers in (("one_server", 1), ("two_servers", 2)):
+        ref, got = full[name], resumed[name]
+        summary = got["summary"]
+        assert summary["resumed_from"].endswith(f"step-{N:08d}") and summary["steps_this_run"] == N, name
+        for key in ref["params"]:
+            assert torch.equal(ref["params"][key], got["params"][key]), f"{name}: {key} differs after resume"
+        assert summary["train_loss"] == ref["summary"]["train_loss"], name
+        workers = 4 - servers
+        assert summary["ps"]["updates_per_server"] == [N] * servers
+        assert summary["ps"]["staleness_hist"] == {"0": N * workers * servers}, summary["ps"]
+    # Async: resumed from the servers' saved state (not from scratch) and trained on.
+    got = resumed["async"]
+    assert got["summary"]["resumed_from"].endswith(f"step-{N:08d}") and got["summary"]["steps"] == 2 * N
+    assert got["summary"]["ps"]["updates_per_server"] == [3 * N] and got["summary"]["ps"]["lost_workers"] == []
+    final = ckpt.load_file(tmp_path / f"async/checkpoints/step-{2 * N:08d}/server-000.pt")
+    assert final["version"] >= saved_async["version"] + N  # the servers counted on from the saved version
+    lines = [json.loads(line) for line in (tmp_path / "async/metrics.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in lines if "train_loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert not torch.equal(first_async["params"]["0.weight"], got["params"]["0.weight"])
