@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import checkpoint as ckpt
-from shardwise.comm.collectives import Group
+from shardwise.comm.collectives import Group, all_reduce
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
@@ -503,20 +503,35 @@ class Pipeline:
         self._module = wrapped
         self._local_names = [n for n, _ in wrapped.named_parameters()]
         params = [p for s in sorted(stages) for p in stages[s].parameters()]
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         return wrapped, make_optimizer(params)
 
     def _apply_data_parallel(self, stage_mod: nn.Module, mesh: Mesh) -> nn.Module:
-        if mesh.size("dp") == 1:
+        """FSDP2 over the dp dimension (``dp_strategy="fsdp"``); with ``ddp`` the stage module runs
+        as it is and `_average_grads` averages its gradients across dp after the schedule.
+
+        Not torch's DistributedDataParallel: its reducer, fed one backward per micro-batch by the
+        schedule, fails to rebuild its buckets after the first step (torch 2.13, gloo: "rebuilt
+        parameter indices size is not same as original model parameters size")."""
+        if mesh.size("dp") == 1 or self.dp_strategy == "ddp":
             return stage_mod
-        if self.dp_strategy == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-            return fully_shard(stage_mod, mesh=mesh.device_mesh("dp"))  # type: ignore[no-any-return]
-        from torch.nn.parallel import DistributedDataParallel
+        return fully_shard(stage_mod, mesh=mesh.device_mesh("dp"))  # type: ignore[no-any-return]
 
-        device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
-        return DistributedDataParallel(stage_mod, device_ids=device_ids, process_group=mesh.group("dp").pg)
+    def _average_grads(self) -> None:
+        """Average every local gradient across the data-parallel group: one flat allreduce per step."""
+        assert self._mesh is not None
+        if self._mesh.size("dp") == 1 or self.dp_strategy != "ddp":
+            return
+        grads = [p.grad for p in self._module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        flat = _flatten_dense_tensors(grads)
+        all_reduce(flat, "mean", group=self._mesh.group("dp"), recorder=self._recorder)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -552,30 +567,23 @@ class Pipeline:
             self.schedule.step(*args, target=target, **self._step_kwargs)
         end = time.perf_counter()
         self._chunks = []
+        self._average_grads()
         busy = sum(e - s for _, _, _, s, e in self._clock.events)
         loss = torch.stack([self._losses[i] for i in sorted(self._losses)]).double().mean() if self.holds_last else torch.zeros((), dtype=torch.float64)
         # One small all_gather per step: the loss (from the last stage) and every stage's timing.
-        mine = torch.tensor([float(loss), busy, start - self._clock.offset, end - self._clock.offset], dtype=torch.float64)
-        rows = [torch.zeros(4, dtype=torch.float64) for _ in range(self.pp)]
+        dtype_code = _DTYPES.index(next(iter(self._losses.values())).dtype) if self._losses else -1
+        mine = torch.tensor([float(loss), busy, start - self._clock.offset, end - self._clock.offset, dtype_code], dtype=torch.float64)
+        rows = [torch.zeros(5, dtype=torch.float64) for _ in range(self.pp)]
         t0 = time.perf_counter()
         dist.all_gather(rows, mine, group=self._group.pg)
         if self._recorder is not None and self.pp > 1:
-            sent, recv = wire_bytes("all_gather", 32, self.pp)
-            self._recorder.add(CommEvent("all_gather", "pp", self.pp, 32, sent, recv, time.perf_counter() - t0))
-            self._record_dp()
+            sent, recv = wire_bytes("all_gather", 40, self.pp)
+            self._recorder.add(CommEvent("all_gather", "pp", self.pp, 40, sent, recv, time.perf_counter() - t0))
         self._steps.append([(float(r[1]), float(r[2]), float(r[3])) for r in rows])
         self._last_events = [(st, mb, kind, s - self._clock.offset, e - self._clock.offset) for st, mb, kind, s, e in self._clock.events]
         last_rank = (self.num_stages - 1) % self.pp
-        dtype = next(iter(self._losses.values())).dtype if self._losses else torch.get_default_dtype()
-        return rows[last_rank][0].to(device=self._mesh.device if self._mesh else "cpu", dtype=dtype if dtype.is_floating_point else torch.float32)
-
-    def _record_dp(self) -> None:
-        """DDP reduces each stage's gradients once per step (on its last backward): one allreduce of those bytes."""
-        assert self._mesh is not None and self._recorder is not None
-        p = self._mesh.size("dp")
-        if p > 1 and self.dp_strategy == "ddp":
-            sent, recv = wire_bytes("all_reduce", self._grad_bytes, p)
-            self._recorder.add(CommEvent("all_reduce", "dp", p, self._grad_bytes, sent, recv, 0.0))
+        dtype = _DTYPES[int(rows[last_rank][4])]  # the last stage's loss dtype, on every rank
+        return rows[last_rank][0].to(device=self._mesh.device if self._mesh else "cpu", dtype=dtype)
 
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
         # The schedule accumulates over micro-batches and synchronizes once, on the last backward.

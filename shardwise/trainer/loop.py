@@ -56,6 +56,13 @@ def make_step_fn(loss_fn: LossFn | None, module: nn.Module) -> StepFn:
     return step
 
 
+def copies_per_shard(engine: Engine) -> int:
+    """How many ranks evaluate each data shard: the pipeline and tensor-parallel ranks of one
+    data-parallel replica all see the same samples, so a sum over the loop's ranks counts each
+    sample this many times (1 for purely data-parallel strategies)."""
+    return max(1, engine.group.size // engine.mesh.size("dp"))
+
+
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
@@ -350,6 +357,7 @@ class Trainer:
                 self._eval_batch(module, engine.to_device(fetch(dataset, [0], collate)))
         module.train(was_training)
         engine.all_reduce(sums, "sum")
+        sums /= copies_per_shard(engine)
         count = max(sums[0].item(), 1.0)
         out = {"val_loss": sums[1].item() / count}
         out.update({f"val_{name}": sums[2 + i].item() / count for i, name in enumerate(names)})
