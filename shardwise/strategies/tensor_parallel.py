@@ -408,7 +408,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, recorde
             if any(pl.is_partial() for pl in g.placements):
                 raise ValueError("clip_grad_norm_ got a partial gradient; call reduce_partial_grads first")
             sq = g.to_local().double().pow(2).sum()
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())  # Shard, _StridedShard
             key = (id(g.device_mesh), dims)
             meshes[key] = g.device_mesh
         else:
@@ -464,6 +464,8 @@ def _collective_counter_mode() -> type:
             super().__init__()
             self.recorder, self.names = recorder, names
             self.counts: Counter[tuple[str, str, str]] = Counter()
+            self.phase: str | None = None
+            """Set by the strategy (forward inside step_fn, backward after); None: inside an autograd node or not."""
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
@@ -480,20 +482,22 @@ def _collective_counter_mode() -> type:
             tensors = first if isinstance(first, (list, tuple)) else [first]
             tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
             group = None
-            for a in args[1:]:
+            for a in args[1:]:  # funcol: (..., group_name: str) last; c10d: a ProcessGroup script object
                 if isinstance(a, str):
                     group = a
-                elif hasattr(a, "group_name") or type(a).__name__ in ("ProcessGroup", "ScriptObject"):
+                elif isinstance(a, dist.ProcessGroup):
+                    group = a.group_name
+                elif type(a).__name__ == "ScriptObject":  # c10d ops see the group boxed
                     try:
-                        group = a.group_name  # type: ignore[union-attr]
-                    except Exception:  # noqa: BLE001 - a script object without a name
-                        group = None
+                        group = dist.ProcessGroup.unbox(a).group_name
+                    except Exception:  # noqa: BLE001 - a boxed ReduceOp, not a group
+                        pass
             name = self.names.get(group or "", "other")
             size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group)) if group else 1
             payload = sum(t.numel() * t.element_size() for t in tensors)
             if kind == "all_gather" and ns_is_input_shard(func):
                 payload *= size  # the gathered buffer
-            phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+            phase = self.phase or ("backward" if torch._C._current_autograd_node() is not None else "forward")
             self.counts[(name, kind, phase)] += 1
             if self.recorder is not None:
                 sent, recv = wire_bytes(kind, payload, size)
@@ -617,6 +621,15 @@ class TensorParallel:
 
     def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
         mode = _collective_counter_mode()(self.recorder, self.names) if self.count else None
+        if mode is not None:
+            inner = step_fn
+
+            def step_fn(model: nn.Module, batch: Any) -> torch.Tensor:  # forward; the rest is backward (FSDP's final callbacks included)
+                mode.phase = "forward"
+                try:
+                    return inner(model, batch)
+                finally:
+                    mode.phase = "backward"
         with mode if mode is not None else contextlib.nullcontext():
             loss = accumulate_backward(model, microbatches, step_fn, precision, no_sync=lambda: self.no_sync(model))
         if mode is not None:

@@ -1,0 +1,240 @@
+"""Tensor parallelism (``tp``) equals the single-process reference, issues exactly Megatron's
+collectives, and its checkpoints move to and from ``single``.
+
+A tiny float64 CharGPT (vocabulary 11, block 8, d_model 16, 2 heads, 2 layers), 5 AdamW steps
+with accumulation and clipping. One launch per world size runs every fit of that size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from shardwise import Trainer, launch
+from shardwise.errors import ConfigError
+from shardwise.recipes.charlm import CharGPT
+from tests.dist.models import max_diff
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB, BLOCK, D, HEADS, LAYERS = 11, 8, 16, 2, 2
+COMMON = dict(precision="64", global_batch_size=8, accumulate=2, max_steps=5, log_every=5, progress_bar=False, clip_grad_norm=0.05)
+
+
+def tiny_gpt(layers: int = LAYERS, heads: int = HEADS, seed: int = 0) -> CharGPT:
+    torch.manual_seed(seed)
+    return CharGPT(VOCAB, BLOCK, D, heads, layers).double()
+
+
+def chars(n: int = 64, seed: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, BLOCK + 1), generator=g)
+    return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+def lm_loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
+    """charlm's loss without its cast to float32: parity at 1e-9 needs the float64 logits."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), batch[1].reshape(-1))
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _fit(strategy: str, *, out: Path | None = None, resume: str | None = None, max_steps: int = 5, **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    model = tiny_gpt()
+    trainer = Trainer(strategy=strategy, optimizer=adamw, loss_fn=lm_loss, strategy_options=options,
+                      **{**COMMON, "max_steps": max_steps}, out=str(out) if out else None, resume=resume)
+    summary = trainer.fit(model, chars(), chars(20, seed=4))
+    return _whole(model), summary
+
+
+def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def _count(layers: int, sequence_parallel: bool) -> dict[tuple[str, str, str], int]:
+    """Collectives of one forward and backward of a tp=2 model with ``layers`` blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise.strategies.tensor_parallel import count_collectives, parallelize
+
+    model = tiny_gpt(layers)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    parallelize(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    x, y = chars(4).tensors
+    with count_collectives(tp=mesh.get_group()) as counts:
+        lm_loss(model(x), (x, y)).backward()
+    return dict(counts)
+
+
+def _one_step_grads(sequence_parallel: bool) -> float:
+    """Gradients of one tp=2 step equal the whole model's (the sequence-parallel norm weights reduced)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise.strategies.tensor_parallel import parallelize, reduce_partial_grads
+
+    ref, model = tiny_gpt(), tiny_gpt()
+    parallelize(model, init_device_mesh("cpu", (2,)), sequence_parallel=sequence_parallel)
+    x, y = chars(4).tensors
+    lm_loss(model(x), (x, y)).backward()
+    lm_loss(ref(x), (x, y)).backward()
+    reduce_partial_grads(model)
+    got = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()}
+    return max_diff({n: p.grad for n, p in ref.named_parameters()}, got)
+
+
+def _world_of_two(root: Path) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    out["tp"] = _fit("tp", tp=2)
+    out["tp_sp"] = _fit("tp", tp=2, sequence_parallel=True)
+    out["tp_plan"] = _fit("tp", plan={"blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.proj": "rowwise",
+                                     "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
+    for layers in (1, 2):
+        for sp in (False, True):
+            out[("count", layers, sp)] = _count(layers, sp)
+    for sp in (False, True):
+        out[("grads", sp)] = _one_step_grads(sp)
+    # Checkpoints: tp writes one at step 3 (single resumes it in the parent); tp resumes single's.
+    out["tp_first"] = _fit("tp", out=root / "tp_ckpt", max_steps=3)
+    out["from_single"] = _fit("tp", out=root / "from_single", resume=str(root / "single_ckpt/checkpoints/step-00000003"), sequence_parallel=True)
+    return out
+
+
+def _world_of_four() -> dict[Any, Any]:
+    return {
+        "ddp": _fit("tp", tp=2, dp_strategy="ddp"),
+        "fsdp": _fit("tp", tp=2, dp_strategy="fsdp"),
+        "fsdp_sp": _fit("tp", tp=2, dp_strategy="fsdp", sequence_parallel=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tp")
+
+
+@pytest.fixture(scope="module")
+def reference(root) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    _fit("single", out=root / "single_ckpt", max_steps=3)  # the checkpoint tp resumes
+    return _fit("single")
+
+
+@pytest.fixture(scope="module")
+def two(root, reference) -> list[dict[Any, Any]]:
+    return launch(_world_of_two, root, nproc=2, threads_per_proc=1)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[Any, Any]]:
+    return launch(_world_of_four, nproc=4, threads_per_proc=1)  # type: ignore[no-any-return]
+
+
+def _check_parity(result: tuple[dict[str, torch.Tensor], dict[str, Any]], ref: tuple[dict[str, torch.Tensor], dict[str, Any]], resumed: bool = False) -> float:
+    got, summary = result
+    want, ref_summary = ref
+    diff = max_diff(want, got)
+    assert diff < 1e-9
+    if not resumed:  # a resumed run logs the mean loss of the steps it ran
+        assert abs(summary["train_loss"] - ref_summary["train_loss"]) < 1e-9
+    assert summary["val_loss"] == pytest.approx(ref_summary["val_loss"], abs=1e-9)
+    # (val_samples is not checked: the trainer sums evaluation counts over every rank, so tp
+    # ranks evaluating the same shard count it tp times; val_loss, a ratio, is exact.)
+    return diff
+
+
+@pytest.mark.parametrize("run", ["tp", "tp_sp", "tp_plan"])
+def test_tp2_equals_single(run, two, reference):
+    _check_parity(two[0][run], reference)
+    section = two[0][run][1]["tp"]
+    assert section["degree"] == 2 and section["dp"] == 1
+    assert section["sequence_parallel"] == (run == "tp_sp")
+    assert section["plan"] == {f"blocks.{i}.{n}": s for i in range(LAYERS) for n, s in
+                               (("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"), ("attn.proj", "rowwise"),
+                                ("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))}
+
+
+@pytest.mark.parametrize("run", ["ddp", "fsdp", "fsdp_sp"])
+def test_dp2_by_tp2_equals_single(run, four, reference):
+    for rank in range(4):
+        _check_parity(four[rank][run], reference)
+    section = four[0][run][1]["tp"]
+    assert section["degree"] == 2 and section["dp"] == 2 and section["dp_strategy"] == run.split("_")[0]
+
+
+def test_one_block_is_two_allreduces_forward_and_two_backward(two):
+    counts = {k: two[0][("count", k[0], k[1])] for k in [(1, False), (2, False)]}
+    one, both = counts[(1, False)], counts[(2, False)]
+    for phase in ("forward", "backward"):
+        assert both[("tp", "all_reduce", phase)] - one[("tp", "all_reduce", phase)] == 2
+        assert both[("tp", "all_reduce", phase)] == 2 * LAYERS
+    assert set(both) == {("tp", "all_reduce", "forward"), ("tp", "all_reduce", "backward")}  # nothing else
+
+
+def test_sequence_parallel_block_is_all_gather_reduce_scatter_pairs(two):
+    one, both = two[0][("count", 1, True)], two[0][("count", 2, True)]
+    for phase in ("forward", "backward"):
+        for kind in ("all_gather", "reduce_scatter"):
+            assert both[("tp", kind, phase)] - one[("tp", kind, phase)] == 2
+        # Per block 2 pairs; plus one all-gather leaving the sequence-sharded region (forward) and
+        # its mirror entering it (backward, the gradient of the first block's input).
+        assert both[("tp", "all_gather", phase)] == 2 * LAYERS + 1
+        assert both[("tp", "reduce_scatter", phase)] == 2 * LAYERS
+    assert not any(kind == "all_reduce" for _, kind, _ in both)
+
+
+def test_one_step_gradients_equal_the_whole_model(two):
+    assert two[0][("grads", False)] < 1e-12
+    assert two[0][("grads", True)] < 1e-12
+
+
+def test_summary_reports_the_collectives_per_step(two, four):
+    per_step = two[0]["tp"][1]["tp"]["collectives_per_step"]
+    # accumulate=2: two forward/backward passes per step, each 2 allreduces per block each way.
+    assert per_step == {"tp/all_reduce": {"forward": 2 * 2 * LAYERS, "backward": 2 * 2 * LAYERS}}
+    comm = two[0]["tp"][1]["comm"]["by_op"]
+    assert comm["tp/all_reduce"]["count"] == 5 * (8 * LAYERS + 1)  # + the clip norm's scalar per step
+    sp = two[0]["tp_sp"][1]["tp"]["collectives_per_step"]
+    assert sp["tp/all_gather"] == {"forward": 2 * (2 * LAYERS + 1), "backward": 2 * (2 * LAYERS + 1)}
+    assert sp["tp/reduce_scatter"] == {"forward": 2 * 2 * LAYERS, "backward": 2 * 2 * LAYERS}
+    ddp = four[0]["ddp"][1]["comm"]["by_op"]
+    assert ddp["dp/all_reduce"]["count"] == 5  # one coalesced gradient allreduce per step (one dtype)
+
+
+def test_a_tp_checkpoint_resumes_under_single_and_single_resumes_under_tp(two, root, reference):
+    # tp (3 steps, sharded checkpoint) -> single (to step 5) equals 5 single steps.
+    first = two[0]["tp_first"][1]
+    assert first["steps"] == 3 and first["last_checkpoint"].endswith("step-00000003")
+    assert (Path(first["last_checkpoint"]) / "dcp").is_dir()  # DTensors: written with DCP
+    resumed = _fit("single", out=root / "tp_to_single", resume=first["last_checkpoint"])
+    assert resumed[1]["resumed_from"].endswith("step-00000003")
+    _check_parity(resumed, reference, resumed=True)
+    # single (3 steps, plain checkpoint) -> tp with sequence parallelism (to step 5).
+    from_single = two[0]["from_single"]
+    assert from_single[1]["resumed_from"].endswith("step-00000003")
+    _check_parity(from_single, reference, resumed=True)
+
+
+# -- bad inputs --------------------------------------------------------------------------------
+
+
+def test_tp_that_does_not_divide_the_world_size_is_a_config_error_before_launch():
+    with pytest.raises(ConfigError, match=r"tp 3 does not divide the world size 4; valid shapes: .*dp2xpp1xtp2"):
+        Trainer(strategy="tp", nproc=4, strategy_options={"tp": 3}, loss_fn=lm_loss).fit(tiny_gpt(), chars())
+
+
+def test_heads_that_do_not_divide_by_tp_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"blocks.0.attn.q has 2 attention heads, which do not split across tp=4 ranks.*choose tp in \[1, 2\]"):
+        Trainer(strategy="tp", nproc=4, strategy_options={"tp": 4}, loss_fn=lm_loss, **{**COMMON, "accumulate": 1}).fit(tiny_gpt(), chars())
+
+
+def test_bad_plans_are_config_errors():
+    with pytest.raises(ConfigError, match=r"plan\['blocks.0.mlp.fc'\] = 'colwize' is not a style. Did you mean 'colwise'\?"):
+        Trainer(strategy="tp", nproc=2, strategy_options={"plan": {"blocks.0.mlp.fc": "colwize"}}, loss_fn=lm_loss).fit(tiny_gpt(), chars())
+    with pytest.raises(ConfigError, match="dp_strategy must be 'ddp' or 'fsdp'; got 'zero'"):
+        Trainer(strategy="tp", nproc=2, strategy_options={"dp_strategy": "zero"}, loss_fn=lm_loss).fit(tiny_gpt(), chars())
