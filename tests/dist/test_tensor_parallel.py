@@ -143,8 +143,7 @@ def _check_parity(result: tuple[dict[str, torch.Tensor], dict[str, Any]], ref: t
     if not resumed:  # a resumed run logs the mean loss of the steps it ran
         assert abs(summary["train_loss"] - ref_summary["train_loss"]) < 1e-9
     assert summary["val_loss"] == pytest.approx(ref_summary["val_loss"], abs=1e-9)
-    # (val_samples is not checked: the trainer sums evaluation counts over every rank, so tp
-    # ranks evaluating the same shard count it tp times; val_loss, a ratio, is exact.)
+    assert summary["val_samples"] == 20  # tp ranks evaluate the same shard: each sample still counts once
     return diff
 
 

@@ -1,0 +1,203 @@
+"""Tensor-parallel plans: automatic discovery across naming conventions, user plans, and the
+checks that refuse a split that cannot be exact (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.errors import ConfigError
+from shardwise.recipes.charlm import CharGPT
+from shardwise.strategies.tensor_parallel import TensorParallel, auto_plan, resolve_plan
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d: int = 16, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, d // heads
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, 32), nn.Linear(d, 32), nn.Linear(32, d)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(16)
+        self.self_attn = LlamaAttention()
+        self.mlp = LlamaMLP()
+
+
+class Llama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(10, 16)
+        self.layers = nn.ModuleList(LlamaLayer() for _ in range(2))
+        self.lm_head = nn.Linear(16, 10, bias=False)
+
+
+class TitanAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_heads = 2
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(8, 8, bias=False) for _ in range(4))
+
+
+class TitanFF(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(8, 24), nn.Linear(24, 8), nn.Linear(8, 24)
+
+
+class TitanBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention, self.feed_forward = TitanAttention(), TitanFF()
+
+
+class Titan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": TitanBlock(), "1": TitanBlock()})
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(6, 32), nn.Linear(32, 6), nn.Linear(6, 3)
+
+
+class BertSelf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+
+class BertAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self = BertSelf()
+        self.output = nn.Sequential(nn.Linear(8, 8))  # "output.0": not a name the rules know
+
+
+class Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+
+def test_charlm_plan_splits_attention_by_heads_and_the_mlp_leaving_embed_and_head_whole():
+    plan = auto_plan(CharGPT(11, 8, 16, 2, 2))
+    assert plan == {f"blocks.{i}.{n}": s for i in range(2) for n, s in (
+        ("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"), ("attn.proj", "rowwise"),
+        ("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))}
+    assert not any(name.startswith(("embed", "head")) for name in plan)
+
+
+def test_llama_names():
+    plan = auto_plan(Llama())
+    assert plan == {f"layers.{i}.{n}": s for i in range(2) for n, s in (
+        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
+        ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))}
+    assert "lm_head" not in plan
+
+
+def test_torchtitan_names_in_a_module_dict():
+    plan = auto_plan(Titan())
+    assert plan["layers.0.attention.wq"] == "colwise" and plan["layers.1.attention.wo"] == "rowwise"
+    assert plan["layers.1.feed_forward.w1"] == plan["layers.1.feed_forward.w3"] == "colwise"
+    assert plan["layers.1.feed_forward.w2"] == "rowwise"
+    assert len(plan) == 14
+
+
+def test_a_top_level_pair_and_a_lone_linear():
+    assert auto_plan(TwoLayer()) == {"fc1": "colwise", "fc2": "rowwise"}  # "out" has no partner here
+
+
+def test_a_partial_model_keeps_its_names():
+    model = CharGPT(11, 8, 16, 2, 4)
+    del model.embed, model.head
+    model.blocks = nn.ModuleDict({"2": model.blocks[2], "3": model.blocks[3]})  # a pipeline stage's blocks
+    plan = auto_plan(model)
+    assert sorted({n.rsplit(".", 2)[0] for n in plan}) == ["blocks.2", "blocks.3"]
+
+
+def test_nothing_to_split_is_a_config_error_with_a_hint():
+    with pytest.raises(ConfigError, match=r"found no linear pair to split in BertAttention.*Pass a plan instead"):
+        resolve_plan(BertAttention())
+    with pytest.raises(ConfigError, match="found no linear pair"):
+        resolve_plan(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+
+
+def test_a_fused_qkv_projection_is_refused():
+    with pytest.raises(ConfigError, match="qkv is a fused q|k|v projection.*Split it into three linears"):
+        auto_plan(Fused())
+
+
+def test_user_plans_with_patterns():
+    plan = resolve_plan(BertAttention(), {"self.[qkv]*": "colwise", "output.0": "rowwise"}, tp=2)
+    assert plan == {"self.query": "colwise", "self.key": "colwise", "self.value": "colwise", "output.0": "rowwise"}
+    assert resolve_plan(Llama(), {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}) == {
+        "layers.0.mlp.up_proj": "colwise", "layers.1.mlp.up_proj": "colwise", "layers.0.mlp.down_proj": "rowwise", "layers.1.mlp.down_proj": "rowwise"}
+
+
+def test_a_plan_naming_a_missing_module_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"plan names 'blocks.0.mlp.fc1', which matches no module of CharGPT; close names: \['blocks.0.mlp.fc'"):
+        resolve_plan(CharGPT(11, 8, 16, 2, 1), {"blocks.0.mlp.fc1": "colwise"})
+
+
+def test_a_bad_style_is_a_config_error_before_anything_runs():
+    with pytest.raises(ConfigError, match=r"plan\['fc1'\] = 'column' is not a style.*Styles: 'colwise', 'rowwise'"):
+        resolve_plan(TwoLayer(), {"fc1": "column"})
+    with pytest.raises(ConfigError, match=r"Did you mean 'rowwise'\?"):
+        TensorParallel(plan={"fc2": "rowise"})
+
+
+def test_only_linears_split():
+    with pytest.raises(ConfigError, match="splits nn.Linear modules; embed_tokens is a Embedding"):
+        resolve_plan(Llama(), {"embed_tokens": "colwise"})
+
+
+def test_heads_must_divide_by_tp():
+    resolve_plan(CharGPT(11, 8, 16, 2, 1), tp=2)
+    with pytest.raises(ConfigError, match=r"blocks.0.attn.q has 2 attention heads, which do not split across tp=4 ranks.*choose tp in \[1, 2\]"):
+        resolve_plan(CharGPT(11, 8, 16, 2, 1), tp=4)
+    # Grouped-query attention: 4 query heads but 2 key/value heads (head_dim 4): tp=4 splits q, not k/v.
+    with pytest.raises(ConfigError, match="layers.0.self_attn.k_proj has 2 attention heads"):
+        resolve_plan(Llama(), tp=4)
+    resolve_plan(Llama(), tp=2)
+    with pytest.raises(ConfigError, match="layers.0.attention.wq has 2 attention heads"):  # n_heads attribute
+        resolve_plan(Titan(), tp=4)
+
+
+def test_widths_must_divide_by_tp():
+    with pytest.raises(ConfigError, match=r"fc1 \(colwise\) has 32 output features, not divisible by tp=3"):
+        resolve_plan(TwoLayer(), tp=3)
+
+
+def test_options_are_checked_in_the_constructor():
+    with pytest.raises(ConfigError, match="tp must be a whole number >= 1; got 0"):
+        TensorParallel(tp=0)
+    with pytest.raises(ConfigError, match="dp_strategy must be 'ddp' or 'fsdp'; got 'fsd'. Did you mean 'fsdp'"):
+        TensorParallel(dp_strategy="fsd")
+    with pytest.raises(ConfigError, match=r"tp 4 does not divide the world size 6; valid shapes: dp1xpp1xtp6"):
+        TensorParallel(tp=4).validate(6)
+    tp = TensorParallel()
+    tp.validate(4)
+    assert tp.mesh_degrees() == {"tp": 4}  # the default degree is the world size
+    assert TensorParallel(tp=2, sequence_parallel=True).mesh_degrees() == {"tp": 2}
+
+
+def test_auto_plan_is_deterministic_and_does_not_touch_the_model():
+    model = Llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert auto_plan(model) == auto_plan(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
