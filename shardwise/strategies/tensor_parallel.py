@@ -588,9 +588,8 @@ class TensorParallel:
         tp = self.tp or world_size
         self._world_tp = world_size  # tp defaults to the world size (validate runs before the mesh is built)
         if world_size % tp:
-            from shardwise.mesh import _shapes_text
-
-            raise ConfigError(f"tp {tp} does not divide the world size {world_size}; valid shapes: {_shapes_text(world_size)}")
+            shapes = ", ".join(f"dp{world_size // d} x tp{d}" for d in range(1, world_size + 1) if world_size % d == 0)
+            raise ConfigError(f"tp {tp} does not divide the world size {world_size}; valid shapes: {shapes} (set --tp to one of the tp degrees)")
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
         if not dist.is_initialized():

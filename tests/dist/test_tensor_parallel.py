@@ -223,7 +223,7 @@ def test_a_tp_checkpoint_resumes_under_single_and_single_resumes_under_tp(two, r
 
 
 def test_tp_that_does_not_divide_the_world_size_is_a_config_error_before_launch():
-    with pytest.raises(ConfigError, match=r"tp 3 does not divide the world size 4; valid shapes: .*dp2xpp1xtp2"):
+    with pytest.raises(ConfigError, match=r"tp 3 does not divide the world size 4; valid shapes: dp4 x tp1, dp2 x tp2, dp1 x tp4"):
         Trainer(strategy="tp", nproc=4, strategy_options={"tp": 3}, loss_fn=lm_loss).fit(tiny_gpt(), chars())
 
 

@@ -188,7 +188,7 @@ def test_options_are_checked_in_the_constructor():
         TensorParallel(tp=0)
     with pytest.raises(ConfigError, match="dp_strategy must be 'ddp' or 'fsdp'; got 'fsd'. Did you mean 'fsdp'"):
         TensorParallel(dp_strategy="fsd")
-    with pytest.raises(ConfigError, match=r"tp 4 does not divide the world size 6; valid shapes: dp1xpp1xtp6"):
+    with pytest.raises(ConfigError, match=r"tp 4 does not divide the world size 6; valid shapes: dp6 x tp1, dp3 x tp2, dp2 x tp3, dp1 x tp6 \(set --tp"):
         TensorParallel(tp=4).validate(6)
     tp = TensorParallel()
     tp.validate(4)
