@@ -428,7 +428,7 @@ class Pipeline:
     def __init__(
         self, *, pp: int = 2, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int | None = None,
         split_points: Sequence[str] | None = None, tp: int = 1, dp_strategy: str = "ddp", timeline: str | None = None,
-        warmup_steps: int = 1,
+        warmup_steps: int = 1, sequence_parallel: bool = False, tp_plan: dict[str, str] | None = None,
     ) -> None:
         if virtual_stages is None:
             virtual_stages = 2 if schedule == "interleaved" else 1
@@ -443,6 +443,9 @@ class Pipeline:
         self.pp, self.microbatches, self.schedule_name = pp, microbatches, schedule
         self.virtual_stages, self.split_points, self.tp = virtual_stages, list(split_points or []), tp
         self.dp_strategy, self.timeline, self.warmup_steps = dp_strategy, timeline, warmup_steps
+        self.sequence_parallel, self.tp_plan = bool(sequence_parallel), tp_plan
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("sequence_parallel needs tp > 1 (it shards activations across the tensor-parallel ranks)")
         self.num_stages = pp * virtual_stages
         self._clock = _Clock()
         self._steps: list[list[tuple[float, float, float]]] = []  # per step: each pp rank's (busy, start, end)
@@ -483,7 +486,8 @@ class Pipeline:
         for s in range(me, self.num_stages, self.pp):
             stage_mod = StageModule(runs[s]).to(mesh.device)
             if self.tp > 1:
-                _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"))
+                # Tensor parallel first, inside the stage (original names: the plan matches as on the whole model).
+                _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
             stages[s] = stage_mod
             runners[s] = self._apply_data_parallel(stage_mod, mesh)
             stage = PipelineStage(runners[s], s, self.num_stages, mesh.device, group=group.pg)
@@ -506,22 +510,32 @@ class Pipeline:
         return wrapped, make_optimizer(params)
 
     def _apply_data_parallel(self, stage_mod: nn.Module, mesh: Mesh) -> nn.Module:
-        """FSDP2 over the dp dimension (``dp_strategy="fsdp"``); with ``ddp`` the stage module runs
-        as it is and `_average_grads` averages its gradients across dp after the schedule.
+        """Data parallel last, over the mesh's dp dimension: FSDP2 (``dp_strategy="fsdp"``), or,
+        with ``ddp``, the stage module as it is and its gradients averaged after the schedule
+        (`_average_grads`).
 
         Not torch's DistributedDataParallel: its reducer, fed one backward per micro-batch by the
         schedule, fails to rebuild its buckets after the first step (torch 2.13, gloo: "rebuilt
         parameter indices size is not same as original model parameters size")."""
         if mesh.size("dp") == 1 or self.dp_strategy == "ddp":
             return stage_mod
+        if self.tp > 1:
+            # One FSDP unit per stage (its "auto" units would pick the ModuleDict holding the stage's blocks).
+            return _tensor_parallel().shard_data_parallel(stage_mod, mesh.device_mesh("dp"), units="root")  # type: ignore[no-any-return]
         from torch.distributed.fsdp import fully_shard
 
         return fully_shard(stage_mod, mesh=mesh.device_mesh("dp"))  # type: ignore[no-any-return]
 
     def _average_grads(self) -> None:
-        """Average every local gradient across the data-parallel group: one flat allreduce per step."""
+        """Sequence-parallel partial gradients summed over tp, then every local gradient averaged
+        across the data-parallel group: one flat allreduce per step."""
         assert self._mesh is not None
+        if self.sequence_parallel:
+            _tensor_parallel().reduce_partial_grads(self._module, self._recorder)
         if self._mesh.size("dp") == 1 or self.dp_strategy != "ddp":
+            return
+        if self.tp > 1:  # gradients are DTensors: average their local shards
+            _tensor_parallel().replicate_grads(self._module, self._mesh.group("dp"), self._recorder)
             return
         grads = [p.grad for p in self._module.parameters() if p.grad is not None]
         if not grads:
@@ -590,20 +604,42 @@ class Pipeline:
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Global norm: each parameter lives on one pipeline rank (and is replicated across dp),
-        so squared local norms are summed over the pp group."""
+        """Clip by the global norm: a gradient's squared norm counts once, summed over the tp ranks
+        that hold shards of it and over the pp ranks (each parameter lives on one stage), never
+        over replicas (dp, or tp for replicated tensors). Same coefficient as torch's
+        ``clip_grad_norm_``: ``max_norm / (norm + 1e-6)``, at most 1."""
         params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        local = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True) if grads else torch.zeros((), device=self._mesh.device if self._mesh else "cpu")
-        if hasattr(local, "full_tensor"):
-            local = local.full_tensor()
-        sq = (local.double() ** 2).reshape(1)
+        device = self._mesh.device if self._mesh else torch.device("cpu")
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
+        sharded: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}  # (mesh, sharded dims) -> (mesh, sum of squares)
+        locals_ = []
+        for p in params:
+            g = p.grad
+            local = g.to_local() if hasattr(g, "to_local") else g
+            locals_.append(local)
+            sq = local.double().pow(2).sum()
+            # Sharded along a mesh dim: any placement but Replicate and Partial (torch 2.13's
+            # _StridedShard, which FSDP2 over TP produces, answers is_shard() False).
+            dims = tuple(i for i, pl in enumerate(getattr(g, "placements", ())) if not (pl.is_replicate() or pl.is_partial()))
+            if dims:
+                key = (id(g.device_mesh), dims)
+                mesh_, acc = sharded.get(key, (g.device_mesh, torch.zeros((), dtype=torch.float64, device=device)))
+                sharded[key] = (mesh_, acc + sq)
+            else:
+                replicated = replicated + sq
+        for (_, dims), (mesh_, acc) in sharded.items():
+            for d in dims:  # tp shards, fsdp's dp shards: each piece counted once
+                dist.all_reduce(acc, group=mesh_.get_group(d))
+            replicated = replicated + acc
+        total_sq = replicated.reshape(1)
         if self.pp > 1:
-            dist.all_reduce(sq, group=self._group.pg)
-        total = sq.sqrt()[0].to(local.dtype)
-        if params:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-        return total
+            dist.all_reduce(total_sq, group=self._group.pg)
+        norm = total_sq.sqrt()[0]
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if locals_:
+            torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+        dtype = locals_[0].dtype if locals_ else torch.float32
+        return norm.to(dtype)
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -665,13 +701,13 @@ class Pipeline:
             "param_groups": [dict(g, params=[n for n in g["params"] if n in keep]) for g in named["param_groups"]],
         }
         sub["param_groups"] = [g for g in sub["param_groups"] if g["params"]]
-        numbered = ckpt.optimizer_state_by_number(sub, local_names)
         if any(hasattr(v, "full_tensor") for v in own.values()):
+            # Sharded parameters (tp, fsdp): torch slices each whole tensor to this rank's shard (state keyed by name).
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, optimizer, numbered, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, optimizer, sub, options=StateDictOptions(full_state_dict=True))
         else:
-            optimizer.load_state_dict(numbered)
+            optimizer.load_state_dict(ckpt.optimizer_state_by_number(sub, local_names))
 
     # -- observability ------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:

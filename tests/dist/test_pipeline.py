@@ -111,11 +111,17 @@ def _world_of_two(tmp: str) -> dict[str, Any]:
     return out
 
 
+FOUR = {  # tensor parallel inside the stages, then the pipeline, then data parallel
+    "ddp": dict(PP2["1f1b"], dp_strategy="ddp"),
+    "interleaved-ddp": dict(PP2["interleaved"], dp_strategy="ddp"),
+    "fsdp": dict(PP2["gpipe"], dp_strategy="fsdp"),
+    "tp": dict(PP2["1f1b"], tp=2),
+    "tp-sequence-parallel": dict(PP2["gpipe"], tp=2, sequence_parallel=True),
+}
+
+
 def _world_of_four() -> dict[str, Any]:
-    return {
-        "ddp": fit("pipeline", dict(PP2["1f1b"], dp_strategy="ddp")),
-        "interleaved-ddp": fit("pipeline", dict(PP2["interleaved"], dp_strategy="ddp")),
-    }
+    return {case: fit("pipeline", options) for case, options in FOUR.items()}
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +213,11 @@ def test_a_single_checkpoint_resumes_under_pipeline(two, reference):
         assert max_diff(reference["6"][0], state) < 1e-9
 
 
-@pytest.mark.parametrize("case", ["ddp", "interleaved-ddp"])
-def test_pp2_by_dp2_equals_single(case, four, reference):
+@pytest.mark.parametrize("case", list(FOUR))
+def test_2d_compositions_at_world_size_four_equal_single(case, four, reference):
     for rank in range(4):
         _check_parity(four[rank][case], reference["5"])
     summary = four[0][case][1]
-    assert summary["world_size"] == 4
-    # Each stage's gradients are reduced across dp once per step.
-    assert summary["comm"]["by_op"]["dp/all_reduce"]["count"] == 5
+    assert summary["world_size"] == 4 and summary["pipeline"]["pp"] == 2
+    if case.endswith("ddp"):  # pp2 x dp2: each stage's gradients averaged across dp in one allreduce per step
+        assert summary["comm"]["by_op"]["dp/all_reduce"]["count"] == 5
