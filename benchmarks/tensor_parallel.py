@@ -1,0 +1,127 @@
+"""Tensor parallelism on charlm: step time and bytes per step for tp=1, tp=2 and tp=2 with
+sequence parallelism, at a few model widths, side by side in one table.
+
+Each row trains CharGPT (``--layers`` blocks, 4 heads, block size ``--block``, global batch
+``--batch``, fp32, AdamW) for ``--steps`` steps on random characters; step time is rank 0's
+median after ``--warmup`` steps. tp=1 is ``single`` in one process, tp=2 two processes on gloo,
+one thread each (one "device" each). Bytes are what rank 0 sent on the tp group per step, as the
+Recorder counted DTensor's collectives (bandwidth-optimal figures for library collectives), next
+to Megatron's prediction: per block and pass (forward, backward) two allreduces of the block's
+activations ``B x T x d``, ``2 (p-1)/p`` of them each; sequence parallelism replaces each by an
+all-gather and a reduce-scatter, ``(p-1)/p`` each, the same bytes, plus one all-gather leaving
+the sequence-sharded region (and its mirror in backward). ``no count`` is tp=2 with the
+collective counter off, to show what counting costs. On CPU with gloo this measures overhead
+and communication cost, not a GPU's speed-up.
+
+    python benchmarks/tensor_parallel.py [--widths 64 128 256] [--steps 12] [--layers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import shardwise
+from shardwise.recipes.charlm import CharGPT
+
+VOCAB = 100
+
+
+def _loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), batch[1].reshape(-1))
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class StepTimer:
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.times, self.last = warmup, [], 0.0
+
+    def on_fit_start(self, trainer: Any, engine: Any) -> None:
+        self.last = time.perf_counter()
+
+    def on_train_step_end(self, trainer: Any, engine: Any, step: int, loss: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if step > self.warmup:
+            self.times.append(now - self.last)
+        self.last = now
+
+
+def _data(block: int, n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (n, block + 1), generator=g)
+    return TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+
+
+def _fit(strategy: str, width: int, args: argparse.Namespace, **options: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = CharGPT(VOCAB, args.block, width, 4, args.layers)
+    timer = StepTimer(args.warmup)
+    trainer = shardwise.Trainer(
+        strategy=strategy, optimizer=_adamw, loss_fn=_loss, strategy_options=options, callbacks=[timer],
+        global_batch_size=args.batch, max_steps=args.steps, log_every=args.steps, progress_bar=False,
+    )
+    summary = trainer.fit(model, _data(args.block, args.batch * args.steps))
+    by_op = summary["comm"]["by_op"]
+    tp_sent = sum(v["sent_bytes"] for k, v in by_op.items() if k.startswith("tp/"))
+    return {"step_s": statistics.median(timer.times), "tp_sent_per_step": tp_sent / summary["steps"],
+            "collectives": (summary.get("tp") or {}).get("collectives_per_step")}
+
+
+def _two(widths: list[int], args: argparse.Namespace) -> dict[Any, Any]:
+    out: dict[Any, Any] = {}
+    for width in widths:
+        out[("tp2", width)] = _fit("tp", width, args, tp=2)
+        out[("tp2 sp", width)] = _fit("tp", width, args, tp=2, sequence_parallel=True)
+        out[("no count", width)] = _fit("tp", width, args, tp=2, count_collectives=False)
+    return out
+
+
+def predicted_bytes(width: int, args: argparse.Namespace, p: int, sequence_parallel: bool) -> float:
+    """Megatron's bytes sent per rank per step on the tp group (fp32 activations)."""
+    act = args.batch * args.block * width * 4
+    per_op = 2 * (p - 1) / p * act
+    total = args.layers * 2 * 2 * per_op  # blocks x (attention, MLP) x (forward, backward)
+    if sequence_parallel:
+        total += 2 * (p - 1) / p * act  # leaving the sharded region forward; entering it, backward
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    single = {w: _fit("single", w, args) for w in args.widths}
+    two = shardwise.launch(_two, args.widths, args, nproc=2, threads_per_proc=1)[0]
+    print(f"charlm, {args.layers} blocks, 4 heads, block {args.block}, global batch {args.batch}, fp32; median step after {args.warmup} warm-up steps")
+    head = f"{'d_model':>7} {'run':>9} {'step ms':>8} {'vs tp1':>7} {'tp MB sent/step':>16} {'predicted':>10} {'ratio':>6}  collectives per step (tp group: fwd/bwd)"
+    print(head)
+    print("-" * len(head))
+    for w in args.widths:
+        base = single[w]["step_s"]
+        print(f"{w:>7} {'tp1':>9} {base * 1e3:>8.2f} {1.0:>7.2f} {0.0:>16.3f} {0.0:>10.3f} {'':>6}")
+        for run in ("tp2", "tp2 sp", "no count"):
+            r = two[(run, w)]
+            pred = predicted_bytes(w, args, 2, run == "tp2 sp") / 1e6
+            sent = r["tp_sent_per_step"] / 1e6
+            counts = ", ".join(f"{k.split('/')[1]} {int(v.get('forward', 0))}/{int(v.get('backward', 0))}" for k, v in (r["collectives"] or {}).items())
+            ratio = f"{sent / pred:>6.3f}" if run != "no count" else f"{'':>6}"
+            print(f"{w:>7} {run:>9} {r['step_s'] * 1e3:>8.2f} {r['step_s'] / base:>7.2f} {sent:>16.3f} {pred if run != 'no count' else 0:>10.3f} {ratio}  {counts}")
+
+
+if __name__ == "__main__":
+    main()
