@@ -275,6 +275,7 @@ def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = N
     parallelize_module(module, tp_mesh, styles)
     if sequence_parallel:
         _sequence_boundaries(module, tp_mesh, blocks)
+    synchronize_dropout(module, tp_mesh, blocks if sequence_parallel else [])
     module._shardwise_tp = {"plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp}  # type: ignore[assignment]
     return module
 
@@ -299,6 +300,52 @@ def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str]) -> 
 
     module.get_submodule(blocks[0]).register_forward_pre_hook(enter)
     module.get_submodule(blocks[-1]).register_forward_hook(leave)
+
+
+def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequence[str] = ()) -> int:
+    """Make the ``nn.Dropout`` modules of ``module`` draw the same masks on every tp rank where
+    their input is replicated, and different ones where it is sequence-sharded.
+
+    Ranks draw from their own RNG streams (the trainer seeds each rank differently), so a dropout
+    on a replicated activation (the embedding's, or the MLP's after its row-split linear) would
+    drop different elements on each tp rank and the replicas of the residual stream would drift
+    apart silently. Each dropout therefore runs on a forked RNG seeded from a seed shared by the
+    tp group (tp rank 0's ``torch.initial_seed()``, broadcast once), the module's index and its
+    call count; inside ``sharded_blocks`` (sequence parallelism: every dropout there sees this
+    rank's slice of the sequence) the tp rank is mixed in. Dropout inside attention
+    (``scaled_dot_product_attention``'s ``dropout_p``) acts on this rank's own heads and keeps
+    the rank's stream. Returns how many modules were synchronized.
+    """
+    drops = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if not drops:
+        return 0
+    pg = tp_mesh.get_group()
+    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=tp_mesh.device_type)
+    dist.broadcast(seed, src=dist.get_global_rank(pg, 0), group=pg)
+    base, rank = int(seed.item()), dist.get_rank(pg)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    for index, (name, drop) in enumerate(drops):
+        sharded = any(name.startswith(b + ".") for b in sharded_blocks)
+        state = {"calls": 0, "fork": None}
+
+        def before(m: nn.Module, args: Any, index: int = index, sharded: bool = sharded, state: dict[str, Any] = state) -> None:
+            if not m.training:
+                return
+            fork = torch.random.fork_rng(devices=devices)
+            fork.__enter__()
+            state["fork"] = fork
+            torch.manual_seed((base + 1_000_003 * index + 7_919 * state["calls"] + (104_729 * (rank + 1) if sharded else 0)) % 2**63)
+            state["calls"] += 1
+
+        def after(m: nn.Module, args: Any, out: Any, state: dict[str, Any] = state) -> None:
+            fork = state.pop("fork", None)
+            state["fork"] = None
+            if fork is not None:
+                fork.__exit__(None, None, None)
+
+        drop.register_forward_pre_hook(before)
+        drop.register_forward_hook(after)
+    return len(drops)
 
 
 def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) -> int:
@@ -404,6 +451,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, recorde
     meshes: dict[tuple[Any, ...], Any] = {}
     for p in params:
         g = p.grad
+        key: tuple[Any, ...] = ()  # plain tensors: replicated wherever they live, counted once
         if isinstance(g, DTensor):
             if any(pl.is_partial() for pl in g.placements):
                 raise ValueError("clip_grad_norm_ got a partial gradient; call reduce_partial_grads first")
@@ -413,7 +461,6 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, recorde
             meshes[key] = g.device_mesh
         else:
             sq = g.double().pow(2).sum()  # type: ignore[union-attr]
-            key = ()
         by_dims[key] = by_dims[key] + sq if key in by_dims else sq
     for key, sq in by_dims.items():
         if key:
@@ -460,7 +507,7 @@ def _collective_counter_mode() -> type:
         Each is recorded on the ``Recorder`` with its payload and the bandwidth-optimal bytes.
         """
 
-        def __init__(self, recorder: Recorder | None, names: dict[str, str]) -> None:
+        def __init__(self, recorder: Recorder | None, names: dict[str, tuple[str, int]]) -> None:
             super().__init__()
             self.recorder, self.names = recorder, names
             self.counts: Counter[tuple[str, str, str]] = Counter()
@@ -492,8 +539,12 @@ def _collective_counter_mode() -> type:
                         group = dist.ProcessGroup.unbox(a).group_name
                     except Exception:  # noqa: BLE001 - a boxed ReduceOp, not a group
                         pass
-            name = self.names.get(group or "", "other")
-            size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group)) if group else 1
+            name, size = self.names.get(group or "", ("other", 0))
+            if not size and group:  # a group the strategy did not name: ask c10d for its size
+                try:
+                    size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))  # type: ignore[arg-type]
+                except Exception:  # noqa: BLE001 - unknown to this torch: count it, bytes unknown
+                    size = 1
             payload = sum(t.numel() * t.element_size() for t in tensors)
             if kind == "all_gather" and ns_is_input_shard(func):
                 payload *= size  # the gathered buffer
@@ -511,9 +562,9 @@ def ns_is_input_shard(func: Any) -> bool:
     return func._schema.name.split("::")[-1] in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")
 
 
-def group_names(**groups: Any) -> dict[str, str]:
-    """``{process group name: label}`` from ``label=ProcessGroup`` pairs (what the counter calls each group)."""
-    return {pg.group_name: label for label, pg in groups.items() if pg is not None}
+def group_names(**groups: Any) -> dict[str, tuple[str, int]]:
+    """``{process group name: (label, size)}`` from ``label=ProcessGroup`` pairs (what the counter calls each group)."""
+    return {pg.group_name: (label, dist.get_world_size(pg)) for label, pg in groups.items() if pg is not None}
 
 
 @contextlib.contextmanager
@@ -575,7 +626,7 @@ class TensorParallel:
         self.applied: dict[str, str] = {}
         self.recorder: Recorder | None = None
         self.dp_group: Group | None = None
-        self.names: dict[str, str] = {}
+        self.names: dict[str, tuple[str, int]] = {}
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.steps = 0
         self._world_tp: int | None = None
@@ -602,10 +653,10 @@ class TensorParallel:
         tp_mesh = _dim_mesh(mesh, "tp")
         parallelize(model, tp_mesh, self.plan, self.sequence_parallel)
         self.applied = dict(model._shardwise_tp["plan"])  # type: ignore[index]
-        self.names = {tp_mesh.get_group().group_name: "tp"}
+        self.names = group_names(tp=tp_mesh.get_group())
         if self.dp > 1:
             dp_mesh = _dim_mesh(mesh, "dp")
-            self.names[dp_mesh.get_group().group_name] = "dp"
+            self.names.update(group_names(dp=dp_mesh.get_group()))
             self.dp_group = Group("dp", dp_mesh.get_group())
             if self.dp_strategy == "fsdp":
                 shard_data_parallel(model, dp_mesh)

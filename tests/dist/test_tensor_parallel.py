@@ -46,8 +46,13 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def _fit(strategy: str, *, out: Path | None = None, resume: str | None = None, max_steps: int = 5, **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _fit(strategy: str, *, out: Path | None = None, resume: str | None = None, max_steps: int = 5, dropout: float = 0.0, **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     model = tiny_gpt()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = dropout
+        if hasattr(m, "dropout") and isinstance(m.dropout, float):
+            m.dropout = dropout
     trainer = Trainer(strategy=strategy, optimizer=adamw, loss_fn=lm_loss, strategy_options=options,
                       **{**COMMON, "max_steps": max_steps}, out=str(out) if out else None, resume=resume)
     summary = trainer.fit(model, chars(), chars(20, seed=4))
@@ -100,6 +105,7 @@ def _world_of_two(root: Path) -> dict[Any, Any]:
             out[("count", layers, sp)] = _count(layers, sp)
     for sp in (False, True):
         out[("grads", sp)] = _one_step_grads(sp)
+        out[("dropout", sp)] = _fit("tp", max_steps=3, dropout=0.2, sequence_parallel=sp)
     # Checkpoints: tp writes one at step 3 (single resumes it in the parent); tp resumes single's.
     out["tp_first"] = _fit("tp", out=root / "tp_ckpt", max_steps=3)
     out["from_single"] = _fit("tp", out=root / "from_single", resume=str(root / "single_ckpt/checkpoints/step-00000003"), sequence_parallel=True)
@@ -190,6 +196,14 @@ def test_sequence_parallel_block_is_all_gather_reduce_scatter_pairs(two):
 def test_one_step_gradients_equal_the_whole_model(two):
     assert two[0][("grads", False)] < 1e-12
     assert two[0][("grads", True)] < 1e-12
+
+
+def test_dropout_keeps_the_replicated_parameters_identical_across_tp_ranks(two, reference):
+    for sp in (False, True):
+        ranks = [two[r][("dropout", sp)][0] for r in range(2)]
+        # Embedding, norms and head are computed whole on both ranks: the same masks, the same updates.
+        assert max_diff(ranks[0], ranks[1]) == 0.0
+        assert two[0][("dropout", sp)][1]["train_loss"] != pytest.approx(reference[1]["train_loss"], abs=1e-3)  # dropout was on
 
 
 def test_summary_reports_the_collectives_per_step(two, four):
