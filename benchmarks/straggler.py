@@ -48,7 +48,7 @@ def _run(strategy: str, options: dict[str, Any], seconds: float, straggler: Stra
     if not engine.trains:
         return None
     x, y = train.tensors
-    workers, w = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+    workers, w = engine.data_mesh.size("dp"), engine.data_mesh.coordinate("dp")
     per = BATCH // workers
     collective_stop = strategy != "ps"
     g = torch.Generator().manual_seed(1 + w)
@@ -77,7 +77,7 @@ def _run(strategy: str, options: dict[str, Any], seconds: float, straggler: Stra
     section = engine.strategy.summary()  # ps: ends the session; worker 0 gets the final parameters
     sent = sum(t["sent_bytes"] for t in engine.recorder.totals().values())
     total = torch.tensor([float(steps * per)])
-    dist.all_reduce(total, group=engine.group.pg)
+    dist.all_reduce(total, group=engine.data_mesh.group("dp").pg)  # every worker (async ones loop alone)
     if w != 0:
         return None
     module = engine.unwrap(model).eval()

@@ -63,6 +63,12 @@ def _write(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def write_file(path: Path, obj: Any) -> None:
+    """``torch.save`` to ``path``, flushed and fsynced: for files a strategy adds to a checkpoint
+    directory (``Engine.save``'s ``save_extra_state`` hook)."""
+    _write(Path(path), obj)
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

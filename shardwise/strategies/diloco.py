@@ -18,6 +18,10 @@ local SGD, which with H = 1 and a linear inner optimizer (SGD) is data paralleli
 ``compression="int8"`` (any codec of `shardwise.comm.codecs` with its own exchange) sends
 the pseudo-gradient compressed with error feedback, through
 `shardwise.comm.compressed.compressed_allreduce`.
+
+Checkpoints keep the outer state with each replica (`OuterStep.state_dict`: ``theta``, the
+outer optimizer's momentum, the codec's residuals and generators), so a resume mid-round
+equals an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -84,6 +88,28 @@ class OuterStep:
 
     def summary(self) -> dict[str, Any]:
         return {"outer_lr": self.lr, "outer_momentum": self.momentum, "compression": getattr(self.codec, "spec", None)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``theta`` (the parameters of the last round), the outer optimizer's state, the codec's state."""
+        assert self.outer is not None, "state_dict before setup"
+        states = self.outer.codec_states
+        return {
+            "theta": [t.detach().clone() for t in self.outer.theta],
+            "optimizer": self.outer.optimizer.state_dict(),
+            "residuals": [s.residual for s in states],
+            "generators": [s.generator.get_state() if s.generator is not None else None for s in states],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.outer is not None, "load_state_dict before setup"
+        with torch.no_grad():
+            for theta, saved in zip(self.outer.theta, state["theta"]):
+                theta.copy_(saved)
+        self.outer.optimizer.load_state_dict(state["optimizer"])
+        for theta, codec_state, residual, generator in zip(self.outer.theta, self.outer.codec_states, state["residuals"], state["generators"]):
+            codec_state.residual = residual.to(theta.device) if residual is not None else None
+            if generator is not None:
+                codec_state.rng(theta.device).set_state(generator)
 
 
 def diloco(*, sync_every: int = 8, outer_lr: float = 0.7, outer_momentum: float = 0.9, compression: str | None = None) -> Replicas:

@@ -11,7 +11,10 @@ in the papers.
 
 The averaging round is the strategy's ``after_step`` hook (see
 `shardwise.strategies.protocol.after_step`), called by the engine after every optimizer
-step. This module also holds the pieces the other "replicas that step alone" strategies
+step. Replicas differ between rounds, and so do their optimizer states, so a checkpoint
+keeps each rank's own: ``save_extra_state`` writes ``replica-RRRRR.pt`` (model, optimizer,
+the mixer's state, counters) next to the engine's files, and ``load_extra_state`` restores
+it; a resume in new processes then equals an uninterrupted run bit for bit, mid-round too. This module also holds the pieces the other "replicas that step alone" strategies
 share (`shardwise.strategies.diloco`, `shardwise.strategies.gossip`): the `Replicas` strategy
 object, which the three build by composition with their own `Mixer` (an average, an outer
 step, a ring gossip), flattening of parameters and floating-point buffers, and the option check.
@@ -23,12 +26,14 @@ step, a ring gossip), flattening of parameters and floating-point buffers, and t
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.checkpoint import load_file, write_file
 from shardwise.comm.collectives import Group, all_reduce
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
@@ -113,6 +118,16 @@ class Mixer(Protocol):
     def summary(self) -> dict[str, Any]:
         """What this mixer adds to the strategy's summary section."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the mixer (DiLoCo's outer parameters and momentum; nothing for the others)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of ``state_dict``."""
+
+
+REPLICA_FILE = "replica-{rank:05d}.pt"
+"""Each rank's own replica in a checkpoint directory: model, optimizer, mixer state, counters."""
+
 
 class Replicas:
     """The strategy object of local-sgd, diloco and gossip: a plain module and optimizer per rank,
@@ -128,6 +143,7 @@ class Replicas:
         self.mixer = mixer
         self.rounds = 0
         self.steps = 0
+        self._attach: tuple[Group, Recorder | None] | None = None
 
     def validate(self, world_size: int) -> None:
         check_group(self.name, world_size)
@@ -135,6 +151,7 @@ class Replicas:
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
         model, optimizer, group = setup_replica(self.name, model, make_optimizer, mesh)
         self.mixer.attach(model, group, recorder)
+        self._attach = (group, recorder)
         return model, optimizer
 
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -161,7 +178,31 @@ class Replicas:
         return plain_state_dict(model, optimizer)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(model, optimizer, state)
+        load_plain_state_dict(model, optimizer, state)  # rank 0's copy; each rank's own follows in load_extra_state
+
+    def save_extra_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
+        """This rank's replica, into the checkpoint's temporary directory (every rank)."""
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                 "mixer": self.mixer.state_dict(), "steps": self.steps, "rounds": self.rounds}
+        write_file(Path(directory) / REPLICA_FILE.format(rank=dist.get_rank()), state)
+
+    def load_extra_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
+        """This rank's own replica; without one (another world size, another strategy's checkpoint)
+        every replica starts from the checkpoint's model, and the mixer starts afresh from it."""
+        path = Path(directory) / REPLICA_FILE.format(rank=dist.get_rank())
+        if not path.is_file():
+            if dist.get_rank() == 0:
+                print(f"shardwise {self.name}: {directory} has no state for this rank's replica; every replica "
+                      "starts from the checkpoint's model", flush=True)
+            assert self._attach is not None, "load before setup"
+            self.mixer.attach(model, *self._attach)
+            return
+        state = load_file(path)
+        model.load_state_dict(state["model"])
+        if optimizer is not None and state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        self.mixer.load_state_dict(state["mixer"])
+        self.steps, self.rounds = int(state["steps"]), int(state["rounds"])
 
     def summary(self) -> dict[str, Any]:
         return {self.section: {"sync_every": self.sync_every, "rounds": self.rounds, "steps": self.steps, **self.mixer.summary()}}
@@ -190,6 +231,12 @@ class StatelessMixer:
 
     def summary(self) -> dict[str, Any]:
         return dict(self._summary)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 # -- local SGD --------------------------------------------------------------------------------------

@@ -59,13 +59,13 @@ from torch import nn
 from shardwise.comm.codecs import Codec, PowerSGD, get_codec
 from shardwise.comm.collectives import Group
 from shardwise.comm.recorder import CommEvent, Recorder
-from shardwise.errors import CheckpointError, ConfigError
+from shardwise.errors import CheckpointError, CommError, ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
 from shardwise.strategies.protocol import OptimizerFactory, Placement, StepFn
 from shardwise.strategies.ps_protocol import (
-    CTRL_TAG, DONE, HEADER_BYTES, KIND, LOAD, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED, SERVER_FILE, STATS_TAG, VERSION,
+    BYE, CTRL_TAG, DONE, HEADER_BYTES, KIND, LOAD, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED, SERVER_FILE, STATS_TAG, VERSION,
     GradientCoder, ServerStats, header, pack, partition_by_bytes, path_bytes, payload_of, unpack_header,
 )
 from shardwise.strategies.ps_server import Server
@@ -114,6 +114,11 @@ class Client:
             if work is not None:
                 work.wait()
         for s, reply in enumerate(replies):
+            if float(unpack_header(reply)[KIND]) == DONE:
+                raise CommError(
+                    f"ps worker {self.worker} (rank {dist.get_rank()}): the parameter servers ended the session without "
+                    "this worker: it was silent for more than worker_timeout_s and declared lost"
+                )
             self.versions[s] = int(unpack_header(reply)[VERSION])
             self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
         end = time.perf_counter()
@@ -163,6 +168,8 @@ class Client:
             reply = torch.empty(self.reply_bytes[s], dtype=torch.uint8)
             dist.recv(reply, src=src, tag=PULL_TAG)
             self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
+            # The last message: it completes the server's last posted receive (see Server._close_inbox).
+            dist.send(pack(header(BYE, self.worker, 0, 0.0, 0), None, self.message_bytes[s]), dst=src, tag=PUSH_TAG)
         return out
 
 

@@ -8,7 +8,8 @@ pairs a header from one worker with a payload from another.
 ============  =====================================================================
 header slot   meaning
 ============  =====================================================================
-``KIND``      `PUSH` (a gradient follows), `DONE` (the worker finished), `PARAMS`
+``KIND``      `PUSH` (a gradient follows), `DONE` (the worker finished), `PARAMS`, `SAVE`,
+              `SAVED`, `LOAD`, `BYE` (the reporting worker got the servers' report)
 ``WORKER``    the worker's index (0 .. workers-1)
 ``STEP``      the worker's step: the gradient of its step ``t`` (clock ``t``)
 ``LR``        the worker's learning rate (its scheduler runs on the worker)
@@ -41,7 +42,7 @@ from shardwise.comm.codecs import Codec, CodecState, Encoded
 HEADER_FIELDS = 8
 HEADER_BYTES = HEADER_FIELDS * 8
 KIND, WORKER, STEP, LR, VERSION, LENGTH = range(6)
-PUSH, DONE, PARAMS, SAVE, SAVED, LOAD = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0
+PUSH, DONE, PARAMS, SAVE, SAVED, LOAD, BYE = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0
 PUSH_TAG, PULL_TAG, STATS_TAG, CTRL_TAG = 11, 12, 13, 14
 SERVER_FILE = "server-{index:03d}.pt"
 """Each server's file in a checkpoint directory: its shard, its optimizer state, its version."""

@@ -28,7 +28,6 @@ that worker's clock, and answers with the restored parameters.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -39,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint import load_file
+from shardwise.checkpoint import load_file, write_file
 from shardwise.errors import CheckpointError, CommError
 from shardwise.strategies.ps_protocol import (
-    CTRL_TAG, DONE, KIND, LENGTH, LOAD, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED,
+    BYE, CTRL_TAG, DONE, KIND, LENGTH, LOAD, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED,
     SERVER_FILE, STATS_TAG, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, path_of, unpack_header,
 )
 
@@ -53,11 +52,14 @@ class Inbox:
     def __init__(self, size: int) -> None:
         self.size = size
         self.messages: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.posted = False
+        """Whether a receive is posted (or about to be): one must not be left at exit (gloo aborts then)."""
         self._asks = threading.Semaphore(0)
         threading.Thread(target=self._run, name="ps-inbox", daemon=True).start()
 
     def ask(self) -> None:
-        """Post the next receive (only when a live worker may still send: no receive is left dangling)."""
+        """Post the next receive."""
+        self.posted = True
         self._asks.release()
 
     def _run(self) -> None:
@@ -68,8 +70,10 @@ class Inbox:
                 work = dist.irecv(buf, tag=PUSH_TAG)  # any source
                 assert work is not None, "this rank is not in the default group"
                 work.wait()
+                self.posted = False
                 self.messages.put((int(work._source_rank()), buf))
             except Exception as exc:  # noqa: BLE001 - handed to the serving loop, which decides
+                self.posted = False
                 self.messages.put((-1, exc))
 
 
@@ -112,10 +116,11 @@ class Server:
         self.last_seen = [time.monotonic()] * n
         self.pending: dict[int, tuple[int, torch.Tensor, float, int]] = {}  # sync: this step's pushes
         self.held: set[int] = set()  # ssp: workers whose answer is held back
+        self.inbox: Inbox | None = None
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self) -> ServerStats:
-        inbox = Inbox(self.message_bytes)
+        self.inbox = inbox = Inbox(self.message_bytes)
         inbox.ask()
         while self.live:
             try:
@@ -126,6 +131,8 @@ class Server:
             if isinstance(msg, Exception):
                 raise CommError(f"parameter server {self.index} (rank {dist.get_rank()}): receiving a push failed: {msg}") from msg
             w = self.worker_ranks.index(src) if src in self.worker_ranks else -1
+            if w in self.stats.lost and w not in self.live:
+                self._rejoin(w)
             if w in self.live:
                 self.last_seen[w] = time.monotonic()
                 self._handle(w, msg)
@@ -140,6 +147,19 @@ class Server:
             if now - self.last_seen[w] > self.worker_timeout_s:
                 self.stats.lost.append(w)
                 self._leave(w)
+
+    def _rejoin(self, w: int) -> None:
+        """A worker declared lost speaks again: it was slow, not dead (silent past ``worker_timeout_s``)."""
+        if self.mode == "sync":
+            # Its step is behind the steps applied without it: it cannot rejoin a synchronous run.
+            raise CommError(
+                f"parameter server {self.index} (rank {dist.get_rank()}): worker {w} (rank {self.worker_ranks[w]}) was "
+                f"silent for more than worker_timeout_s={self.worker_timeout_s:g}s, declared lost, then sent again; "
+                "raise worker_timeout_s above the longest pause between its steps (evaluation, checkpoints)"
+            )
+        self.stats.lost.remove(w)
+        self.live.add(w)
+        self.last_seen[w] = time.monotonic()
 
     def _leave(self, w: int) -> None:
         self.live.discard(w)
@@ -237,11 +257,7 @@ class Server:
                 "version": self.version, "clocks": list(self.completed)}
 
     def _save(self, w: int, directory: Path) -> None:
-        path = directory / SERVER_FILE.format(index=self.index)
-        with open(path, "wb") as f:
-            torch.save(self.state(), f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(directory / SERVER_FILE.format(index=self.index), self.state())
         ack = header(SAVED, w, 0, 0.0, self.version)
         dist.send(ack.view(torch.uint8).clone(), dst=self.worker_ranks[w], tag=CTRL_TAG)
 
@@ -287,3 +303,30 @@ class Server:
         dst = self.worker_ranks[worker]
         dist.send(self.stats.to_tensor(), dst=dst, tag=STATS_TAG)
         dist.send(pack(header(PARAMS, worker, 0, 0.0, self.version), self.flat_params(), self.reply_bytes), dst=dst, tag=PULL_TAG)
+        self._close_inbox()
+
+    def _close_inbox(self) -> None:
+        """Wait for the reporting worker's BYE, so that no receive is left posted when this process exits.
+
+        A loop that ended on a worker's silence leaves a receive posted, which gloo cannot cancel and
+        aborts on at exit; so one is always posted here, and the BYE completes it.
+        """
+        inbox = self.inbox
+        if inbox is None:
+            return
+        deadline = time.monotonic() + self.worker_timeout_s
+        while True:
+            if not inbox.posted:
+                inbox.ask()
+            try:
+                _, msg = inbox.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if isinstance(msg, Exception):
+                return
+            kind = float(unpack_header(msg)[KIND])
+            if kind == BYE:
+                return
+            if kind == PUSH:  # a worker declared lost that was only slow: tell it the session is over
+                w = int(unpack_header(msg)[WORKER])
+                dist.send(pack(header(DONE, w, 0, 0.0, self.version), None, self.reply_bytes), dst=self.worker_ranks[w], tag=PULL_TAG)

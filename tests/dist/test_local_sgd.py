@@ -178,3 +178,53 @@ def test_diloco_every_eight_steps_on_digits_is_within_one_point_of_ddp():
     accs = shardwise.launch(_digits_ddp_and_diloco, nproc=2, threads_per_proc=1, timeout=150)[0]
     assert accs["ddp"] > 90
     assert abs(accs["diloco"] - accs["ddp"]) <= 1.0, accs
+
+
+# -- resume: each replica's own model and optimizer, DiLoCo's outer state, and the round clock ------------
+RESUME_N = 5  # 100 samples in global batches of 16: step 5 is mid-epoch, and mid-round for H = 3 and H = 2
+RESUMED = {
+    "local-sgd": {"sync_every": 3},
+    "diloco": {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "gossip": {"sync_every": 2},
+}
+
+
+def _fit_replicas(strategy: str, out: Any, max_steps: int, resume: str | None) -> dict[str, Any]:
+    from tests.dist.models import adam
+
+    model = mlp(dropout=0.2)  # dropout: each rank's RNG stream must come back too
+    trainer = Trainer(strategy=strategy, strategy_options=RESUMED[strategy], precision="64", global_batch_size=16,
+                      max_steps=max_steps, optimizer=adam, loss_fn=ce, out=str(out), checkpoint_every=RESUME_N,
+                      resume=resume, deterministic=True, log_every=RESUME_N, progress_bar=False)
+    summary = trainer.fit(model, classification(100))
+    return {"params": params(model), "summary": summary}
+
+
+def _replicas_uninterrupted(root: Any) -> dict[str, Any]:
+    return {name: _fit_replicas(name, root / name, 2 * RESUME_N, None) for name in RESUMED}
+
+
+def _replicas_resumed(root: Any) -> dict[str, Any]:
+    step = f"checkpoints/step-{RESUME_N:08d}"
+    return {name: _fit_replicas(name, root / f"{name}-resumed", 2 * RESUME_N, str(root / name / step)) for name in RESUMED}
+
+
+def test_local_sgd_diloco_and_gossip_resume_mid_round_in_new_processes_exactly(tmp_path):
+    full = shardwise.launch(_replicas_uninterrupted, tmp_path, nproc=2, threads_per_proc=1, timeout=150)
+    resumed = shardwise.launch(_replicas_resumed, tmp_path, nproc=2, threads_per_proc=1, timeout=150)
+    for name in RESUMED:
+        # Mid-round at the save: the two replicas (and their Adam states) differ, so each rank needs its own file.
+        from shardwise import checkpoint as ckpt
+
+        step = tmp_path / name / f"checkpoints/step-{RESUME_N:08d}"
+        files = ckpt.verify(step)["files"]
+        a, b = (ckpt.load_file(step / f"replica-{r:05d}.pt") for r in range(2))
+        assert {"replica-00000.pt", "replica-00001.pt"} <= set(files)
+        assert not torch.equal(a["model"]["0.weight"], b["model"]["0.weight"]), name
+        for rank in range(2):
+            ref, got = full[rank][name]["params"], resumed[rank][name]["params"]
+            for key in ref:
+                assert torch.equal(ref[key], got[key]), f"{name} rank {rank}: {key} differs after resume"
+        section = {"local-sgd": "local_sgd"}.get(name, name)
+        assert resumed[0][name]["summary"][section] == full[0][name]["summary"][section], name  # rounds continue
+        assert resumed[0][name]["summary"]["resumed_from"].endswith(f"step-{RESUME_N:08d}")

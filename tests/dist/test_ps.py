@@ -67,7 +67,7 @@ def _ps_run(strategy: str, options: dict[str, Any], steps: int, straggler: int |
         return None
     sched = step_lr(opt)
     x, y = classification().tensors
-    workers, w = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+    workers, w = engine.data_mesh.size("dp"), engine.data_mesh.coordinate("dp")
     per = 12 // workers
     for step in range(steps):
         lo = (step * 12) % 96 + w * per
@@ -131,7 +131,7 @@ def _ps_digits(mode: str, steps: int = 300) -> float | None:
     if not engine.trains:
         return None
     x, y = train.tensors
-    workers, w = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+    workers, w = engine.data_mesh.size("dp"), engine.data_mesh.coordinate("dp")
     per = 64 // workers
     g = torch.Generator().manual_seed(1)
     steps_per_epoch = len(x) // 64
@@ -157,7 +157,7 @@ def _lost_worker() -> dict[str, Any] | None:
     if not engine.trains:
         return None
     x, y = classification().tensors
-    w = engine.mesh.coordinate("dp")
+    w = engine.data_mesh.coordinate("dp")
     for step in range(30 if w == 0 else 5):
         lo = (step * 8) % 96 + w * 4
         engine.forward_backward(model, [(x[lo: lo + 4], y[lo: lo + 4])], lambda m, b: ce(m(b[0]), b))

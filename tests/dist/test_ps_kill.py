@@ -11,8 +11,11 @@ import datetime
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import signal
+import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -29,7 +32,7 @@ def _process(rank: int, port: int, conn: Any) -> None:
     model, opt = engine.setup(mlp(), adam)
     if engine.trains:
         x, y = classification().tensors
-        w = engine.mesh.coordinate("dp")
+        w = engine.data_mesh.coordinate("dp")
         for step in range(30):
             if w == 1 and step == 5:
                 os._exit(1)  # a crash: the servers hear nothing more from this worker
@@ -68,3 +71,61 @@ def test_a_killed_worker_in_async_mode_is_reported_and_the_run_completes():
         del store
     assert ps["lost_workers"] == [1], ps
     assert ps["updates_per_server"] == [30 + 5], ps  # every gradient that arrived was applied
+
+
+# -- the same through Trainer.fit: the launcher loses the worker, the trainer finishes without it ---------
+class KillWorker:
+    """Trainer callback: rank ``rank`` kills its own process (SIGKILL: no exception, no goodbye) after step
+    ``step``, leaving a marker file first; rank 0 waits for the marker after step ``2 * step``, so every
+    step it takes after that is one the server applies after the death."""
+
+    def __init__(self, rank: int, step: int, marker: str) -> None:
+        self.rank, self.step, self.marker = rank, step, marker
+
+    def on_train_step_end(self, trainer: Any, engine: Any, step: int, loss: Any) -> None:
+        if engine.rank == self.rank and step == self.step:
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if engine.rank == 0 and step == 2 * self.step:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.marker):
+                assert time.monotonic() < deadline, "the worker to kill never reached its step"
+                time.sleep(0.05)
+
+
+def _trainer(mode: str, out: Any) -> Any:
+    from shardwise import Trainer
+
+    out.mkdir(parents=True, exist_ok=True)
+    return Trainer(
+        strategy="ps", strategy_options={"servers": 1, "mode": mode, "worker_timeout_s": 2.0}, nproc=3, precision="64",
+        global_batch_size=8, max_steps=30, log_every=5, val_every=10, optimizer=adam, loss_fn=ce, out=str(out),
+        checkpoint_every=10, keep_last=3, progress_bar=False, callbacks=[KillWorker(1, 5, str(out / "killed"))],
+    )
+
+
+def test_a_worker_killed_under_trainer_fit_in_async_mode_is_lost_and_the_run_finishes_without_it(tmp_path, capfd):
+    import json
+
+    from shardwise import checkpoint as ckpt
+
+    model = mlp()
+    summary = _trainer("async", tmp_path).fit(model, classification(), classification(n=37, seed=2))
+    out, err = capfd.readouterr()
+    assert "rank 1 died with exit code -9" in err and "the run goes on without it" in err
+    assert "lost worker(s) [1]" in out
+    assert summary["steps"] == 30 and json.loads((tmp_path / "summary.json").read_text())["ps"]["lost_workers"] == [1]
+    ps = summary["ps"]
+    assert ps["lost_workers"] == [1] and ps["updates_per_server"] == [30 + 5], ps  # worker 0's 30 after the 5 of worker 1
+    assert summary["val_samples"] == 37  # rank 0 evaluates the whole set alone
+    # Checkpoints after the death: worker 0 and the server wrote them; the final model is the server's.
+    # Saved at steps 20 and 30, after the death: worker 1's 5 and worker 0's, then 10 more of worker 0's.
+    versions = [ckpt.load_file(tmp_path / f"checkpoints/step-000000{s}0/server-000.pt")["version"] for s in (2, 3)]
+    assert versions == [20 + 5, 30 + 5] and "server-000.pt" in ckpt.verify(tmp_path / "checkpoints/step-00000030")["files"]
+
+
+def test_a_worker_killed_in_sync_mode_stops_the_run_and_names_the_rank(tmp_path):
+    from shardwise.errors import LaunchError
+
+    with pytest.raises(LaunchError, match="rank 1 died with exit code -9"):
+        _trainer("sync", tmp_path).fit(mlp(), classification())
