@@ -286,8 +286,16 @@ def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str]) -> 
     forward, a slice of the gradient backward)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    tp = tp_mesh.size()
+
     def enter(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
+        if x.dim() < 2 or x.shape[1] % tp:
+            # Uneven shards would give the ranks different global shapes at the next gather (a hang).
+            raise ValueError(
+                f"sequence parallelism splits dim 1 (the sequence) of the blocks' input across tp={tp} ranks; got shape "
+                f"{tuple(x.shape)}: use sequences whose length is a multiple of {tp}, or turn sequence_parallel off"
+            )
         if isinstance(x, DTensor):
             dx = x.redistribute(tp_mesh, (Shard(1),))
         else:
@@ -649,6 +657,7 @@ class TensorParallel:
             raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={mesh.size('pp')}. Use strategy 'pipeline' with --tp for pp x tp")
         self.degree, self.dp = mesh.size("tp"), mesh.size("dp")
         self.recorder = recorder
+        resolve_plan(model, self.plan, self.degree)  # a bad plan or head count fails here, before any group is built
         model = model.to(mesh.device)
         tp_mesh = _dim_mesh(mesh, "tp")
         parallelize(model, tp_mesh, self.plan, self.sequence_parallel)

@@ -94,6 +94,20 @@ def _one_step_grads(sequence_parallel: bool) -> float:
     return max_diff({n: p.grad for n, p in ref.named_parameters()}, got)
 
 
+def _uneven_sequence() -> str | None:
+    """Sequence parallelism on a sequence of 7 at tp=2: refused in forward, on every rank alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise.strategies.tensor_parallel import parallelize
+
+    model = parallelize(tiny_gpt(), init_device_mesh("cpu", (2,)), sequence_parallel=True)
+    try:
+        model(chars(4).tensors[0][:, :7])
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _world_of_two(root: Path) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     out["tp"] = _fit("tp", tp=2)
@@ -106,6 +120,7 @@ def _world_of_two(root: Path) -> dict[Any, Any]:
     for sp in (False, True):
         out[("grads", sp)] = _one_step_grads(sp)
         out[("dropout", sp)] = _fit("tp", max_steps=3, dropout=0.2, sequence_parallel=sp)
+    out["uneven"] = _uneven_sequence()
     # A head count that tp does not divide: refused in setup, on every rank, before any step.
     try:
         Trainer(strategy="tp", loss_fn=lm_loss, **COMMON).fit(CharGPT(VOCAB, BLOCK, 12, 3, 1).double(), chars())
@@ -251,6 +266,11 @@ def test_heads_that_do_not_divide_by_tp_is_a_config_error(two):
     for rank in range(2):
         assert two[rank]["heads"] is not None
         assert "blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks (attention is split by whole heads); choose tp in [1, 3]" in two[rank]["heads"]
+
+
+def test_a_sequence_that_does_not_split_under_sequence_parallelism_is_refused(two):
+    for rank in range(2):
+        assert "sequence parallelism splits dim 1 (the sequence) of the blocks' input across tp=2 ranks; got shape (4, 7, 16)" in two[rank]["uneven"]
 
 
 def test_bad_plans_are_config_errors():
