@@ -32,7 +32,7 @@ def _fit(out: Path, max_steps: int, resume: str | None, options: dict[str, Any])
     trainer = Trainer(
         strategy="ps", strategy_options=options, precision="64", global_batch_size=12, accumulate=2,
         max_steps=max_steps, clip_grad_norm=1.0, optimizer=adam, loss_fn=ce, lr_scheduler=step_lr, out=str(out),
-        checkpoint_every=3, resume=resume, deterministic=True, log_every=3, progress_bar=False,
+        checkpoint_every=N, resume=resume, deterministic=True, log_every=3, progress_bar=False,
     )
     summary = trainer.fit(model, classification(100))
     return {"params": params(model), "summary": summary}

@@ -86,3 +86,11 @@ def test_a_worker_keeps_its_clock_in_its_optimizer_state() -> None:
     other = RemoteOptimizer(mlp().parameters(), 0.2, client=None)  # type: ignore[arg-type]
     other.load_state_dict(opt.state_dict())
     assert other.steps == 7 and other.param_groups[0]["lr"] == 0.1
+
+
+def test_launch_refuses_to_lose_rank_zero_or_ranks_that_do_not_exist() -> None:
+    from shardwise import launch
+
+    for bad in ([0], [3], [-1]):
+        with pytest.raises(ConfigError, match="expendable ranks must be in 1 .. 2"):
+            launch(print, nproc=3, expendable=bad)
