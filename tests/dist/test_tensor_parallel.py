@@ -63,9 +63,11 @@ def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
 
 
-def _count(layers: int, sequence_parallel: bool) -> dict[tuple[str, str, str], int]:
-    """Collectives of one forward and backward of a tp=2 model with ``layers`` blocks."""
+def _count(layers: int, sequence_parallel: bool) -> tuple[dict[tuple[str, str, str], int], dict[str, int]]:
+    """Collectives of one forward and backward of a tp=2 model with ``layers`` blocks: ours, and
+    torch's own ``CommDebugMode``'s totals by operator (an independent count)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
 
     from shardwise.strategies.tensor_parallel import count_collectives, parallelize
 
@@ -73,9 +75,9 @@ def _count(layers: int, sequence_parallel: bool) -> dict[tuple[str, str, str], i
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     parallelize(model, mesh["tp"], sequence_parallel=sequence_parallel)
     x, y = chars(4).tensors
-    with count_collectives(tp=mesh.get_group()) as counts:
+    with CommDebugMode() as torch_mode, count_collectives(tp=mesh.get_group()) as counts:
         lm_loss(model(x), (x, y)).backward()
-    return dict(counts)
+    return dict(counts), {str(op).split(".")[-1]: n for op, n in torch_mode.get_comm_counts().items()}
 
 
 def _one_step_grads(sequence_parallel: bool) -> float:
@@ -193,9 +195,18 @@ def test_dp2_by_tp2_equals_single(run, four, reference):
     assert section["degree"] == 2 and section["dp"] == 2 and section["dp_strategy"] == run.split("_")[0]
 
 
+def _agrees_with_comm_debug_mode(ours: dict[tuple[str, str, str], int], theirs: dict[str, int]) -> None:
+    names = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    totals: dict[str, int] = {}
+    for (_, kind, _), n in ours.items():
+        totals[names[kind]] = totals.get(names[kind], 0) + n
+    assert totals == {k: v for k, v in theirs.items() if v}
+
+
 def test_one_block_is_two_allreduces_forward_and_two_backward(two):
-    counts = {k: two[0][("count", k[0], k[1])] for k in [(1, False), (2, False)]}
-    one, both = counts[(1, False)], counts[(2, False)]
+    one, both = two[0][("count", 1, False)][0], two[0][("count", 2, False)][0]
+    for layers in (1, 2):
+        _agrees_with_comm_debug_mode(*two[0][("count", layers, False)])
     for phase in ("forward", "backward"):
         assert both[("tp", "all_reduce", phase)] - one[("tp", "all_reduce", phase)] == 2
         assert both[("tp", "all_reduce", phase)] == 2 * LAYERS
@@ -203,7 +214,9 @@ def test_one_block_is_two_allreduces_forward_and_two_backward(two):
 
 
 def test_sequence_parallel_block_is_all_gather_reduce_scatter_pairs(two):
-    one, both = two[0][("count", 1, True)], two[0][("count", 2, True)]
+    one, both = two[0][("count", 1, True)][0], two[0][("count", 2, True)][0]
+    for layers in (1, 2):
+        _agrees_with_comm_debug_mode(*two[0][("count", layers, True)])
     for phase in ("forward", "backward"):
         for kind in ("all_gather", "reduce_scatter"):
             assert both[("tp", kind, phase)] - one[("tp", kind, phase)] == 2
