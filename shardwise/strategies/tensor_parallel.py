@@ -141,7 +141,8 @@ def resolve_plan(module: nn.Module, plan: dict[str, str] | None = None, tp: int 
                 f"the automatic tensor-parallel plan found no linear pair to split in {type(module).__name__}: it looks for "
                 "attention q/k/v (query/key/value, q_proj/k_proj/v_proj, wq/wk/wv) next to out/o_proj/proj/out_proj/wo, and "
                 "MLP fc/fc1/up_proj/gate_proj/w1/w3 next to proj/fc2/down_proj/w2. Pass a plan instead, e.g. "
-                "--set trainer.strategy_options.plan='{\"layers.*.ff.lin1\": \"colwise\", \"layers.*.ff.lin2\": \"rowwise\"}'"
+                "plan={'layers.*.ff.lin1': 'colwise', 'layers.*.ff.lin2': 'rowwise'}, or on the command line "
+                "--set 'trainer.strategy_options.plan={\"layers.*.ff.lin1\" = \"colwise\", \"layers.*.ff.lin2\" = \"rowwise\"}'"
             )
     else:
         if not isinstance(plan, dict) or not plan:
@@ -621,6 +622,13 @@ class TensorParallel:
         if dp_strategy not in ("ddp", "fsdp"):
             close = difflib.get_close_matches(str(dp_strategy), ["ddp", "fsdp"], n=1)
             raise ConfigError(f"dp_strategy must be 'ddp' or 'fsdp'; got {dp_strategy!r}" + (f". Did you mean {close[0]!r}?" if close else ""))
+        if isinstance(plan, str):  # JSON text (a TOML inline table from --set arrives as a dict already)
+            import json
+
+            try:
+                plan = json.loads(plan)
+            except ValueError:
+                raise ConfigError(f"plan must be a dict of module name (or pattern) -> 'colwise'|'rowwise', or its JSON text; got {plan!r}") from None
         if plan is not None:
             if not isinstance(plan, dict) or not plan:
                 raise ConfigError(f"plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")

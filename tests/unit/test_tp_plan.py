@@ -196,6 +196,17 @@ def test_options_are_checked_in_the_constructor():
     assert TensorParallel(tp=2, sequence_parallel=True).mesh_degrees() == {"tp": 2}
 
 
+def test_a_plan_from_the_command_line():
+    from shardwise.trainer.config import apply_overrides
+
+    sections = apply_overrides({}, ['trainer.strategy_options.plan={"fc1" = "colwise", "fc*2" = "rowwise"}'])
+    strategy = TensorParallel(**sections["trainer"]["strategy_options"])
+    assert resolve_plan(TwoLayer(), strategy.plan) == {"fc1": "colwise", "fc2": "rowwise"}
+    assert TensorParallel(plan='{"fc1": "colwise"}').plan == {"fc1": "colwise"}  # JSON text
+    with pytest.raises(ConfigError, match="or its JSON text; got 'fc1=colwise'"):
+        TensorParallel(plan="fc1=colwise")
+
+
 def test_auto_plan_is_deterministic_and_does_not_touch_the_model():
     model = Llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
