@@ -687,6 +687,11 @@ class TensorParallel:
         return self.dp > 1 and self.dp_strategy == "fsdp"
 
     def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        if getattr(precision, "mode", None) == "16-mixed" and not self._fsdp():
+            # torch's GradScaler unscales all gradients in one foreach call, which refuses a mix of
+            # DTensor (split linears) and plain tensors (embedding, head): fail before the first step.
+            raise ConfigError("strategy 'tp' does not run with precision '16-mixed' (torch's GradScaler cannot unscale a mix of "
+                              "DTensor and plain gradients); use precision 'bf16-mixed', which needs no scaler, or '32'")
         mode = _collective_counter_mode()(self.recorder, self.names) if self.count else None
         if mode is not None:
             inner = step_fn

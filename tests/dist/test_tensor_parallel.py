@@ -129,6 +129,11 @@ def _world_of_two(root: Path) -> dict[Any, Any]:
         out["heads"] = None
     except ConfigError as exc:
         out["heads"] = str(exc)
+    try:
+        Trainer(strategy="tp", loss_fn=lm_loss, **{**COMMON, "precision": "16-mixed"}).fit(tiny_gpt().float(), chars())
+        out["fp16"] = None
+    except ConfigError as exc:
+        out["fp16"] = str(exc)
     # Checkpoints: tp writes one at step 3 (single resumes it in the parent); tp resumes single's.
     out["tp_first"] = _fit("tp", out=root / "tp_ckpt", max_steps=3)
     out["from_single"] = _fit("tp", out=root / "from_single", resume=str(root / "single_ckpt/checkpoints/step-00000003"), sequence_parallel=True)
@@ -279,6 +284,10 @@ def test_heads_that_do_not_divide_by_tp_is_a_config_error(two):
     for rank in range(2):
         assert two[rank]["heads"] is not None
         assert "blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks (attention is split by whole heads); choose tp in [1, 3]" in two[rank]["heads"]
+
+
+def test_fp16_with_its_grad_scaler_is_refused_before_the_first_step(two):
+    assert "strategy 'tp' does not run with precision '16-mixed'" in two[0]["fp16"] and "use precision 'bf16-mixed'" in two[0]["fp16"]
 
 
 def test_a_sequence_that_does_not_split_under_sequence_parallelism_is_refused(two):
