@@ -10,7 +10,10 @@ to Megatron's prediction: per block and pass (forward, backward) two allreduces 
 activations ``B x T x d``, ``2 (p-1)/p`` of them each; sequence parallelism replaces each by an
 all-gather and a reduce-scatter, ``(p-1)/p`` each, the same bytes, plus one all-gather leaving
 the sequence-sharded region (and its mirror in backward). ``no count`` is tp=2 with the
-collective counter off, to show what counting costs. On CPU with gloo this measures overhead
+collective counter off, to show what counting costs. ``act. MB``: the bytes autograd saved for
+backward in rank 0's first forward (local shards of DTensors; views of one buffer once;
+parameters left out): the
+activation memory that tensor and sequence parallelism divide. On CPU with gloo this measures overhead
 and communication cost, not a GPU's speed-up.
 
     python benchmarks/tensor_parallel.py [--widths 64 128 256] [--steps 12] [--layers 2] [--repeats 1]
@@ -42,10 +45,38 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 
 
 class StepTimer:
+    """Step times after the warm-up, and the bytes autograd saves for backward in the first forward."""
+
     def __init__(self, warmup: int) -> None:
         self.warmup, self.times, self.last = warmup, [], 0.0
+        self.saved_bytes = 0
 
     def on_fit_start(self, trainer: Any, engine: Any) -> None:
+        model = engine.unwrap(engine._model)
+        storages: dict[int, int] = {}
+        params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in params:  # weights saved by matmuls are not activations
+                storages[storage.data_ptr()] = storage.nbytes()  # views of one buffer count once
+            return t
+
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+        def before(module: Any, args: Any) -> None:
+            if torch.is_grad_enabled() and not self.saved_bytes:
+                ctx.__enter__()
+
+        def after(module: Any, args: Any, out: Any) -> None:
+            if torch.is_grad_enabled() and not self.saved_bytes:
+                ctx.__exit__(None, None, None)
+                self.saved_bytes = sum(storages.values())
+                self.handles[0].remove()
+                self.handles[1].remove()
+
+        self.handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
         self.last = time.perf_counter()
 
     def on_train_step_end(self, trainer: Any, engine: Any, step: int, loss: torch.Tensor) -> None:
@@ -72,7 +103,7 @@ def _fit(strategy: str, width: int, args: argparse.Namespace, **options: Any) ->
     summary = trainer.fit(model, _data(args.block, args.batch * args.steps))
     by_op = summary["comm"]["by_op"]
     tp_sent = sum(v["sent_bytes"] for k, v in by_op.items() if k.startswith("tp/"))
-    return {"step_s": statistics.median(timer.times), "tp_sent_per_step": tp_sent / summary["steps"],
+    return {"step_s": statistics.median(timer.times), "tp_sent_per_step": tp_sent / summary["steps"], "saved_mb": timer.saved_bytes / 1e6,
             "collectives": (summary.get("tp") or {}).get("collectives_per_step")}
 
 
@@ -116,19 +147,22 @@ def main() -> None:
     two = shardwise.launch(_two, args.widths, args, nproc=2, threads_per_proc=1)[0]
     print(f"charlm, {args.layers} blocks, 4 heads, block {args.block}, global batch {args.batch}, fp32; median step after {args.warmup} "
           f"warm-up steps, fastest of {args.repeats} repeats")
-    head = f"{'d_model':>7} {'run':>9} {'step ms':>8} {'vs tp1':>7} {'tp MB sent/step':>16} {'predicted':>10} {'ratio':>6}  collectives per step (tp group: fwd/bwd)"
+    head = (f"{'d_model':>7} {'run':>9} {'step ms':>8} {'vs tp1':>7} {'tp MB sent/step':>16} {'predicted':>10} {'ratio':>6} "
+            f"{'act. MB':>8} {'vs tp1':>7}  collectives per step (tp group: fwd/bwd)")
     print(head)
     print("-" * len(head))
     for w in args.widths:
         base = single[w]["step_s"]
-        print(f"{w:>7} {'tp1':>9} {base * 1e3:>8.2f} {1.0:>7.2f} {0.0:>16.3f} {0.0:>10.3f} {'':>6}")
+        act = single[w]["saved_mb"]
+        print(f"{w:>7} {'tp1':>9} {base * 1e3:>8.2f} {1.0:>7.2f} {0.0:>16.3f} {0.0:>10.3f} {'':>6} {act:>8.2f} {1.0:>7.2f}")
         for run in ("tp2", "tp2 sp", "no count"):
             r = two[(run, w)]
             pred = predicted_bytes(w, args, 2, run == "tp2 sp") / 1e6
             sent = r["tp_sent_per_step"] / 1e6
             counts = ", ".join(f"{k.split('/')[1]} {int(v.get('forward', 0))}/{int(v.get('backward', 0))}" for k, v in (r["collectives"] or {}).items())
             ratio = f"{sent / pred:>6.3f}" if run != "no count" else f"{'':>6}"
-            print(f"{w:>7} {run:>9} {r['step_s'] * 1e3:>8.2f} {r['step_s'] / base:>7.2f} {sent:>16.3f} {pred if run != 'no count' else 0:>10.3f} {ratio}  {counts}")
+            print(f"{w:>7} {run:>9} {r['step_s'] * 1e3:>8.2f} {r['step_s'] / base:>7.2f} {sent:>16.3f} {pred if run != 'no count' else 0:>10.3f} {ratio} "
+                  f"{r['saved_mb']:>8.2f} {r['saved_mb'] / act:>7.2f}  {counts}")
 
 
 if __name__ == "__main__":
