@@ -1,11 +1,17 @@
-"""Parameter servers resume from checkpoints: the servers' shards, optimizer state and versions are
-in the checkpoint (each server writes ``server-NNN.pt`` into the checkpoint's temporary directory
-before the manifest), and a run resumed in new processes goes on from them.
+"""Resume of the strategies whose state is not all on rank 0: parameter servers and replicas.
 
-Sync equals an uninterrupted run bit for bit (one and two servers). Async cannot: which worker's
-gradient reaches a server first is timing, so the test checks that it resumes from the servers'
-saved state and trains on. Two launches of four processes: the first runs every uninterrupted
-run (its mid-run checkpoints are the ones resumed), the second every resume.
+Parameter servers: the servers' shards, optimizer state and versions are in the checkpoint (each
+server writes ``server-NNN.pt`` into the checkpoint's temporary directory before the manifest),
+and a run resumed in new processes goes on from them. Sync equals an uninterrupted run bit for
+bit (one and two servers). Async cannot: which worker's gradient reaches a server first is
+timing, so the test checks that it resumes from the servers' saved state and trains on.
+
+Local SGD, DiLoCo, gossip: each rank's replica (model, optimizer, DiLoCo's outer state) is in the
+checkpoint (``replica-RRRRR.pt``) and the round clock too, so a resume mid-round equals an
+uninterrupted run bit for bit on every rank.
+
+Two launches of four processes (a launch costs seconds here): the first runs every
+uninterrupted run (its mid-run checkpoints are the ones resumed), the second every resume.
 """
 
 from __future__ import annotations
@@ -38,9 +44,28 @@ def _fit(out: Path, max_steps: int, resume: str | None, options: dict[str, Any])
     return {"params": params(model), "summary": summary}
 
 
+# 100 samples in global batches of 16 over four replicas: step 5 is mid-epoch, and mid-round for H = 3 and H = 2.
+R = 5
+REPLICAS = {
+    "local-sgd": {"sync_every": 3},
+    "diloco": {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "gossip": {"sync_every": 2},
+}
+
+
+def _fit_replicas(strategy: str, out: Path, max_steps: int, resume: str | None) -> dict[str, Any]:
+    model = mlp(dropout=0.2)  # dropout: each rank's RNG stream must come back too
+    trainer = Trainer(strategy=strategy, strategy_options=REPLICAS[strategy], precision="64", global_batch_size=16,
+                      max_steps=max_steps, optimizer=adam, loss_fn=ce, out=str(out), checkpoint_every=R,
+                      resume=resume, deterministic=True, log_every=R, progress_bar=False)
+    summary = trainer.fit(model, classification(100))
+    return {"params": params(model), "summary": summary}
+
+
 def _uninterrupted(root: Path) -> dict[str, Any]:
     out = {name: _fit(root / name, 2 * N, None, options) for name, options in SYNC.items()}
     out["async"] = _fit(root / "async", N, None, ASYNC)
+    out.update({name: _fit_replicas(name, root / name, 2 * R, None) for name in REPLICAS})
     return out
 
 
@@ -48,11 +73,14 @@ def _resumed(root: Path) -> dict[str, Any]:
     step = f"checkpoints/step-{N:08d}"
     out = {name: _fit(root / f"{name}-resumed", 2 * N, str(root / name / step), options) for name, options in SYNC.items()}
     out["async"] = _fit(root / "async", 2 * N, "auto", ASYNC)
+    step = f"checkpoints/step-{R:08d}"
+    out.update({name: _fit_replicas(name, root / f"{name}-resumed", 2 * R, str(root / name / step)) for name in REPLICAS})
     return out
 
 
-def test_servers_checkpoint_their_shards_and_a_resume_goes_on_from_them(tmp_path):
-    full = shardwise.launch(_uninterrupted, tmp_path, nproc=4, threads_per_proc=1, timeout=170)[0]
+def test_servers_and_replicas_checkpoint_their_state_and_a_resume_goes_on_from_it(tmp_path):
+    every_rank = shardwise.launch(_uninterrupted, tmp_path, nproc=4, threads_per_proc=1, timeout=170)
+    full = every_rank[0]
     for name, servers in (("one_server", 1), ("two_servers", 2)):
         step = tmp_path / name / f"checkpoints/step-{N:08d}"
         manifest = ckpt.verify(step)  # every file hashed, the servers' included
@@ -64,7 +92,8 @@ def test_servers_checkpoint_their_shards_and_a_resume_goes_on_from_them(tmp_path
     # Saved when worker 0 finished its N steps: its N pushes and however many of worker 1's had arrived.
     assert N <= saved_async["version"] <= 3 * N and first_async["summary"]["ps"]["updates_per_server"] == [3 * N]
 
-    resumed = shardwise.launch(_resumed, tmp_path, nproc=4, threads_per_proc=1, timeout=170)[0]
+    resumed_every_rank = shardwise.launch(_resumed, tmp_path, nproc=4, threads_per_proc=1, timeout=170)
+    resumed = resumed_every_rank[0]
     for name, servers in (("one_server", 1), ("two_servers", 2)):
         ref, got = full[name], resumed[name]
         summary = got["summary"]
@@ -85,3 +114,19 @@ def test_servers_checkpoint_their_shards_and_a_resume_goes_on_from_them(tmp_path
     losses = [r["train_loss"] for r in lines if "train_loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     assert not torch.equal(first_async["params"]["0.weight"], got["params"]["0.weight"])
+
+    # Replicas: mid-round at the save, the four replicas (and their Adam states) differ, so each rank
+    # needs its own file; every rank's resumed replica equals its uninterrupted one, bit for bit.
+    for name in REPLICAS:
+        step = tmp_path / name / f"checkpoints/step-{R:08d}"
+        files = ckpt.verify(step)["files"]
+        assert {f"replica-{r:05d}.pt" for r in range(4)} <= set(files), name
+        a, b = (ckpt.load_file(step / f"replica-{r:05d}.pt") for r in range(2))
+        assert not torch.equal(a["model"]["0.weight"], b["model"]["0.weight"]), name
+        for rank in range(4):
+            ref, got = every_rank[rank][name]["params"], resumed_every_rank[rank][name]["params"]
+            for key in ref:
+                assert torch.equal(ref[key], got[key]), f"{name} rank {rank}: {key} differs after resume"
+        section = {"local-sgd": "local_sgd"}.get(name, name)
+        summary = resumed[name]["summary"]
+        assert summary["resumed_from"].endswith(f"step-{R:08d}") and summary[section] == full[name]["summary"][section], name
