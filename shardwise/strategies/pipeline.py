@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Sequence
+from typing import Any, ClassVar, ContextManager, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -155,7 +156,9 @@ def _register(owner: nn.Module, name: str, layer: nn.Module) -> None:
         return
     if parent not in owner._modules:
         owner.add_module(parent, nn.ModuleDict())
-    owner._modules[parent][leaf] = layer  # type: ignore[index]
+    container = owner._modules[parent]
+    assert isinstance(container, nn.ModuleDict)
+    container[leaf] = layer
 
 
 class StageModule(nn.Module):
@@ -419,8 +422,12 @@ class Pipeline:
     data-parallel dimension), ``timeline`` (a PNG path: the forward/backward actions of one step,
     events as JSON next to it), ``warmup_steps`` (steps left out of the measured bubble).
 
-    ``summary()`` gathers every stage's timing to rank 0 and, with ``timeline`` set, the events:
-    every rank of the job calls it (the Trainer does).
+    Every stage's timing reaches every rank with the step's loss (one small all-gather per
+    step), so ``summary()`` is local, except with ``timeline`` set: then it gathers the last
+    step's events to rank 0, and every rank must call it (the Trainer does).
+
+    >>> Pipeline(pp=4, microbatches=8, schedule="interleaved").num_stages
+    8
     """
 
     name: ClassVar[str] = "pipeline"
@@ -521,10 +528,10 @@ class Pipeline:
             return stage_mod
         if self.tp > 1:
             # One FSDP unit per stage (its "auto" units would pick the ModuleDict holding the stage's blocks).
-            return _tensor_parallel().shard_data_parallel(stage_mod, mesh.device_mesh("dp"), units="root")  # type: ignore[no-any-return]
+            return cast(nn.Module, _tensor_parallel().shard_data_parallel(stage_mod, mesh.device_mesh("dp"), units="root"))
         from torch.distributed.fsdp import fully_shard
 
-        return fully_shard(stage_mod, mesh=mesh.device_mesh("dp"))  # type: ignore[no-any-return]
+        return cast(nn.Module, fully_shard(stage_mod, mesh=mesh.device_mesh("dp")))
 
     def _average_grads(self) -> None:
         """Sequence-parallel partial gradients summed over tp, then every local gradient averaged
@@ -540,12 +547,12 @@ class Pipeline:
         grads = [p.grad for p in self._module.parameters() if p.grad is not None]
         if not grads:
             return
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        flat = _flatten_dense_tensors(grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         all_reduce(flat, "mean", group=self._mesh.group("dp"), recorder=self._recorder)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -572,7 +579,8 @@ class Pipeline:
         from shardwise.trainer.loop import model_inputs
 
         self._chunks = split_batch(batch, self.microbatches)
-        self._step_fn, self._precision, self._losses = step_fn, precision, {}
+        self._step_fn, self._precision = step_fn, precision
+        self._losses: dict[int, torch.Tensor] = {}
         self._clock.events = []
         args = model_inputs(batch) if self.holds_first else ()
         target = torch.arange(self.microbatches) if self.holds_last else None
@@ -612,10 +620,10 @@ class Pipeline:
         device = self._mesh.device if self._mesh else torch.device("cpu")
         replicated = torch.zeros((), dtype=torch.float64, device=device)
         sharded: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}  # (mesh, sharded dims) -> (mesh, sum of squares)
-        locals_ = []
+        locals_: list[torch.Tensor] = []
         for p in params:
-            g = p.grad
-            local = g.to_local() if hasattr(g, "to_local") else g
+            g: Any = p.grad
+            local: torch.Tensor = g.to_local() if hasattr(g, "to_local") else g
             locals_.append(local)
             sq = local.double().pow(2).sum()
             # Sharded along a mesh dim: any placement but Replicate and Partial (torch 2.13's
@@ -705,7 +713,7 @@ class Pipeline:
             # Sharded parameters (tp, fsdp): torch slices each whole tensor to this rank's shard (state keyed by name).
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, optimizer, sub, options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(model, optimizer, cast(Any, sub), options=StateDictOptions(full_state_dict=True))
         else:
             optimizer.load_state_dict(ckpt.optimizer_state_by_number(sub, local_names))
 
@@ -715,19 +723,21 @@ class Pipeline:
         measured_steps = self._steps[self.warmup_steps:] or self._steps
         per_stage: list[list[float]] = [[] for _ in range(self.pp)]
         busy: list[list[float]] = [[] for _ in range(self.pp)]
-        walls = []
+        walls, step_means = [], []
         for rows in measured_steps:
             wall, bubbles = step_bubbles([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
             walls.append(wall)
+            step_means.append(sum(bubbles) / len(bubbles))
             for i, b in enumerate(bubbles):
                 per_stage[i].append(b)
                 busy[i].append(rows[i][0])
-        mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
         section: dict[str, Any] = {
             "schedule": self.schedule_name, "pp": self.pp, "microbatches": self.microbatches,
             "virtual_stages": self.virtual_stages, "stages": self.num_stages,
             "stage_layers": getattr(self, "stage_layers", None),
             "bubble_measured": mean([mean(s) for s in per_stage]) if measured_steps else None,
+            # The median step resists a step the OS stalled (shared machines); the mean is the headline.
+            "bubble_measured_median_step": statistics.median(step_means) if step_means else None,
             "bubble_predicted": predicted_bubble(self.schedule_name, self.pp, self.microbatches, self.virtual_stages),
             "bubble_formula": "(p-1)/(v*m+p-1)" if self.schedule_name == "interleaved" else "(p-1)/(m+p-1)",
             "bubble_source": "Narayanan et al. 2021 (Megatron-LM, SC'21), section 2.2",
@@ -741,6 +751,10 @@ class Pipeline:
             if self._mesh is not None and self._mesh.rank == 0:
                 section["timeline"] = write_timeline(self.timeline, [e for ev in events for e in ev], self.pp, self.schedule_name)
         return {"pipeline": section}
+
+
+def mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def _full(t: Any) -> Any:
@@ -771,7 +785,7 @@ def write_timeline(path: str, events: list[tuple[int, int, str, float, float]], 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = min((e[3] for e in events), default=0.0)
-    rows = [{"stage": st, "rank": st % pp, "microbatch": mb, "kind": k, "start_s": s - t0, "end_s": e - t0} for st, mb, k, s, e in sorted(events, key=lambda e: e[3])]
+    rows: list[dict[str, Any]] = [{"stage": st, "rank": st % pp, "microbatch": mb, "kind": k, "start_s": s - t0, "end_s": e - t0} for st, mb, k, s, e in sorted(events, key=lambda e: e[3])]
     out.with_suffix(out.suffix + ".json").write_text(json.dumps({"schedule": schedule, "pp": pp, "events": rows}, indent=1))
     try:
         import matplotlib
