@@ -646,6 +646,7 @@ class TensorParallel:
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.steps = 0
         self._world_tp: int | None = None
+        self._dirty = False
 
     def mesh_degrees(self) -> dict[str, int]:
         tp = self.tp or self._world_tp
@@ -678,7 +679,32 @@ class TensorParallel:
             if self.dp_strategy == "fsdp":
                 shard_data_parallel(model, dp_mesh)
         self.model_params = list(model.parameters())
-        return model, make_optimizer(self.model_params)
+        optimizer = make_optimizer(self.model_params)
+        # Gradients are finished (sequence-parallel partial sums reduced, dp replicas averaged)
+        # before clipping and before the optimizer step, however backward was called: through
+        # forward_backward, or engine.backward in a loop of the user's own.
+        model.register_forward_pre_hook(self._mark_dirty)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.finish_grads(model))
+        return model, optimizer
+
+    def _mark_dirty(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._dirty = True
+
+    def finish_grads(self, model: nn.Module) -> None:
+        """Reduce sequence-parallel partial gradients and (ddp) average over dp, once per backward round.
+
+        Called after forward_backward, by clip_grad_norm and before every optimizer step; a no-op
+        when nothing ran forward with gradients since the last call. Under ddp, accumulation
+        needs no ``no_sync``: the one allreduce runs on the summed gradients before the step.
+        """
+        if not self._dirty:
+            return
+        self._dirty = False
+        if self.sequence_parallel:
+            reduce_partial_grads(model, self.recorder)
+        if self.dp > 1 and self.dp_strategy == "ddp" and self.dp_group is not None:
+            replicate_grads(model, self.dp_group, self.recorder)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # parallelize_module and fully_shard change the module in place; names stay the user's
@@ -707,16 +733,13 @@ class TensorParallel:
         if mode is not None:
             self.counts.update(mode.counts)
         self.steps += 1
-        if self.sequence_parallel:
-            reduce_partial_grads(model, self.recorder)
-        if self.dp > 1 and self.dp_strategy == "ddp" and self.dp_group is not None:
-            replicate_grads(model, self.dp_group, self.recorder)
+        self.finish_grads(model)
         return loss
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        # ddp: the dp allreduce runs after the last micro-batch only (forward_backward); fsdp:
-        # accumulate unsharded gradients and reduce-scatter their sum on the last micro-batch.
+        # ddp: nothing to skip (the dp allreduce runs once, in finish_grads); fsdp: accumulate
+        # unsharded gradients and reduce-scatter their sum on the last micro-batch.
         if self._fsdp():
             model.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
@@ -726,6 +749,7 @@ class TensorParallel:
                 model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        self.finish_grads(model)
         return clip_grad_norm_(self.model_params, max_norm, self.recorder)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

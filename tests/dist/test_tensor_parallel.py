@@ -96,6 +96,40 @@ def _one_step_grads(sequence_parallel: bool) -> float:
     return max_diff({n: p.grad for n, p in ref.named_parameters()}, got)
 
 
+def _engine_loop(**options: Any) -> dict[str, torch.Tensor]:
+    """A loop of the user's own on `Engine` (engine.backward, no_sync, clip, step): 3 steps of 8
+    samples, two micro-batches per rank; with ``options=None`` the same loop in plain torch."""
+    import contextlib
+
+    from shardwise import Engine
+
+    x, y = chars().tensors
+    if options.pop("reference", False):
+        model = tiny_gpt()
+        opt = adamw(model.parameters())
+        for step in range(3):
+            lm_loss(model(x[step * 8:(step + 1) * 8]), (None, y[step * 8:(step + 1) * 8])).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+        return _whole(model)
+    engine = Engine(strategy="tp", precision="64", strategy_options=options)
+    model, opt = engine.setup(tiny_gpt(), adamw)
+    dp, r = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+    per = 8 // dp
+    for step in range(3):
+        for micro in range(2):
+            lo = step * 8 + r * per + micro * per // 2
+            with engine.no_sync(model) if micro == 0 else contextlib.nullcontext():
+                engine.backward(lm_loss(model(x[lo:lo + per // 2]), (None, y[lo:lo + per // 2])) / 2)
+        engine.clip_grad_norm(model, opt, 0.05)
+        engine.step(opt)
+        opt.zero_grad()
+    out = _whole(model)
+    engine.close()
+    return out
+
+
 def _uneven_sequence() -> str | None:
     """Sequence parallelism on a sequence of 7 at tp=2: refused in forward, on every rank alike."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -123,6 +157,7 @@ def _world_of_two(root: Path) -> dict[Any, Any]:
         out[("grads", sp)] = _one_step_grads(sp)
         out[("dropout", sp)] = _fit("tp", max_steps=3, dropout=0.2, sequence_parallel=sp)
     out["uneven"] = _uneven_sequence()
+    out["engine_sp"] = _engine_loop(tp=2, sequence_parallel=True)
     # A head count that tp does not divide: refused in setup, on every rank, before any step.
     try:
         Trainer(strategy="tp", loss_fn=lm_loss, **COMMON).fit(CharGPT(VOCAB, BLOCK, 12, 3, 1).double(), chars())
@@ -145,6 +180,7 @@ def _world_of_four() -> dict[Any, Any]:
         "ddp": _fit("tp", tp=2, dp_strategy="ddp"),
         "fsdp": _fit("tp", tp=2, dp_strategy="fsdp"),
         "fsdp_sp": _fit("tp", tp=2, dp_strategy="fsdp", sequence_parallel=True),
+        "engine_ddp_sp": _engine_loop(tp=2, sequence_parallel=True, dp_strategy="ddp"),
     }
 
 
@@ -206,6 +242,14 @@ def _agrees_with_comm_debug_mode(ours: dict[tuple[str, str, str], int], theirs: 
     for (_, kind, _), n in ours.items():
         totals[names[kind]] = totals.get(names[kind], 0) + n
     assert totals == {k: v for k, v in theirs.items() if v}
+
+
+def test_a_loop_of_ones_own_on_engine_finishes_gradients_before_clip_and_step(two, four):
+    # engine.backward, not forward_backward: partial norm gradients and the dp average still happen.
+    want = _engine_loop(reference=True)
+    assert max_diff(want, two[0]["engine_sp"]) < 1e-9
+    for rank in range(4):
+        assert max_diff(want, four[rank]["engine_ddp_sp"]) < 1e-9
 
 
 def test_one_block_is_two_allreduces_forward_and_two_backward(two):
