@@ -358,32 +358,42 @@ def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequenc
 
 
 def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) -> int:
-    """Allreduce the gradients DTensor left as partial sums (sequence-parallel norm weights), coalesced
-    into one allreduce per mesh and dtype; returns how many gradients were reduced."""
+    """Allreduce the gradients DTensor left as partial sums (sequence-parallel norm weights: each tp
+    rank's sum over its slice of the sequence), coalesced into one allreduce per (mesh, placements,
+    dtype) and partial mesh dimension; they become replicated there. Returns how many were reduced."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    groups: dict[tuple[int, torch.dtype], list[nn.Parameter]] = {}
+    groups: dict[tuple[int, tuple[Any, ...], torch.dtype], list[nn.Parameter]] = {}
     for p in module.parameters():
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            groups.setdefault((id(g.device_mesh), g.dtype), []).append(p)
+            groups.setdefault((id(g.device_mesh), tuple(g.placements), g.dtype), []).append(p)
     for params in groups.values():
-        mesh = params[0].grad.device_mesh  # type: ignore[union-attr]
+        first = params[0].grad
+        assert isinstance(first, DTensor)
+        mesh, placements = first.device_mesh, list(first.placements)
         locals_ = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
         flat = torch.cat([t.reshape(-1) for t in locals_])
-        pg = mesh.get_group()
         n = flat.numel() * flat.element_size()
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=pg)
-        if recorder is not None:
-            size = mesh.size()
-            sent, recv = wire_bytes("all_reduce", n, size)
-            recorder.add(CommEvent("all_reduce", "tp", size, n, sent, recv, time.perf_counter() - start))
+        for d, pl in enumerate(placements):
+            if not pl.is_partial():
+                continue
+            pg = mesh.get_group(d)
+            size = dist.get_world_size(pg)
+            start = time.perf_counter()
+            dist.all_reduce(flat, group=pg)
+            if getattr(pl, "reduce_op", "sum") == "avg":
+                flat.div_(size)
+            if recorder is not None:
+                sent, recv = wire_bytes("all_reduce", n, size)
+                label = (mesh.mesh_dim_names or ())[d] if mesh.mesh_dim_names else "tp"
+                recorder.add(CommEvent("all_reduce", label, size, n, sent, recv, time.perf_counter() - start))
+            placements[d] = Replicate()
         offset = 0
         for p, t in zip(params, locals_):
             piece = flat[offset: offset + t.numel()].view_as(t)
             offset += t.numel()
-            p.grad = DTensor.from_local(piece, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            p.grad = DTensor.from_local(piece, mesh, placements, run_check=False)
     return sum(len(v) for v in groups.values())
 
 
@@ -489,7 +499,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, recorde
         g = p.grad
         local = g.to_local() if isinstance(g, DTensor) else g
         local.mul_(coef.to(local.dtype))  # type: ignore[union-attr]
-    return norm.to(params[0].dtype if not isinstance(params[0], DTensor) else params[0].to_local().dtype)
+    return norm.to(params[0].dtype)
 
 
 # -- counting DTensor's collectives -----------------------------------------------------------
