@@ -148,6 +148,7 @@ def _world_of_two(root: Path) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     out["tp"] = _fit("tp", tp=2)
     out["tp_sp"] = _fit("tp", tp=2, sequence_parallel=True)
+    out["dp2_tp1"] = _fit("tp", tp=1)  # degenerate: tp of one, data parallel over two
     out["tp_plan"] = _fit("tp", plan={"blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.proj": "rowwise",
                                      "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
     for layers in (1, 2):
@@ -226,6 +227,13 @@ def test_tp2_equals_single(run, two, reference):
     assert section["plan"] == {f"blocks.{i}.{n}": s for i in range(LAYERS) for n, s in
                                (("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"), ("attn.proj", "rowwise"),
                                 ("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))}
+
+
+def test_tp_of_one_is_data_parallel(two, reference):
+    for rank in range(2):
+        _check_parity(two[rank]["dp2_tp1"], reference)
+    assert two[0]["dp2_tp1"][1]["tp"]["degree"] == 1 and two[0]["dp2_tp1"][1]["tp"]["dp"] == 2
+    assert two[0]["dp2_tp1"][1]["comm"]["by_op"]["dp/all_reduce"]["count"] == 5
 
 
 @pytest.mark.parametrize("run", ["ddp", "fsdp", "fsdp_sp"])
