@@ -51,7 +51,15 @@ Building blocks, for compositions with pipeline parallelism (stable signatures):
   the data-parallel group (one coalesced allreduce per dtype): data parallel for DTensor modules.
 - `shard_data_parallel(module, dp_mesh, units="auto")`: FSDP2 ``fully_shard`` over the dp mesh
   (2D with tp when ``dp_mesh`` and the tp mesh are slices of one DeviceMesh).
-- `clip_grad_norm_(parameters, max_norm)`: the global norm over DTensor and plain gradients.
+- `clip_grad_norm_(parameters, max_norm, recorder=None)`: the global norm over DTensor (any mesh,
+  any placements) and plain gradients.
+- `reduce_partial_grads(module, recorder=None)`: after backward under sequence parallelism, the
+  norm weights' partial gradients summed over tp (one coalesced allreduce).
+- `count_collectives(recorder=None, **groups)`: count (and record) DTensor's and FSDP2's collectives.
+
+Dropout on replicated activations draws the same mask on every tp rank (`synchronize_dropout`).
+fp16 with a grad scaler is refused (torch's GradScaler cannot unscale mixed DTensor and plain
+gradients); bf16-mixed runs.
 """
 
 from __future__ import annotations
