@@ -130,6 +130,35 @@ def _engine_loop(**options: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+class Stage(torch.nn.Module):
+    """A pipeline stage holding only block 1 of the model, under its original name ``blocks.1``."""
+
+    def __init__(self, model: CharGPT) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleDict({"1": model.blocks[1]})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+def _partial_model(sequence_parallel: bool) -> tuple[float, float, list[str]]:
+    """parallelize on a stage (block 1 alone): its output and input gradient equal the whole block's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardwise.strategies.tensor_parallel import parallelize
+
+    ref, stage = Stage(tiny_gpt()), Stage(tiny_gpt())
+    parallelize(stage, init_device_mesh("cpu", (2,)), sequence_parallel=sequence_parallel)
+    x = torch.randn(4, BLOCK, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = stage(xs), ref(xr)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    return (out - want).abs().max().item(), (xs.grad - xr.grad).abs().max().item(), sorted(stage._shardwise_tp["plan"])
+
+
 def _uneven_sequence() -> str | None:
     """Sequence parallelism on a sequence of 7 at tp=2: refused in forward, on every rank alike."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -158,6 +187,8 @@ def _world_of_two(root: Path) -> dict[Any, Any]:
         out[("grads", sp)] = _one_step_grads(sp)
         out[("dropout", sp)] = _fit("tp", max_steps=3, dropout=0.2, sequence_parallel=sp)
     out["uneven"] = _uneven_sequence()
+    for sp in (False, True):
+        out[("stage", sp)] = _partial_model(sp)
     out["engine_sp"] = _engine_loop(tp=2, sequence_parallel=True)
     # A head count that tp does not divide: refused in setup, on every rank, before any step.
     try:
@@ -250,6 +281,13 @@ def _agrees_with_comm_debug_mode(ours: dict[tuple[str, str, str], int], theirs: 
     for (_, kind, _), n in ours.items():
         totals[names[kind]] = totals.get(names[kind], 0) + n
     assert totals == {k: v for k, v in theirs.items() if v}
+
+
+def test_parallelize_on_a_pipeline_stage_keeps_names_and_equals_the_whole_block(two):
+    for sp in (False, True):
+        out_diff, grad_diff, plan = two[0][("stage", sp)]
+        assert out_diff < 1e-12 and grad_diff < 1e-12
+        assert plan == ["blocks.1.attn.k", "blocks.1.attn.proj", "blocks.1.attn.q", "blocks.1.attn.v", "blocks.1.mlp.fc", "blocks.1.mlp.proj"]
 
 
 def test_a_loop_of_ones_own_on_engine_finishes_gradients_before_clip_and_step(two, four):
