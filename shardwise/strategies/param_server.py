@@ -337,13 +337,10 @@ class PS:
         if self.client is None:
             return
         directory = Path(directory)
-        missing = [SERVER_FILE.format(index=s) for s in range(self.servers) if not (directory / SERVER_FILE.format(index=s)).is_file()]
-        if missing:
-            held = sorted(p.name for p in directory.glob("server-*.pt"))
+        if not (directory / SERVER_FILE.format(index=0)).is_file():
             raise CheckpointError(
-                f"checkpoint {directory} has no parameter-server state {missing} (it holds {held or 'none'}): it was "
-                f"saved by another strategy or with another number of servers. Resume with the strategy and servers "
-                "it was saved with, or load its model into a fresh run"
+                f"checkpoint {directory} has no parameter-server state ({SERVER_FILE.format(index=0)}): it was saved by "
+                "another strategy. Resume it with that strategy, or load its model into a fresh run"
             )
         clock = optimizer.steps if isinstance(optimizer, RemoteOptimizer) else 0
         self.client.load(directory, clock)

@@ -22,8 +22,9 @@ ssp's slowest clock moves on. DONE messages end each worker's session.
 Checkpoints: a `SAVE` from worker 0 names the checkpoint's temporary directory; the server
 writes its shard, its optimizer state and its version there (``server-NNN.pt``, fsynced)
 and answers, so the file is in place before worker 0 writes the manifest. A `LOAD` from
-each resuming worker names a checkpoint; the server reads its file on the first one, sets
-that worker's clock, and answers with the restored parameters.
+each resuming worker names a checkpoint; the server reads it on the first one (its tensors
+from whichever server files hold them, so the number of servers may change), sets that
+worker's clock, and answers with the restored parameters.
 """
 
 from __future__ import annotations
@@ -264,24 +265,38 @@ class Server:
     def _load(self, w: int, clock: int, directory: Path) -> None:
         """Restore this shard from ``directory`` (on the first worker's LOAD), set ``w``'s clock, answer it."""
         if self.loaded_from is None:
-            path = directory / SERVER_FILE.format(index=self.index)
-            state = load_file(path)
-            if state["param_ids"] != self.param_ids or [tuple(t.shape) for t in state["params"]] != [tuple(p.shape) for p in self.params]:
-                raise CheckpointError(
-                    f"{path} holds parameter tensors {state['param_ids']} of a run with servers={state['servers']}; "
-                    f"server {self.index} of this run (servers={self.servers}) holds {self.param_ids}. "
-                    f"Resume with servers={state['servers']}"
-                )
-            with torch.no_grad():
-                for p, t in zip(self.params, state["params"]):
-                    p.copy_(t)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.version = int(state["version"])
+            self._restore(directory)
             self.loaded_from = str(directory)
         elif self.loaded_from != str(directory):
             raise CheckpointError(f"parameter server {self.index}: worker {w} resumes from {directory}, another worker from {self.loaded_from}")
         self.completed[w] = clock
         self._reply(w)
+
+    def _restore(self, directory: Path) -> None:
+        """This shard's tensors, optimizer state and version from the checkpoint's server files, whatever
+        number of servers wrote them: tensors are found by their position in the model."""
+        first = load_file(directory / SERVER_FILE.format(index=0))
+        saved = [first] + [load_file(directory / SERVER_FILE.format(index=i)) for i in range(1, int(first["servers"]))]
+        where = {gid: (st, k) for st in saved for k, gid in enumerate(st["param_ids"])}
+        shapes = [tuple(where[g][0]["params"][where[g][1]].shape) if g in where else None for g in self.param_ids]
+        if shapes != [tuple(p.shape) for p in self.params]:
+            raise CheckpointError(f"{directory}: the servers' files do not hold this model's parameter tensors {self.param_ids} with their shapes")
+        with torch.no_grad():
+            for p, g in zip(self.params, self.param_ids):
+                st, k = where[g]
+                p.copy_(st["params"][k])
+        same = int(first["servers"]) == self.servers and saved[self.index]["param_ids"] == self.param_ids
+        if same:
+            self.optimizer.load_state_dict(saved[self.index]["optimizer"])
+        else:
+            # Another partition: renumber each tensor's optimizer state into this shard's order.
+            if any(len(st["optimizer"]["param_groups"]) != 1 for st in saved) or len(self.optimizer.param_groups) != 1:
+                raise CheckpointError(f"{directory}: resuming with servers={self.servers} (saved with {first['servers']}) needs an optimizer with one parameter group; resume with servers={first['servers']}")
+            group = {**saved[0]["optimizer"]["param_groups"][0], "params": list(range(len(self.param_ids)))}
+            state = {j: where[g][0]["optimizer"]["state"][where[g][1]] for j, g in enumerate(self.param_ids)
+                     if where[g][1] in where[g][0]["optimizer"]["state"]}
+            self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
+        self.version = max(int(st["version"]) for st in saved) if not same else int(saved[self.index]["version"])
 
     # -- answers -------------------------------------------------------------------------------------
     def flat_params(self) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Parameter servers: the servers' shards, optimizer state and versions are in the checkpoint (each
 server writes ``server-NNN.pt`` into the checkpoint's temporary directory before the manifest),
 and a run resumed in new processes goes on from them. Sync equals an uninterrupted run bit for
-bit (one and two servers). Async cannot: which worker's gradient reaches a server first is
+bit (one and two servers); two servers' checkpoint resumes under one server too. Async cannot: which worker's gradient reaches a server first is
 timing, so the test checks that it resumes from the servers' saved state and trains on.
 
 Local SGD, DiLoCo, gossip: each rank's replica (model, optimizer, DiLoCo's outer state) is in the
@@ -72,6 +72,9 @@ def _uninterrupted(root: Path) -> dict[str, Any]:
 def _resumed(root: Path) -> dict[str, Any]:
     step = f"checkpoints/step-{N:08d}"
     out = {name: _fit(root / f"{name}-resumed", 2 * N, str(root / name / step), options) for name, options in SYNC.items()}
+    # Two servers' checkpoint resumed by one server: the shards are found by tensor. No steps (three
+    # workers would draw other dropout masks than two): the final save shows what was restored.
+    out["two_to_one"] = _fit(root / "two_to_one", N, str(root / "two_servers" / step), SYNC["one_server"])
     out["async"] = _fit(root / "async", 2 * N, "auto", ASYNC)
     step = f"checkpoints/step-{R:08d}"
     out.update({name: _fit_replicas(name, root / f"{name}-resumed", 2 * R, str(root / name / step)) for name in REPLICAS})
@@ -104,6 +107,19 @@ def test_servers_and_replicas_checkpoint_their_state_and_a_resume_goes_on_from_i
         workers = 4 - servers
         assert summary["ps"]["updates_per_server"] == [N] * servers
         assert summary["ps"]["staleness_hist"] == {"0": N * workers * servers}, summary["ps"]
+    # Another number of servers: one server holds exactly the two servers' tensors and Adam state.
+    two_to_one = resumed["two_to_one"]
+    assert two_to_one["summary"]["resumed_from"].endswith(f"step-{N:08d}") and two_to_one["summary"]["steps_this_run"] == 0
+    before = [ckpt.load_file(tmp_path / f"two_servers/checkpoints/step-{N:08d}/server-00{s}.pt") for s in range(2)]
+    after = ckpt.load_file(tmp_path / f"two_to_one/checkpoints/step-{N:08d}/server-000.pt")
+    assert after["servers"] == 1 and after["param_ids"] == [0, 1, 2, 3] and after["version"] == N
+    for st in before:
+        for k, gid in enumerate(st["param_ids"]):
+            assert torch.equal(after["params"][gid], st["params"][k])
+            old, new = st["optimizer"]["state"][k], after["optimizer"]["state"][gid]
+            assert old.keys() == new.keys() and all(torch.equal(old[key], new[key]) for key in old)
+    model = ckpt.load_file(tmp_path / f"two_servers/checkpoints/step-{N:08d}/state.pt")["model"]
+    assert all(torch.equal(model[key], two_to_one["params"][key]) for key in model)
     # Async: resumed from the servers' saved state (not from scratch) and trained on.
     got = resumed["async"]
     assert got["summary"]["resumed_from"].endswith(f"step-{N:08d}") and got["summary"]["steps"] == 2 * N
