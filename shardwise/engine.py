@@ -36,7 +36,7 @@ from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, co
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies import OptimizerFactory, StepFn, Strategy, get_strategy
-from shardwise.strategies.protocol import after_step, mesh_degrees, placement
+from shardwise.strategies.protocol import after_step, data_mesh, has_extra_state, load_extra_state, mesh_degrees, placement, save_extra_state
 
 
 def seed_everything(seed: int) -> None:
@@ -133,8 +133,7 @@ class Engine:
         self.trains = place.trains
         self.mesh = place.mesh or self.mesh
         self.group = place.group or self.group
-        data_mesh = getattr(self.strategy, "data_mesh", None)
-        self.data_mesh = (data_mesh() if data_mesh is not None else None) or self.mesh
+        self.data_mesh = data_mesh(self.strategy) or self.mesh
         if self.group.pg is not None and dist.is_initialized():
             self.writes_checkpoints = 0 in dist.get_process_group_ranks(self.group.pg)
         return wrapped, optimizer
@@ -256,9 +255,12 @@ class Engine:
             model_state = (sharded or split)[models[0]] if models else None
             meta["model_fingerprint"] = ckpt.fingerprint(model_state) if model_state is not None else None
             meta["strategy"] = self.strategy.name
-        save_extra = getattr(self.strategy, "save_extra_state", None)
-        model, optimizer = self._model, self._optimizer
-        extra = (lambda tmp: save_extra(model, optimizer, tmp)) if save_extra is not None and model is not None else None
+        strategy, model, optimizer = self.strategy, self._model, self._optimizer
+        extra: Callable[[Path], None] | None = None
+        if model is not None and has_extra_state(strategy):
+            def write_extra(tmp: Path) -> None:
+                save_extra_state(strategy, model, optimizer, tmp)
+            extra = write_extra
         return ckpt.write(
             Path(path), rank=self.rank, world_size=self.world_size, shared=shared,
             own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta, sharded=sharded, extra=extra,
@@ -293,9 +295,7 @@ class Engine:
                 if optim_key is not None:
                     sub["optimizer"] = shared[optim_key]
             self.strategy.load_state_dict(model, optimizer, sub)
-            load_extra = getattr(self.strategy, "load_extra_state", None)
-            if load_extra is not None:
-                load_extra(model, optimizer, path)
+            load_extra_state(self.strategy, model, optimizer, path)
         for key, value in state.items():
             if key in (model_key, optim_key):
                 continue

@@ -122,9 +122,9 @@ class CharGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
         self.head = Head(d_model, vocab_size)
         self.apply(self._init)
-        for block in self.blocks:  # GPT-2's scaled init of the residual projections
-            for proj in (block.attn.proj, block.mlp.proj):  # type: ignore[union-attr]
-                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+        for name, param in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layers))
 
     @staticmethod
     def _init(module: nn.Module) -> None:

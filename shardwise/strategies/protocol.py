@@ -133,3 +133,42 @@ def check_batch(strategy: Any, micro_batch: int, accumulate: int) -> None:
     hook = getattr(strategy, "check_batch", None)
     if hook is not None:
         hook(micro_batch, accumulate)
+
+
+# -- hooks for strategies with ranks that loop alone or keep state outside the model ----------
+
+
+def data_mesh(strategy: Any) -> Mesh | None:
+    """``strategy.data_mesh()`` if it has one: the mesh each global batch is split over, when it
+    differs from the loop's (asynchronous parameter-server workers loop alone on a mesh of one,
+    yet each takes its own slice of every global batch). None: the loop's mesh."""
+    hook = getattr(strategy, "data_mesh", None)
+    return hook() if hook is not None else None
+
+
+def expendable_ranks(strategy: Any, world_size: int) -> list[int]:
+    """``strategy.expendable_ranks(world_size)`` if it has one: ranks whose death the run survives
+    (asynchronous workers other than rank 0); `shardwise.launch` keeps going without them."""
+    hook = getattr(strategy, "expendable_ranks", None)
+    return sorted(int(r) for r in hook(world_size)) if hook is not None else []
+
+
+def save_extra_state(strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Any) -> None:
+    """``strategy.save_extra_state(model, optimizer, directory)`` if it has one: write the state the
+    model and optimizer do not hold (parameter servers' shards, each replica's own copy, DiLoCo's
+    outer momentum) into the checkpoint's temporary directory, before its manifest is written."""
+    hook = getattr(strategy, "save_extra_state", None)
+    if hook is not None:
+        hook(model, optimizer, directory)
+
+
+def has_extra_state(strategy: Any) -> bool:
+    return getattr(strategy, "save_extra_state", None) is not None
+
+
+def load_extra_state(strategy: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Any) -> None:
+    """``strategy.load_extra_state(model, optimizer, path)`` if it has one: the inverse of
+    `save_extra_state`, after the model and optimizer are loaded."""
+    hook = getattr(strategy, "load_extra_state", None)
+    if hook is not None:
+        hook(model, optimizer, path)

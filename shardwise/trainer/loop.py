@@ -16,7 +16,7 @@ from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import launch
 from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
-from shardwise.strategies.protocol import check_batch, mesh_degrees, trainers
+from shardwise.strategies.protocol import check_batch, expendable_ranks, mesh_degrees, trainers
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.logging import Progress, RunFiles
 
@@ -130,7 +130,7 @@ class Trainer:
         if world % (degrees.get("pp", 1) * degrees.get("tp", 1)):
             from shardwise.mesh import Mesh
 
-            Mesh.build(world_size=world, **degrees)  # raises with the valid shapes
+            Mesh.build(world_size=world, pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))  # raises with the valid shapes
         dp = degrees.get("dp") or world // (degrees.get("pp", 1) * degrees.get("tp", 1))
         micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
         check_batch(strategy, micro, cfg.accumulate)
@@ -138,9 +138,7 @@ class Trainer:
     def _expendable_ranks(self) -> list[int]:
         """Ranks whose death the run survives: the strategy's optional ``expendable_ranks(world_size)``
         (asynchronous parameter-server workers other than rank 0); none by default."""
-        strategy = get_strategy(self.config.strategy, **self.config.strategy_options)
-        hook = getattr(strategy, "expendable_ranks", None)
-        return sorted(hook(self.config.nproc)) if hook is not None else []
+        return expendable_ranks(get_strategy(self.config.strategy, **self.config.strategy_options), self.config.nproc)
 
     def _global_batch(self, dl_batch: int | None) -> int:
         return self.config.global_batch_size or dl_batch or 32
