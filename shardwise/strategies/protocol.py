@@ -135,6 +135,15 @@ def check_batch(strategy: Any, micro_batch: int, accumulate: int) -> None:
         hook(micro_batch, accumulate)
 
 
+def check_model(strategy: Any, model: nn.Module) -> None:
+    """``strategy.check_model(model)`` if it has one: refuse, before any process starts, a model
+    the strategy cannot apply to (a tensor-parallel plan that does not fit it, a pipeline split
+    with fewer layers than stages), so the error is one line in the parent, not one per rank."""
+    hook = getattr(strategy, "check_model", None)
+    if hook is not None:
+        hook(model)
+
+
 # -- hooks for strategies with ranks that loop alone or keep state outside the model ----------
 
 

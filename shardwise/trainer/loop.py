@@ -16,7 +16,7 @@ from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import launch
 from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
-from shardwise.strategies.protocol import check_batch, expendable_ranks, mesh_degrees, trainers
+from shardwise.strategies.protocol import check_batch, check_model, expendable_ranks, mesh_degrees, trainers
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.logging import Progress, RunFiles
 
@@ -134,6 +134,7 @@ class Trainer:
         dp = degrees.get("dp") or world // (degrees.get("pp", 1) * degrees.get("tp", 1))
         micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
         check_batch(strategy, micro, cfg.accumulate)
+        check_model(strategy, model)
 
     def _expendable_ranks(self) -> list[int]:
         """Ranks whose death the run survives: the strategy's optional ``expendable_ranks(world_size)``
