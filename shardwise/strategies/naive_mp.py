@@ -30,7 +30,7 @@ from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision, move
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
-from shardwise.strategies.pipeline import StageModule, _register, sequence_layers, split_layers
+from shardwise.strategies.pipeline.split import StageModule, _register, sequence_layers, split_layers
 from shardwise.strategies.protocol import OptimizerFactory, StepFn
 
 

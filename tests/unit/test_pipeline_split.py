@@ -213,6 +213,28 @@ def test_the_trainer_refuses_before_launch(settings, message):
         trainer._check(gpt(), _tokens())
 
 
+@pytest.mark.parametrize(
+    "make_model,options,message",
+    [
+        (lambda: nn.Sequential(nn.Linear(8, 11)), dict(pp=2), r"the model has 1 layers \(1 with parameters: \['0'\]\) but the pipeline needs 2 stages"),
+        (gpt, dict(pp=2, split_points=["block.2"]), r"split_points \['block.2'\] are not layers of the model"),
+    ],
+    ids=["one-layer-model", "unknown-split-point"],
+)
+def test_fit_refuses_a_model_it_cannot_split_in_the_parent(monkeypatch, make_model, options, message):
+    import shardwise.trainer.loop as loop
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("fit launched processes before refusing the model")
+
+    monkeypatch.setattr(loop, "launch", no_launch)
+    data = TensorDataset(torch.randn(8, 8), torch.randint(0, 11, (8,)))
+    trainer = Trainer(strategy="pipeline", strategy_options=options, nproc=2, global_batch_size=8, max_steps=1,
+                      progress_bar=False, loss_fn=lambda out, batch: F.cross_entropy(out, batch[1]))
+    with pytest.raises(ConfigError, match=message):
+        trainer.fit(make_model(), data)
+
+
 # -- naive layer placement -------------------------------------------------------------------------
 
 

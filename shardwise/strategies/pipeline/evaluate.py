@@ -1,0 +1,110 @@
+"""Evaluation and sampling through a pipeline: ``PipelineModule``, this rank's share of the model
+under the original names, whose no-grad ``forward`` runs stage after stage over point-to-point.
+
+The owner of stage ``s`` receives the activation from the owner of ``s - 1`` (a header of
+``_HEADER`` numbers: dtype code, ndim, sizes; then the tensor), runs it, sends it on, and the
+last stage's output is broadcast over the pipeline group, so ``module(x)`` returns the whole
+output on every pipeline rank for any batch size. Training goes through the schedule instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm.collectives import Group
+from shardwise.errors import ConfigError
+from shardwise.strategies.pipeline.split import _register
+
+
+class PipelineModule(nn.Module):
+    """This rank's share of the model, under the original names, callable like the user's model.
+
+    ``module(x)`` (under ``torch.no_grad()``) runs every stage in order, activations sent from
+    rank to rank over the pipeline group, and returns the last stage's output on every rank of
+    the group (broadcast), so evaluation and sampling work unchanged. Every rank of the group
+    must make the call (the first stage's rank reads ``x``). Training goes through the schedule
+    (``Engine.forward_backward``), not through this forward.
+    """
+
+    def __init__(self, stages: dict[int, nn.Module], runners: dict[int, nn.Module], num_stages: int, group: Group, device: torch.device) -> None:
+        super().__init__()
+        for idx in sorted(stages):
+            for name in stages[idx].layer_names:  # type: ignore[union-attr]
+                _register(self, name, stages[idx].get_submodule(name))
+        self._stage_mods = dict(stages)
+        self._runners = dict(runners)  # what runs each stage (the stage module, or its DDP/FSDP wrapper)
+        self.num_stages, self._group, self._device = num_stages, group, device
+        self.pp = group.size
+
+    def owner(self, stage: int) -> int:
+        return stage % self.pp
+
+    def forward(self, *inputs: Any) -> Any:
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            raise RuntimeError(
+                "a pipeline-parallel model's forward does not carry gradients from stage to stage: train through "
+                "engine.forward_backward (the pipeline schedule), and call the model under torch.no_grad() to evaluate"
+            )
+        me = self._group.rank
+        x: tuple[Any, ...] = inputs
+        out: Any = None
+        for s in range(self.num_stages):
+            owner = self.owner(s)
+            if owner != me:
+                continue
+            if s > 0 and self.owner(s - 1) != me:
+                x = (_recv_tensor(self._group, self.owner(s - 1), self._device),)
+            out = self._runners[s](*x)
+            if s < self.num_stages - 1 and self.owner(s + 1) != me:
+                _send_tensor(out, self._group, self.owner(s + 1))
+            x = (out,)
+        return _broadcast_tensor(out, self._group, self.owner(self.num_stages - 1), self._device)
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8]
+_HEADER = 10  # dtype code, ndim, up to 8 sizes
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() > _HEADER - 2 or t.dtype not in _DTYPES:
+        raise ConfigError(f"a pipeline stage boundary must carry one tensor of at most {_HEADER - 2} dims; got {type(t).__name__}")
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def _empty_from(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+    ndim = int(h[1])
+    return torch.empty([int(s) for s in h[2:2 + ndim]], dtype=_DTYPES[int(h[0])], device=device)
+
+
+def _send_tensor(t: torch.Tensor, group: Group, dst: int) -> None:
+    dst_global = group.global_rank(dst)
+    dist.send(_header(t).to(t.device), dst=dst_global, group=group.pg)
+    dist.send(t.contiguous(), dst=dst_global, group=group.pg)
+
+
+def _recv_tensor(group: Group, src: int, device: torch.device) -> torch.Tensor:
+    src_global = group.global_rank(src)
+    h = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(h, src=src_global, group=group.pg)
+    out = _empty_from(h.cpu(), device)
+    dist.recv(out, src=src_global, group=group.pg)
+    return out
+
+
+def _broadcast_tensor(t: torch.Tensor | None, group: Group, src: int, device: torch.device) -> torch.Tensor:
+    if group.size == 1:
+        assert t is not None
+        return t
+    src_global = group.global_rank(src)
+    h = _header(t).to(device) if group.rank == src and t is not None else torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.broadcast(h, src=src_global, group=group.pg)
+    buf = t.contiguous() if group.rank == src and t is not None else _empty_from(h.cpu(), device)
+    dist.broadcast(buf, src=src_global, group=group.pg)
+    return buf

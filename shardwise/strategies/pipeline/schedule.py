@@ -1,0 +1,111 @@
+"""What a pipeline schedule can run, and how a step's batch becomes its micro-batches.
+
+``check_schedule`` refuses up front what torch would raise only inside the workers (or on one
+rank while the others wait). ``split_batch`` cuts a batch exactly as the schedule cuts its input
+(``torch.tensor_split`` on dim 0), so the last stage's loss sees the same rows the first stage
+ran; ``_Replay`` stands in for the model there, so the user's ``loss_fn`` runs unchanged.
+
+>>> [tuple(c.shape) for c in split_batch(torch.zeros(6, 2), 3)]
+[(2, 2), (2, 2), (2, 2)]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from shardwise.errors import ConfigError
+from shardwise.plan.bubble import SCHEDULES
+
+
+def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
+    """Refuse, before anything runs, what a schedule cannot run (torch raises some of these only
+    on one rank, mid-step, while the others wait forever)."""
+    if schedule not in SCHEDULES:
+        import difflib
+
+        close = difflib.get_close_matches(schedule, SCHEDULES, n=1)
+        hint = f". Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}{hint}")
+    for name, value in (("pp", pp), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"pipeline {name} must be a whole number >= 1; got {value!r}")
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(f"schedule 1f1b needs at least as many micro-batches as stages; got microbatches={microbatches} < pp={pp}; use microbatches >= {pp} or schedule gpipe")
+    if schedule == "interleaved":
+        if virtual_stages < 2:
+            raise ConfigError(f"schedule interleaved needs virtual_stages >= 2 (model chunks per rank); got {virtual_stages}; use gpipe or 1f1b for one chunk per rank")
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            # torch's interleaved 1F1B runs micro-batches in rounds of about pp (flex schedule).
+            raise ConfigError(f"schedule interleaved needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}; got microbatches={microbatches} with pp={pp}; use a multiple of {pp}")
+    elif virtual_stages != 1:
+        raise ConfigError(f"virtual_stages={virtual_stages} needs schedule interleaved; {schedule} runs one stage per rank")
+
+
+def _schedule_class(schedule: str) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
+
+
+def split_batch(batch: Any, m: int) -> list[Any]:
+    """``m`` equal micro-batches of a batch (a tensor, or a tuple/list of tensors), cut along
+    dim 0 as the pipeline schedule cuts its inputs (``torch.tensor_split``)."""
+    if isinstance(batch, torch.Tensor):
+        return list(torch.tensor_split(batch, m, dim=0))
+    if isinstance(batch, (tuple, list)):
+        parts = [split_batch(b, m) if isinstance(b, torch.Tensor) else [b] * m for b in batch]
+        return [type(batch)(p[i] for p in parts) if isinstance(batch, tuple) else [p[i] for p in parts] for i in range(m)]
+    raise ConfigError(f"the pipeline strategy splits batches that are tensors or tuples of tensors; got {type(batch).__name__}")
+
+
+def concat_batches(batches: Sequence[Any]) -> Any:
+    """One batch from the step's loader micro-batches (concatenated along dim 0)."""
+    first = batches[0]
+    if len(batches) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(batches), dim=0)
+    if isinstance(first, (tuple, list)):
+        cols = [concat_batches([b[i] for b in batches]) if isinstance(first[i], torch.Tensor) else first[i] for i in range(len(first))]
+        return tuple(cols) if isinstance(first, tuple) else cols
+    raise ConfigError(f"the pipeline strategy splits batches that are tensors or tuples of tensors; got {type(first).__name__}")
+
+
+def batch_rows(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch_rows(batch[0])
+    raise ConfigError(f"the pipeline strategy splits batches that are tensors or tuples of tensors; got {type(batch).__name__}")
+
+
+def check_rows(rows: int, microbatches: int, where: str) -> None:
+    if rows % microbatches or rows < microbatches:
+        raise ConfigError(
+            f"{where}: the per-rank batch of {rows} samples does not split into {microbatches} equal pipeline "
+            f"micro-batches; choose a batch per rank (global batch / dp) that is a multiple of {microbatches}, "
+            "or change microbatches"
+        )
+
+
+class _Replay:
+    """Stands in for the model inside the user's ``step_fn`` on the last stage: returns the
+    pipeline's output for the micro-batch, so ``loss_fn(model(*inputs), batch)`` runs as written."""
+
+    def __init__(self, output: Any, inputs: tuple[Any, ...]) -> None:
+        self.output, self.inputs = output, inputs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        same = len(args) == len(self.inputs) and not kwargs and all(
+            a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape) for a, b in zip(args, self.inputs)
+        )
+        if not same:
+            raise ConfigError(
+                "the pipeline strategy computes the loss on its last stage from the model's output: the step "
+                "function must be loss_fn(model(*inputs), batch) with inputs the batch's leading elements "
+                "(pass loss_fn=... to the Trainer; a training_step that calls the whole model cannot be split)"
+            )
+        return self.output

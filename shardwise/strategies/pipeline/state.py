@@ -1,0 +1,102 @@
+"""Checkpoints of a pipeline: every stage's model and optimizer state gathered into the whole
+model's (``gather_state``), and this rank's part kept from a whole state (``load_local_state``).
+
+The whole state is exactly what ``single`` writes: model keys in the model's own order (stage
+order), optimizer state by parameter number in the whole model's parameter order. So a pipeline
+checkpoint resumes under any strategy, and any plain checkpoint resumes under ``pipeline``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise import checkpoint as ckpt
+from shardwise.comm.collectives import Group
+from shardwise.strategies.pipeline.evaluate import PipelineModule
+
+
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Group, pp: int, all_names: list[str]) -> dict[str, Any]:
+    """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
+    parameters), gathered from every pipeline rank to every rank of the group."""
+    stage_mods = model._stage_mods if isinstance(model, PipelineModule) else {0: model}
+    local_model = {s: {k: _full(v).detach().cpu() for k, v in m.state_dict().items()} for s, m in stage_mods.items()}
+    local_opt = None
+    if optimizer is not None:
+        named = ckpt.optimizer_state_by_name(optimizer.state_dict(), ckpt.parameter_names(model, optimizer))
+        local_opt = {"state": {k: {n: _full(t) for n, t in s.items()} for k, s in named["state"].items()}, "param_groups": named["param_groups"]}
+        local_opt = _to_cpu(local_opt)
+    parts: list[Any] = [None] * pp
+    dist.all_gather_object(parts, (local_model, local_opt), group=group.pg)
+    by_stage = {s: sd for stage_states, _ in parts for s, sd in stage_states.items()}
+    full_model: dict[str, Any] = {}
+    for s in sorted(by_stage):  # stage order is the model's order: its state_dict order
+        full_model.update(by_stage[s])
+    out: dict[str, Any] = {"model": full_model}
+    if optimizer is not None:
+        state: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        for _, opt in parts:
+            state.update(opt["state"])
+            for gi, g in enumerate(opt["param_groups"]):
+                if gi < len(groups):
+                    groups[gi]["params"] = groups[gi]["params"] + list(g["params"])
+                else:
+                    groups.append(dict(g, params=list(g["params"])))
+        order = {n: i for i, n in enumerate(all_names)}
+        for g in groups:
+            g["params"] = sorted(g["params"], key=lambda n: order[n])
+        names = [n for g in groups for n in g["params"]]
+        out["optimizer"] = ckpt.optimizer_state_by_number({"state": state, "param_groups": groups}, names)
+    return out
+
+
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], all_names: list[str]) -> None:
+    """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state["model"]]
+    if missing:
+        from shardwise.errors import CheckpointError
+
+        raise CheckpointError(f"the state has no {missing[:5]} for this pipeline stage")
+    if any(hasattr(v, "full_tensor") for v in own.values()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, {k: state["model"][k] for k in own}, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict({k: state["model"][k] for k in own})
+    if optimizer is None or "optimizer" not in state:
+        return
+    full = state["optimizer"]
+    named = ckpt.optimizer_state_by_name(full, all_names)
+    local_names = ckpt.parameter_names(model, optimizer)
+    keep = set(local_names)
+    sub = {
+        "state": {n: s for n, s in named["state"].items() if n in keep},
+        "param_groups": [dict(g, params=[n for n in g["params"] if n in keep]) for g in named["param_groups"]],
+    }
+    sub["param_groups"] = [g for g in sub["param_groups"] if g["params"]]
+    if any(hasattr(v, "full_tensor") for v in own.values()):
+        # Sharded parameters (tp, fsdp): torch slices each whole tensor to this rank's shard (state keyed by name).
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, cast(Any, sub), options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(ckpt.optimizer_state_by_number(sub, local_names))
+
+
+def _full(t: Any) -> Any:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
