@@ -24,8 +24,9 @@ loss (the schedule divides by ``m``); the step's mean loss reaches every rank.
 
 Composition, in torchtitan's order: tensor parallel inside each stage (when
 ``shardwise.strategies.tensor_parallel`` exists), then the pipeline, then data parallel over
-the mesh's ``dp`` dimension (each stage module wrapped in DDP, or FSDP2 with
-``dp_strategy="fsdp"``).
+the mesh's ``dp`` dimension: with ``dp_strategy="ddp"`` the stage's gradients are averaged in
+one flat allreduce after the schedule's backward (torch's DDP reducer fails to rebuild its
+buckets under the schedule), or FSDP2 with ``dp_strategy="fsdp"``.
 
 The package, by concern: ``split`` (layers, balance, stage modules; shared with ``naive_mp``),
 ``schedule`` (what a schedule can run, micro-batches, the loss stand-in), ``evaluate`` (the
