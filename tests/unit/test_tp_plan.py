@@ -212,3 +212,33 @@ def test_auto_plan_is_deterministic_and_does_not_touch_the_model():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert auto_plan(model) == auto_plan(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_model_the_plan_does_not_fit_is_refused_in_the_parent_before_launch(monkeypatch):
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from shardwise import Trainer
+    from shardwise.trainer import loop
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched processes for a model check_model should have refused")
+
+    monkeypatch.setattr(loop, "launch", no_launch)
+    ids = torch.randint(0, 11, (16, 9), generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    trainer = Trainer(strategy="tp", strategy_options={"tp": 2}, nproc=2, global_batch_size=8, max_steps=1, progress_bar=False,
+                      loss_fn=lambda out, batch: F.cross_entropy(out.reshape(-1, out.shape[-1]), batch[1].reshape(-1)))
+    with pytest.raises(ConfigError, match=r"blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks.*choose tp in \[1, 3\]"):
+        trainer.fit(CharGPT(11, 8, 12, 3, 1), data)
+
+
+def test_check_model_uses_the_world_size_as_the_default_degree_and_checks_sequence_parallel_blocks():
+    strategy = TensorParallel()
+    strategy.check_model(TwoLayer())  # no degree known yet: the plan alone
+    strategy.validate(3)
+    with pytest.raises(ConfigError, match=r"fc1 \(colwise\) has 32 output features, not divisible by tp=3"):
+        strategy.check_model(TwoLayer())
+    with pytest.raises(ConfigError, match="sequence_parallel needs transformer blocks"):
+        TensorParallel(tp=2, sequence_parallel=True).check_model(TwoLayer())
+    TensorParallel(tp=2, sequence_parallel=True).check_model(CharGPT(11, 8, 16, 2, 1))

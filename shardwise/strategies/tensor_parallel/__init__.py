@@ -10,38 +10,18 @@ row-split one. A block (attention + MLP) is therefore exactly 2 allreduces forwa
 backward (tested). Here ``f`` and ``g`` are DTensor's own: ``parallelize_module`` with
 ``ColwiseParallel`` / ``RowwiseParallel``, and ``PrepareModuleInput`` on a sublayer whose input
 feeds several column-split linears (q, k, v), so the three input gradients are summed once.
+Sequence parallelism (Korthikanti et al. 2022) shards the activations between the pairs along
+the sequence, with the same bytes sent.
 
-Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models") shards what lies between the pairs (layer norms, dropout, the residual
-stream) along the sequence: ``f`` becomes an all-gather (backward: reduce-scatter) and ``g`` a
-reduce-scatter (backward: all-gather), the same bytes as the allreduce they replace, with
-``1/tp`` of the activation memory outside the pairs. Norm weights stay replicated; their
-gradients, partial sums over the sequence shards, are allreduced once per step (coalesced).
+The package, by concern:
 
-Plans (``auto_plan``): in every module, the ``nn.Linear`` children named like the first linear
-of a pair are column-split and the one named like the second is row-split, when both are
-present:
-
-========= ============================================================ =====================
-role      child names                                                  style
-========= ============================================================ =====================
-attention ``q k v query key value q_proj k_proj v_proj wq wk wv``      colwise (by heads)
-          ``out o_proj proj out_proj wo c_proj``                       rowwise
-MLP       ``fc fc1 c_fc up_proj gate_proj w1 w3``                      colwise
-          ``proj fc2 down_proj w2 c_proj``                             rowwise
-========= ============================================================ =====================
-
-A module with column-style children but not exactly one row-style child (or the reverse) is left
-whole. Fused projections (``qkv``, ``c_attn``, ``Wqkv``, ``query_key_value``, ``qkv_proj``)
-are refused: splitting q|k|v stacked by columns would hand a rank all of q and none of v; split
-them into three linears or pass a plan for a model whose forward expects the split. Attention
-is split by heads: the head count (``out_features // head_dim`` with a ``head_dim`` attribute on
-the attention module, or its ``n_heads``/``num_heads``/``n_head``/``num_attention_heads``) must be
-divisible by ``tp``. Embeddings, the final norm and the output head stay replicated (every tp
-rank computes them whole on the same batch); a plan that finds nothing is a `ConfigError`.
-
-A user plan maps module names or fnmatch patterns (``"layers.*.mlp.w1"``) to ``"colwise"`` or
-``"rowwise"``; each must match at least one ``nn.Linear``.
+- ``plan``: which linears split how (`auto_plan`, `resolve_plan`, `check_divisible`); no process
+  group needed.
+- ``apply``: `parallelize`, the sequence-parallel region, `synchronize_dropout`.
+- ``grads``: `reduce_partial_grads`, `replicate_grads`, `shard_data_parallel`, `clip_grad_norm_`.
+- ``counting``: `count_collectives` and the dispatch mode behind it.
+- here: the `TensorParallel` strategy, which calls them in a fixed order (tensor first, then data
+  parallel).
 
 Building blocks, for compositions with pipeline parallelism (stable signatures):
 
@@ -66,549 +46,35 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import fnmatch
-import time
 from collections import Counter
-from typing import Any, ClassVar, ContextManager, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm.collectives import Group
-from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
+from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.protocol import OptimizerFactory, StepFn
-
-STYLES = ("colwise", "rowwise")
-
-ATTN_COLWISE = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"})
-ATTN_ROWWISE = frozenset({"out", "o_proj", "proj", "out_proj", "wo", "c_proj"})
-MLP_COLWISE = frozenset({"fc", "fc1", "c_fc", "up_proj", "gate_proj", "w1", "w3"})
-MLP_ROWWISE = frozenset({"proj", "fc2", "down_proj", "w2", "c_proj"})
-FUSED = frozenset({"qkv", "c_attn", "wqkv", "query_key_value", "qkv_proj", "in_proj"})
-_HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "heads")
-_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-
-
-# -- plans: which linears split how (no process group needed) --------------------------------
-
-
-def _leaf(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
-
-
-def _parent(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def auto_plan(module: nn.Module) -> dict[str, str]:
-    """The Megatron plan for a module whose linears follow the usual names (see the module docstring).
-
-    >>> from shardwise.recipes.charlm import CharGPT
-    >>> auto_plan(CharGPT(11, 8, 16, 2, 1))
-    {'blocks.0.attn.q': 'colwise', 'blocks.0.attn.k': 'colwise', 'blocks.0.attn.v': 'colwise', 'blocks.0.attn.proj': 'rowwise', 'blocks.0.mlp.fc': 'colwise', 'blocks.0.mlp.proj': 'rowwise'}
-    """
-    plan: dict[str, str] = {}
-    for prefix, parent in module.named_modules():
-        linears = {n: c for n, c in parent.named_children() if isinstance(c, nn.Linear)}
-        fused = [n for n in linears if n.lower() in FUSED]
-        if fused:
-            raise ConfigError(
-                f"{_join(prefix, fused[0])} is a fused q|k|v projection: splitting it by columns would give a rank "
-                "all of q and none of v. Split it into three linears (q, k, v), or pass plan={...} naming only the "
-                "linears to split"
-            )
-        is_attn = any(n in ATTN_COLWISE for n in linears)
-        col_names, row_names = (ATTN_COLWISE, ATTN_ROWWISE) if is_attn else (MLP_COLWISE, MLP_ROWWISE)
-        cols = [n for n in linears if n in col_names]
-        rows = [n for n in linears if n in row_names]
-        if cols and len(rows) == 1:
-            for n in linears:  # registration order
-                if n in cols:
-                    plan[_join(prefix, n)] = "colwise"
-                elif n in rows:
-                    plan[_join(prefix, n)] = "rowwise"
-    return plan
-
-
-def resolve_plan(module: nn.Module, plan: dict[str, str] | None = None, tp: int | None = None) -> dict[str, str]:
-    """Concrete ``{linear name: style}`` for ``module``: the automatic plan, or ``plan`` with its
-    patterns expanded; checked (styles, names, ``nn.Linear``, widths and heads divisible by ``tp``)."""
-    if plan is None:
-        resolved = auto_plan(module)
-        if not resolved:
-            raise ConfigError(
-                f"the automatic tensor-parallel plan found no linear pair to split in {type(module).__name__}: it looks for "
-                "attention q/k/v (query/key/value, q_proj/k_proj/v_proj, wq/wk/wv) next to out/o_proj/proj/out_proj/wo, and "
-                "MLP fc/fc1/up_proj/gate_proj/w1/w3 next to proj/fc2/down_proj/w2. Pass a plan instead, e.g. "
-                "plan={'layers.*.ff.lin1': 'colwise', 'layers.*.ff.lin2': 'rowwise'}, or on the command line "
-                "--set 'trainer.strategy_options.plan={\"layers.*.ff.lin1\" = \"colwise\", \"layers.*.ff.lin2\" = \"rowwise\"}'"
-            )
-    else:
-        if not isinstance(plan, dict) or not plan:
-            raise ConfigError(f"plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
-        names = [n for n, _ in module.named_modules() if n]
-        resolved = {}
-        for pattern, style in plan.items():
-            if style not in STYLES:
-                close = difflib.get_close_matches(str(style), STYLES, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: 'colwise', 'rowwise'")
-            matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
-            if not matched:
-                close = difflib.get_close_matches(pattern, names, n=3)
-                raise ConfigError(
-                    f"plan names {pattern!r}, which matches no module of {type(module).__name__}"
-                    + (f"; close names: {close}" if close else "") + "; see model.named_modules() for the names"
-                )
-            for n in matched:
-                resolved[n] = style
-    for name, style in resolved.items():
-        sub = module.get_submodule(name)
-        if not isinstance(sub, nn.Linear):
-            raise ConfigError(f"plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules; {name} is a {type(sub).__name__}")
-    if tp is not None:
-        check_divisible(module, resolved, tp)
-    return resolved
-
-
-def _heads(attn: nn.Module, q: nn.Linear) -> int | None:
-    """Attention heads a column-split linear produces, if the attention module says (head_dim or a head count)."""
-    head_dim = getattr(attn, "head_dim", None)
-    if isinstance(head_dim, int) and head_dim > 0:
-        return q.out_features // head_dim
-    for attr in _HEAD_ATTRS:
-        value = getattr(attn, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
-    """Every split width divides by ``tp``; attention splits whole heads (`ConfigError` otherwise)."""
-    for name, style in plan.items():
-        lin = module.get_submodule(name)
-        assert isinstance(lin, nn.Linear)
-        width = lin.out_features if style == "colwise" else lin.in_features
-        if style == "colwise" and _leaf(name) in ATTN_COLWISE:
-            heads = _heads(module.get_submodule(_parent(name)) if _parent(name) else module, lin)
-            if heads is not None and heads % tp:
-                options = [d for d in range(1, heads + 1) if heads % d == 0]
-                raise ConfigError(
-                    f"{name} has {heads} attention heads, which do not split across tp={tp} ranks (attention is split by "
-                    f"whole heads); choose tp in {options}, or a model whose head count is a multiple of {tp}"
-                )
-        if width % tp:
-            raise ConfigError(f"{name} ({style}) has {width} {'output' if style == 'colwise' else 'input'} features, not divisible by tp={tp}")
-
-
-# -- applying the plan -----------------------------------------------------------------------
-
-
-def _sublayers(plan: dict[str, str]) -> dict[str, list[str]]:
-    """Parent module -> its column-split linears (the modules whose input Megatron's f acts on)."""
-    out: dict[str, list[str]] = {}
-    for name, style in plan.items():
-        if style == "colwise":
-            out.setdefault(_parent(name), []).append(name)
-    return out
-
-
-def _blocks(module: nn.Module, plan: dict[str, str]) -> list[str]:
-    """Transformer blocks: the parents of the modules holding a row-split linear, in registration order."""
-    sublayers = {_parent(n) for n, s in plan.items() if s == "rowwise"}
-    parents = {_parent(s) for s in sublayers if s}
-    order = [n for n, _ in module.named_modules()]
-    return [n for n in order if n in parents]
-
-
-def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False) -> nn.Module:
-    """Split ``module``'s linear pairs across ``tp_mesh`` (a 1D DeviceMesh), in place; returns it.
-
-    ``plan``: ``None`` for the automatic plan, or module name / fnmatch pattern -> ``"colwise"`` |
-    ``"rowwise"``. Works on part of a model (a pipeline stage holding blocks 2-3): names are the
-    module's own, so a stage built by deleting the other children keeps the original names.
-    Parameters of split linears become DTensors (colwise: ``Shard(0)`` weight and bias; rowwise:
-    ``Shard(1)`` weight, replicated bias); everything else stays a plain tensor, replicated, except
-    under ``sequence_parallel``, where the norms inside blocks hold replicated DTensors.
-
-    With ``sequence_parallel``, activations are sequence-sharded (dim 1) from the first block's
-    input to the last block's output (registration order); the module's input and output stay
-    whole, so a pipeline stage exchanges whole activations.
-
-    >>> tp_mesh = init_device_mesh("cpu", (2,))                               # doctest: +SKIP
-    >>> parallelize(model, tp_mesh, sequence_parallel=True)                  # doctest: +SKIP
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
-    )
-
-    tp = tp_mesh.size()
-    resolved = resolve_plan(module, plan, tp)
-    styles: dict[str, Any] = {}
-    for name, style in resolved.items():
-        if style == "colwise":
-            styles[name] = ColwiseParallel()
-        else:
-            styles[name] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
-    blocks: list[str] = []
-    if sequence_parallel:
-        blocks = _blocks(module, resolved)
-        if not blocks:
-            raise ConfigError(
-                "sequence_parallel needs transformer blocks: modules holding the split sublayers (attention, MLP) together "
-                f"with their norms; the plan {resolved} has its row-split linears at the top of {type(module).__name__}"
-            )
-        for sub in _sublayers(resolved):
-            styles[sub] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False)
-        for block in blocks:
-            for name, m in module.get_submodule(block).named_modules():
-                if isinstance(m, _NORMS) and not any(_join(block, name).startswith(s + ".") or _join(block, name) == s for s in _sublayers(resolved)):
-                    styles[_join(block, name)] = SequenceParallel()
-    else:
-        for sub, cols in _sublayers(resolved).items():
-            if len(cols) > 1:  # q, k, v share one input: sum their input gradients once (Megatron's f)
-                styles[sub] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False)
-    if "" in styles:  # a sublayer at the root: PrepareModuleInput on the module itself
-        root_style = styles.pop("")
-        parallelize_module(module, tp_mesh, root_style)
-    parallelize_module(module, tp_mesh, styles)
-    if sequence_parallel:
-        _sequence_boundaries(module, tp_mesh, blocks)
-    synchronize_dropout(module, tp_mesh, blocks if sequence_parallel else [])
-    module._shardwise_tp = {"plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp}  # type: ignore[assignment]
-    return module
-
-
-def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str]) -> None:
-    """Enter the sequence-sharded region at the first block (a local slice: no communication
-    forward, an all-gather of the gradient backward) and leave it after the last (an all-gather
-    forward, a slice of the gradient backward)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    tp = tp_mesh.size()
-
-    def enter(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        if x.dim() < 2 or x.shape[1] % tp:
-            # Uneven shards would give the ranks different global shapes at the next gather (a hang).
-            raise ValueError(
-                f"sequence parallelism splits dim 1 (the sequence) of the blocks' input across tp={tp} ranks; got shape "
-                f"{tuple(x.shape)}: use sequences whose length is a multiple of {tp}, or turn sequence_parallel off"
-            )
-        if isinstance(x, DTensor):
-            dx = x.redistribute(tp_mesh, (Shard(1),))
-        else:
-            dx = DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).redistribute(tp_mesh, (Shard(1),))
-        return (dx.to_local(), *args[1:])
-
-    def leave(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-        dx = out if isinstance(out, DTensor) else DTensor.from_local(out, tp_mesh, (Shard(1),), run_check=False)
-        return dx.redistribute(tp_mesh, (Replicate(),)).to_local()
-
-    module.get_submodule(blocks[0]).register_forward_pre_hook(enter)
-    module.get_submodule(blocks[-1]).register_forward_hook(leave)
-
-
-def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequence[str] = ()) -> int:
-    """Make the ``nn.Dropout`` modules of ``module`` draw the same masks on every tp rank where
-    their input is replicated, and different ones where it is sequence-sharded.
-
-    Ranks draw from their own RNG streams (the trainer seeds each rank differently), so a dropout
-    on a replicated activation (the embedding's, or the MLP's after its row-split linear) would
-    drop different elements on each tp rank and the replicas of the residual stream would drift
-    apart silently. Each dropout therefore runs on a forked RNG seeded from a seed shared by the
-    tp group (tp rank 0's ``torch.initial_seed()``, broadcast once), the module's index and its
-    call count; inside ``sharded_blocks`` (sequence parallelism: every dropout there sees this
-    rank's slice of the sequence) the tp rank is mixed in. Dropout inside attention
-    (``scaled_dot_product_attention``'s ``dropout_p``) acts on this rank's own heads and keeps
-    the rank's stream. Returns how many modules were synchronized.
-    """
-    drops = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    if not drops:
-        return 0
-    pg = tp_mesh.get_group()
-    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=tp_mesh.device_type)
-    dist.broadcast(seed, src=dist.get_global_rank(pg, 0), group=pg)
-    base, rank = int(seed.item()), dist.get_rank(pg)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    for index, (name, drop) in enumerate(drops):
-        sharded = any(name.startswith(b + ".") for b in sharded_blocks)
-        state = {"calls": 0, "fork": None}
-
-        def before(m: nn.Module, args: Any, index: int = index, sharded: bool = sharded, state: dict[str, Any] = state) -> None:
-            if not m.training:
-                return
-            fork = torch.random.fork_rng(devices=devices)
-            fork.__enter__()
-            state["fork"] = fork
-            torch.manual_seed((base + 1_000_003 * index + 7_919 * state["calls"] + (104_729 * (rank + 1) if sharded else 0)) % 2**63)
-            state["calls"] += 1
-
-        def after(m: nn.Module, args: Any, out: Any, state: dict[str, Any] = state) -> None:
-            fork = state.pop("fork", None)
-            state["fork"] = None
-            if fork is not None:
-                fork.__exit__(None, None, None)
-
-        drop.register_forward_pre_hook(before)
-        drop.register_forward_hook(after)
-    return len(drops)
-
-
-def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) -> int:
-    """Allreduce the gradients DTensor left as partial sums (sequence-parallel norm weights: each tp
-    rank's sum over its slice of the sequence), coalesced into one allreduce per (mesh, placements,
-    dtype) and partial mesh dimension; they become replicated there. Returns how many were reduced."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    groups: dict[tuple[int, tuple[Any, ...], torch.dtype], list[nn.Parameter]] = {}
-    for p in module.parameters():
-        g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            groups.setdefault((id(g.device_mesh), tuple(g.placements), g.dtype), []).append(p)
-    for params in groups.values():
-        first = params[0].grad
-        assert isinstance(first, DTensor)
-        mesh, placements = first.device_mesh, list(first.placements)
-        locals_ = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        n = flat.numel() * flat.element_size()
-        for d, pl in enumerate(placements):
-            if not pl.is_partial():
-                continue
-            pg = mesh.get_group(d)
-            size = dist.get_world_size(pg)
-            start = time.perf_counter()
-            dist.all_reduce(flat, group=pg)
-            if getattr(pl, "reduce_op", "sum") == "avg":
-                flat.div_(size)
-            if recorder is not None:
-                sent, recv = wire_bytes("all_reduce", n, size)
-                label = (mesh.mesh_dim_names or ())[d] if mesh.mesh_dim_names else "tp"
-                recorder.add(CommEvent("all_reduce", label, size, n, sent, recv, time.perf_counter() - start))
-            placements[d] = Replicate()
-        offset = 0
-        for p, t in zip(params, locals_):
-            piece = flat[offset: offset + t.numel()].view_as(t)
-            offset += t.numel()
-            p.grad = DTensor.from_local(piece, mesh, placements, run_check=False)
-    return sum(len(v) for v in groups.values())
-
-
-# -- data parallel over the dp dimension ------------------------------------------------------
-
-
-def replicate_grads(module: nn.Module, dp_group: Any, recorder: Recorder | None = None) -> None:
-    """Average every gradient over the data-parallel group (DDP's step for modules holding DTensors).
-
-    Each gradient's local tensor (a DTensor's shard, or the plain tensor) is averaged over
-    ``dp_group`` (a `shardwise.comm.Group`, or a ProcessGroup); gradients are packed into one
-    buffer per dtype, so a step is one allreduce per dtype (recorded as ``dp/all_reduce``).
-    Replicas of one tp rank hold the same shard layout, so the averaged shard is the shard of
-    the averaged gradient.
-    """
-    from torch.distributed.tensor import DTensor
-
-    pg = dp_group.pg if isinstance(dp_group, Group) else dp_group
-    name = dp_group.name if isinstance(dp_group, Group) else "dp"
-    p = dist.get_world_size(pg)
-    if p == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for param in module.parameters():
-        if param.grad is None:
-            continue
-        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        by_dtype.setdefault(local.dtype, []).append(local)
-    for tensors in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        n = flat.numel() * flat.element_size()
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=pg)
-        flat.div_(p)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
-        if recorder is not None:
-            sent, recv = wire_bytes("all_reduce", n, p)
-            recorder.add(CommEvent("all_reduce", name, p, n, sent, recv, time.perf_counter() - start))
-
-
-def shard_data_parallel(module: nn.Module, dp_mesh: Any, units: str | Sequence[str] = "auto") -> nn.Module:
-    """FSDP2 ``fully_shard`` of ``module`` over the data-parallel DeviceMesh ``dp_mesh``, in place.
-
-    Apply after `parallelize`: parameters that are tp DTensors become 2D (dp ``Shard(0)``, tp's
-    own placement) when ``dp_mesh`` and the tp mesh are slices of one DeviceMesh (``mesh["dp"]``,
-    ``mesh["tp"]``). ``units``: ``"auto"`` (one unit per block, as ``zero3``), ``"root"``, or names.
-    """
-    from shardwise.strategies.fsdp import apply_fsdp, resolve_units
-
-    return apply_fsdp(module, dp_mesh, units=resolve_units(module, units))
-
-
-# -- the global gradient norm -----------------------------------------------------------------
-
-
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, recorder: Recorder | None = None) -> torch.Tensor:
-    """Clip by the global norm of gradients that are DTensors (any mesh, any placements) or plain tensors.
-
-    A gradient's squared local norm counts once: summed over the mesh dimensions where it is
-    sharded, and not over those where it is replicated (each replica holds the same values).
-    Partial gradients must have been reduced first (`reduce_partial_grads`). One allreduce of
-    a scalar per distinct (mesh dimension) that holds shards.
-    """
-    from torch.distributed.tensor import DTensor
-
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    total: torch.Tensor | None = None
-    by_dims: dict[tuple[Any, ...], torch.Tensor] = {}
-    meshes: dict[tuple[Any, ...], Any] = {}
-    for p in params:
-        g = p.grad
-        key: tuple[Any, ...] = ()  # plain tensors: replicated wherever they live, counted once
-        if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):
-                raise ValueError("clip_grad_norm_ got a partial gradient; call reduce_partial_grads first")
-            sq = g.to_local().double().pow(2).sum()
-            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())  # Shard, _StridedShard
-            key = (id(g.device_mesh), dims)
-            meshes[key] = g.device_mesh
-        else:
-            sq = g.double().pow(2).sum()  # type: ignore[union-attr]
-        by_dims[key] = by_dims[key] + sq if key in by_dims else sq
-    for key, sq in by_dims.items():
-        if key:
-            mesh, dims = meshes[key], key[1]
-            for d in dims:
-                pg = mesh.get_group(d)
-                dist.all_reduce(sq, group=pg)
-                if recorder is not None:
-                    size = dist.get_world_size(pg)
-                    sent, recv = wire_bytes("all_reduce", 8, size)
-                    recorder.add(CommEvent("all_reduce", (mesh.mesh_dim_names or ("tp",) * mesh.ndim)[d] or "tp", size, 8, sent, recv, 0.0))
-        total = sq if total is None else total + sq
-    assert total is not None
-    norm = total.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        g = p.grad
-        local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(coef.to(local.dtype))  # type: ignore[union-attr]
-    return norm.to(params[0].dtype)
-
-
-# -- counting DTensor's collectives -----------------------------------------------------------
-
-_KINDS = {
-    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather", "allgather_": "all_gather",
-    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
-}
-
-
-def _collective_counter_mode() -> type:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CollectiveCounter(TorchDispatchMode):
-        """Counts the collectives DTensor (and FSDP2) issue, by kind, group and phase (forward/backward).
-
-        A dispatch mode sees every operator below DTensor, so it sees the functional collectives
-        DTensor's redistributions run (``_c10d_functional.*``) and c10d's own (``c10d.*``, FSDP2).
-        Each is recorded on the ``Recorder`` with its payload and the bandwidth-optimal bytes.
-        """
-
-        def __init__(self, recorder: Recorder | None, names: dict[str, tuple[str, int]]) -> None:
-            super().__init__()
-            self.recorder, self.names = recorder, names
-            self.counts: Counter[tuple[str, str, str]] = Counter()
-            self.phase: str | None = None
-            """Set by the strategy (forward inside step_fn, backward after); None: inside an autograd node or not."""
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
-            ns = getattr(func, "namespace", "")
-            if ns in ("_c10d_functional", "c10d_functional", "c10d"):
-                kind = _KINDS.get(func._schema.name.split("::")[-1])
-                if kind is not None:
-                    self._record(kind, func, args)
-            return out
-
-        def _record(self, kind: str, func: Any, args: Any) -> None:
-            # c10d's in-place reduce-scatters take (outputs, inputs, ...): the payload is the input.
-            first = args[1] if kind == "reduce_scatter" and func.namespace == "c10d" else args[0]
-            tensors = first if isinstance(first, (list, tuple)) else [first]
-            tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-            group = None
-            for a in args[1:]:  # funcol: (..., group_name: str) last; c10d: a ProcessGroup script object
-                if isinstance(a, str):
-                    group = a
-                elif isinstance(a, dist.ProcessGroup):
-                    group = a.group_name
-                elif type(a).__name__ == "ScriptObject":  # c10d ops see the group boxed
-                    try:
-                        group = dist.ProcessGroup.unbox(a).group_name
-                    except Exception:  # noqa: BLE001 - a boxed ReduceOp, not a group
-                        pass
-            name, size = self.names.get(group or "", ("other", 0))
-            if not size and group:  # a group the strategy did not name: ask c10d for its size
-                try:
-                    size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))  # type: ignore[arg-type]
-                except Exception:  # noqa: BLE001 - unknown to this torch: count it, bytes unknown
-                    size = 1
-            payload = sum(t.numel() * t.element_size() for t in tensors)
-            if kind == "all_gather" and ns_is_input_shard(func):
-                payload *= size  # the gathered buffer
-            phase = self.phase or ("backward" if torch._C._current_autograd_node() is not None else "forward")
-            self.counts[(name, kind, phase)] += 1
-            if self.recorder is not None:
-                sent, recv = wire_bytes(kind, payload, size)
-                self.recorder.add(CommEvent(kind, name, size, payload, sent, recv, 0.0))
-
-    return CollectiveCounter
-
-
-def ns_is_input_shard(func: Any) -> bool:
-    """True for all-gathers whose first argument is this rank's piece (funcol, FSDP2's coalesced/base ops)."""
-    return func._schema.name.split("::")[-1] in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")
-
-
-def group_names(**groups: Any) -> dict[str, tuple[str, int]]:
-    """``{process group name: (label, size)}`` from ``label=ProcessGroup`` pairs (what the counter calls each group)."""
-    return {pg.group_name: (label, dist.get_world_size(pg)) for label, pg in groups.items() if pg is not None}
-
-
-@contextlib.contextmanager
-def count_collectives(recorder: Recorder | None = None, **groups: Any) -> Iterator[Counter[tuple[str, str, str]]]:
-    """Count (and record) every collective issued inside the block, keyed ``(group label, kind, phase)``.
-
-    >>> with count_collectives(tp=tp_mesh.get_group()) as counts:         # doctest: +SKIP
-    ...     model(x).sum().backward()
-    >>> counts[("tp", "all_reduce", "forward")]                             # doctest: +SKIP
-    4
-    """
-    mode = _collective_counter_mode()(recorder, group_names(**groups))
-    with mode:
-        yield mode.counts
-
-
-# -- the strategy -----------------------------------------------------------------------------
+from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout
+from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
+from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
+from shardwise.strategies.tensor_parallel.plan import (
+    ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, resolve_plan,
+)
+
+__all__ = [
+    "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "auto_plan",
+    "check_divisible", "clip_grad_norm_", "count_collectives", "group_names", "ns_is_input_shard", "parallelize",
+    "reduce_partial_grads", "replicate_grads", "resolve_plan", "shard_data_parallel", "synchronize_dropout",
+]
+
+
+# -- the strategy ------------------------------------------------------------------------------
 
 
 def _dim_mesh(mesh: Mesh, dim: str) -> Any:
@@ -676,6 +142,18 @@ class TensorParallel:
         if world_size % tp:
             shapes = ", ".join(f"dp{world_size // d} x tp{d}" for d in range(1, world_size + 1) if world_size % d == 0)
             raise ConfigError(f"tp {tp} does not divide the world size {world_size}; valid shapes: {shapes} (set --tp to one of the tp degrees)")
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, before any process starts, a model the plan does not fit: the checks `setup`
+        and `parallelize` make that need no process group (plan, widths and heads divisible by
+        the tp degree, blocks for sequence parallelism), with the same `ConfigError`.
+
+        The degree is ``tp``, else the world size `validate` saw; without either only the plan
+        itself is checked.
+        """
+        resolved = resolve_plan(model, self.plan, self.tp or self._world_tp)
+        if self.sequence_parallel:
+            _sequence_blocks(model, resolved)
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
         if not dist.is_initialized():

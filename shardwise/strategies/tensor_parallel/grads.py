@@ -1,0 +1,168 @@
+"""Gradients of tensor-parallel modules: the partial sums sequence parallelism leaves, data
+parallel over the dp dimension (an allreduce of local shards, or FSDP2 for 2D), and the global
+norm for clipping over gradients of any placement.
+
+Sequence-parallel norm weights' gradients are partial sums over the sequence shards; Megatron
+reduces them once per step, as `reduce_partial_grads` does (coalesced). Torch's DDP reducer does
+not take DTensor parameters, so `replicate_grads` averages each gradient's local tensor over the
+dp group in one flat buffer per dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.comm.collectives import Group
+from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
+
+# -- partial sums under sequence parallelism ---------------------------------------------------
+
+
+def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) -> int:
+    """Allreduce the gradients DTensor left as partial sums (sequence-parallel norm weights: each tp
+    rank's sum over its slice of the sequence), coalesced into one allreduce per (mesh, placements,
+    dtype) and partial mesh dimension; they become replicated there. Returns how many were reduced."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    groups: dict[tuple[int, tuple[Any, ...], torch.dtype], list[nn.Parameter]] = {}
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            groups.setdefault((id(g.device_mesh), tuple(g.placements), g.dtype), []).append(p)
+    for params in groups.values():
+        first = params[0].grad
+        assert isinstance(first, DTensor)
+        mesh, placements = first.device_mesh, list(first.placements)
+        locals_ = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        n = flat.numel() * flat.element_size()
+        for d, pl in enumerate(placements):
+            if not pl.is_partial():
+                continue
+            pg = mesh.get_group(d)
+            size = dist.get_world_size(pg)
+            start = time.perf_counter()
+            dist.all_reduce(flat, group=pg)
+            if getattr(pl, "reduce_op", "sum") == "avg":
+                flat.div_(size)
+            if recorder is not None:
+                sent, recv = wire_bytes("all_reduce", n, size)
+                label = (mesh.mesh_dim_names or ())[d] if mesh.mesh_dim_names else "tp"
+                recorder.add(CommEvent("all_reduce", label, size, n, sent, recv, time.perf_counter() - start))
+            placements[d] = Replicate()
+        offset = 0
+        for p, t in zip(params, locals_):
+            piece = flat[offset: offset + t.numel()].view_as(t)
+            offset += t.numel()
+            p.grad = DTensor.from_local(piece, mesh, placements, run_check=False)
+    return sum(len(v) for v in groups.values())
+
+
+# -- data parallel over the dp dimension -------------------------------------------------------
+
+
+def replicate_grads(module: nn.Module, dp_group: Any, recorder: Recorder | None = None) -> None:
+    """Average every gradient over the data-parallel group (DDP's step for modules holding DTensors).
+
+    Each gradient's local tensor (a DTensor's shard, or the plain tensor) is averaged over
+    ``dp_group`` (a `shardwise.comm.Group`, or a ProcessGroup); gradients are packed into one
+    buffer per dtype, so a step is one allreduce per dtype (recorded as ``dp/all_reduce``).
+    Replicas of one tp rank hold the same shard layout, so the averaged shard is the shard of
+    the averaged gradient.
+    """
+    from torch.distributed.tensor import DTensor
+
+    pg = dp_group.pg if isinstance(dp_group, Group) else dp_group
+    name = dp_group.name if isinstance(dp_group, Group) else "dp"
+    p = dist.get_world_size(pg)
+    if p == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in module.parameters():
+        if param.grad is None:
+            continue
+        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        by_dtype.setdefault(local.dtype, []).append(local)
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        n = flat.numel() * flat.element_size()
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=pg)
+        flat.div_(p)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+        if recorder is not None:
+            sent, recv = wire_bytes("all_reduce", n, p)
+            recorder.add(CommEvent("all_reduce", name, p, n, sent, recv, time.perf_counter() - start))
+
+
+def shard_data_parallel(module: nn.Module, dp_mesh: Any, units: str | Sequence[str] = "auto") -> nn.Module:
+    """FSDP2 ``fully_shard`` of ``module`` over the data-parallel DeviceMesh ``dp_mesh``, in place.
+
+    Apply after `parallelize`: parameters that are tp DTensors become 2D (dp ``Shard(0)``, tp's
+    own placement) when ``dp_mesh`` and the tp mesh are slices of one DeviceMesh (``mesh["dp"]``,
+    ``mesh["tp"]``). ``units``: ``"auto"`` (one unit per block, as ``zero3``), ``"root"``, or names.
+    """
+    from shardwise.strategies.fsdp import apply_fsdp, resolve_units
+
+    return apply_fsdp(module, dp_mesh, units=resolve_units(module, units))
+
+
+# -- the global gradient norm ------------------------------------------------------------------
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, recorder: Recorder | None = None) -> torch.Tensor:
+    """Clip by the global norm of gradients that are DTensors (any mesh, any placements) or plain tensors.
+
+    A gradient's squared local norm counts once: summed over the mesh dimensions where it is
+    sharded, and not over those where it is replicated (each replica holds the same values).
+    Partial gradients must have been reduced first (`reduce_partial_grads`). One allreduce of
+    a scalar per distinct (mesh dimension) that holds shards.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    total: torch.Tensor | None = None
+    by_dims: dict[tuple[Any, ...], torch.Tensor] = {}
+    meshes: dict[tuple[Any, ...], Any] = {}
+    for p in params:
+        g = p.grad
+        key: tuple[Any, ...] = ()  # plain tensors: replicated wherever they live, counted once
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                raise ValueError("clip_grad_norm_ got a partial gradient; call reduce_partial_grads first")
+            sq = g.to_local().double().pow(2).sum()
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())  # Shard, _StridedShard
+            key = (id(g.device_mesh), dims)
+            meshes[key] = g.device_mesh
+        else:
+            sq = g.double().pow(2).sum()  # type: ignore[union-attr]
+        by_dims[key] = by_dims[key] + sq if key in by_dims else sq
+    for key, sq in by_dims.items():
+        if key:
+            mesh, dims = meshes[key], key[1]
+            for d in dims:
+                pg = mesh.get_group(d)
+                dist.all_reduce(sq, group=pg)
+                if recorder is not None:
+                    size = dist.get_world_size(pg)
+                    sent, recv = wire_bytes("all_reduce", 8, size)
+                    recorder.add(CommEvent("all_reduce", (mesh.mesh_dim_names or ("tp",) * mesh.ndim)[d] or "tp", size, 8, sent, recv, 0.0))
+        total = sq if total is None else total + sq
+    assert total is not None
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        g = p.grad
+        local = g.to_local() if isinstance(g, DTensor) else g
+        local.mul_(coef.to(local.dtype))  # type: ignore[union-attr]
+    return norm.to(params[0].dtype)
