@@ -15,6 +15,11 @@ steps after ``--warmup``. Predicted (Narayanan et al. 2021): (p-1)/(m+p-1) for G
 so the measured value sits above it by what those cost next to one action (``--width`` and
 ``--rows`` set the action's size).
 
+``--cost sleep`` swaps the compute for blocks that sleep a fixed time in forward
+(``--action-ms``) and twice that in backward: stage costs are then equal by construction and do
+not compete for cores, so the measurement isolates the schedule (and message latency) from CPU
+contention, and p=4 runs honestly on two cores. ``--cost compute`` (default) is real work.
+
 One thread per process. On a machine with fewer cores than p (p=4 here on 2 cores) the
 processes share cores: an action that overlaps another rank's runs slower, which inflates busy
 time and changes the measured bubble in ways the formula does not model; the table marks
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -47,6 +53,39 @@ def equal_blocks(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
+class _Sleep(torch.autograd.Function):
+    """Identity times a scalar weight whose forward sleeps ``ms`` and backward ``2 ms``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, ms: float) -> torch.Tensor:  # type: ignore[override]
+        time.sleep(ms / 1000)
+        ctx.save_for_backward(x, w)
+        ctx.ms = ms
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        time.sleep(2 * ctx.ms / 1000)
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum().reshape(w.shape), None
+
+
+class SleepBlock(nn.Module):
+    """An equal-cost stage block that costs time but no CPU: forward ``ms``, backward ``2 ms``."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.weight, self.ms)  # type: ignore[no-any-return]
+
+
+def sleep_blocks(ms: float, layers: int) -> nn.Sequential:
+    return nn.Sequential(*[SleepBlock(ms) for _ in range(layers)])
+
+
 def _mean_square(output: torch.Tensor, batch: Any) -> torch.Tensor:
     return output.pow(2).mean()
 
@@ -55,7 +94,8 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=1e-4)
 
 
-def _run(configs: list[dict[str, Any]], width: int, layers_per_rank: int, rows: int, steps: int, warmup: int, timeline: str | None) -> list[dict[str, Any]]:
+def _run(configs: list[dict[str, Any]], width: int, layers_per_rank: int, rows: int, steps: int, warmup: int, timeline: str | None,
+         action_ms: float | None = None) -> list[dict[str, Any]]:
     out = []
     for cfg in configs:
         p, m, schedule = cfg["pp"], cfg["microbatches"], cfg["schedule"]
@@ -63,7 +103,8 @@ def _run(configs: list[dict[str, Any]], width: int, layers_per_rank: int, rows: 
         if timeline and cfg.get("timeline"):
             options["timeline"] = timeline
         engine = shardwise.Engine(strategy="pipeline", strategy_options=options, accelerator="cpu")
-        model, opt = engine.setup(equal_blocks(width, layers_per_rank * p), _sgd)
+        blocks = equal_blocks(width, layers_per_rank * p) if action_ms is None else sleep_blocks(action_ms / layers_per_rank, layers_per_rank * p)
+        model, opt = engine.setup(blocks, _sgd)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(rows * m, width, generator=g).requires_grad_(True)  # the first stage computes dx too: equal backward cost
         y = torch.zeros(rows * m)
@@ -86,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=128, help="rows per micro-batch")
     ap.add_argument("--layers-per-rank", type=int, default=4)
+    ap.add_argument("--cost", choices=["compute", "sleep"], default="compute", help="compute: Linear+tanh blocks; sleep: blocks that sleep (equal, contention-free stage costs)")
+    ap.add_argument("--action-ms", type=float, default=20.0, help="--cost sleep: one stage's forward per micro-batch in ms (backward twice that)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per configuration")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeline", default=None, help="PNG for one configuration (interleaved, p=2, m=4), events as JSON next to it")
@@ -105,12 +148,14 @@ def main(argv: list[str] | None = None) -> None:
                 configs.append({"pp": p, "microbatches": m, "schedule": schedule,
                                 "timeline": schedule == "interleaved" and p == 2 and m == 4})
         results = shardwise.launch(_run, configs, args.width, args.layers_per_rank, args.rows, args.steps, args.warmup, args.timeline,
-                                   nproc=p, threads_per_proc=1, timeout=1800)
+                                   args.action_ms if args.cost == "sleep" else None, nproc=p, threads_per_proc=1, timeout=1800)
         for r in results[0]:
-            r["oversubscribed"] = p > cores
+            r["oversubscribed"] = p > cores and args.cost == "compute"
             rows.append(r)
 
-    print(f"pipeline bubble: width {args.width}, {args.rows} rows per micro-batch, {args.layers_per_rank} blocks per rank, "
+    cost = f"sleeping blocks, {args.action_ms:g} ms forward + {2 * args.action_ms:g} ms backward per stage and micro-batch" if args.cost == "sleep" \
+        else f"width {args.width}, {args.rows} rows per micro-batch"
+    print(f"pipeline bubble: {cost}, {args.layers_per_rank} blocks per rank, "
           f"{args.steps} steps after {args.warmup} warm-up, {cores} cores")
     print(f"{'p':>2} {'schedule':<12} {'v':>2} {'m':>3} {'measured':>9} {'median':>7} {'predicted':>9} {'ratio':>6} {'step s':>7}  per-stage")
     for r in rows:
