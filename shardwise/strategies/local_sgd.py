@@ -25,9 +25,8 @@ step, a ring gossip), flattening of parameters and floating-point buffers, and t
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,8 @@ from shardwise.comm.collectives import Group, all_reduce
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
-from shardwise.precision import Precision
-from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
+from shardwise.strategies.common import LocalModel
+from shardwise.strategies.protocol import OptimizerFactory
 
 
 # -- shared by local-sgd, diloco and gossip -------------------------------------------------------
@@ -129,7 +127,7 @@ REPLICA_FILE = "replica-{rank:05d}.pt"
 """Each rank's own replica in a checkpoint directory: model, optimizer, mixer state, counters."""
 
 
-class Replicas:
+class Replicas(LocalModel):
     """The strategy object of local-sgd, diloco and gossip: a plain module and optimizer per rank,
     no gradient synchronization, and a `Mixer` round every ``sync_every`` steps (``after_step``).
 
@@ -159,26 +157,6 @@ class Replicas:
         if step % self.sync_every == 0:
             self.mixer.round(model)
             self.rounds += 1
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        # No gradient synchronization at all: each replica steps on its own slice.
-        return accumulate_backward(model, microbatches, step_fn, precision)
-
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        return contextlib.nullcontext()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # Each replica clips its own gradient (it is the one it steps with).
-        return clip_local(model, max_norm)
-
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        return plain_state_dict(model, optimizer)
-
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(model, optimizer, state)  # rank 0's copy; each rank's own follows in load_extra_state
 
     def save_extra_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
         """This rank's replica, into the checkpoint's temporary directory (every rank)."""

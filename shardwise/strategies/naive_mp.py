@@ -19,8 +19,7 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ClassVar, ContextManager, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -28,10 +27,10 @@ from torch import nn
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
-from shardwise.precision import Precision, move
-from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
+from shardwise.precision import move
+from shardwise.strategies.common import LocalModel
 from shardwise.strategies.pipeline.split import StageModule, _register, sequence_layers, split_layers
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
+from shardwise.strategies.protocol import OptimizerFactory
 
 
 class NaiveMP(nn.Module):
@@ -65,7 +64,7 @@ def apply_naive_mp(model: nn.Module, devices: Sequence[str | torch.device], spli
     return NaiveMP(stages, devs, torch.device(output_device) if output_device is not None else devs[0])
 
 
-class NaiveModelParallel:
+class NaiveModelParallel(LocalModel):
     """Layers placed across the visible CUDA devices of one process (or the ``devices`` given)."""
 
     name: ClassVar[str] = "naive-mp"
@@ -100,25 +99,6 @@ class NaiveModelParallel:
         wrapped = apply_naive_mp(model, self._devices(), self.split_points, output_device=mesh.device)
         self.stage_layers = wrapped.stage_layers
         return wrapped, make_optimizer(wrapped.parameters())
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        return accumulate_backward(model, microbatches, step_fn, precision)
-
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        return contextlib.nullcontext()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # One process holds every gradient; clip_grad_norm_ handles tensors on several devices.
-        return clip_local(model, max_norm)
-
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        return plain_state_dict(model, optimizer)
-
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(model, optimizer, state)
 
     def summary(self) -> dict[str, Any]:
         return {"naive_mp": {"devices": self._devices(), "stage_layers": self.stage_layers}}

@@ -47,10 +47,9 @@ Known limits: clipping is per worker (before the push); codecs' error-feedback r
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -61,9 +60,8 @@ from shardwise.comm.collectives import Group
 from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.errors import CheckpointError, CommError, ConfigError
 from shardwise.mesh import Mesh
-from shardwise.precision import Precision
-from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
-from shardwise.strategies.protocol import OptimizerFactory, Placement, StepFn
+from shardwise.strategies.common import LocalModel
+from shardwise.strategies.protocol import OptimizerFactory, Placement
 from shardwise.strategies.ps_protocol import (
     BYE, CTRL_TAG, DONE, HEADER_BYTES, KIND, LOAD, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED, SERVER_FILE, STATS_TAG, VERSION,
     GradientCoder, ServerStats, header, pack, partition_by_bytes, path_bytes, payload_of, unpack_header,
@@ -199,7 +197,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state)
 
 
-class PS:
+class PS(LocalModel):
     """Parameter servers: ``servers`` of the ranks hold the parameters, the rest compute gradients."""
 
     name: ClassVar[str] = "ps"
@@ -308,25 +306,6 @@ class PS:
         return model, RemoteOptimizer(model.parameters(), lr, client)
 
     # -- the worker's side of the loop ------------------------------------------------------------------
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        return accumulate_backward(model, microbatches, step_fn, precision)
-
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        return contextlib.nullcontext()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_local(model, max_norm)  # each worker clips the gradient it pushes
-
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        return plain_state_dict(model, optimizer)
-
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        # Worker 0's model and the worker's clock; the servers' files follow in load_extra_state.
-        load_plain_state_dict(model, optimizer, state)
-
     def save_extra_state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Path) -> None:
         """Worker 0 has every server write its shard into the checkpoint's (temporary) directory."""
         if self.client is not None and self.client.worker == 0:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ClassVar, ContextManager, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -11,9 +10,8 @@ from torch import nn
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
-from shardwise.precision import Precision
-from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
+from shardwise.strategies.common import LocalModel
+from shardwise.strategies.protocol import OptimizerFactory
 
 
 def apply_single(model: nn.Module, device: torch.device) -> nn.Module:
@@ -21,7 +19,7 @@ def apply_single(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-class Single:
+class Single(LocalModel):
     """The single-process reference strategy."""
 
     name: ClassVar[str] = "single"
@@ -36,24 +34,6 @@ class Single:
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
         model = apply_single(model, mesh.device)
         return model, make_optimizer(model.parameters())
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        return accumulate_backward(model, microbatches, step_fn, precision)
-
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        return contextlib.nullcontext()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_local(model, max_norm)
-
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        return plain_state_dict(model, optimizer)
-
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(model, optimizer, state)
 
     def summary(self) -> dict[str, Any]:
         return {}
