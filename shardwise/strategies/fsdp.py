@@ -160,6 +160,17 @@ def regather(model: nn.Module) -> None:
 # -- state dicts: sharded (DTensor), keyed by parameter name ------------------------------------
 
 
+def dtensor_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Model (and optimizer) state of a module whose parameters are DTensors (FSDP2, tensor
+    parallel), under the original names, as torch.distributed.checkpoint reads and writes it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
 def is_sharded_state(state: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -239,13 +250,8 @@ class FSDP:
         return total
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         with self._sharded(model):
-            state: dict[str, Any] = {"model": get_model_state_dict(model)}
-            if optimizer is not None:
-                state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-        return state
+            return dtensor_state_dict(model, optimizer)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
         """Load sharded state (DTensors, from a sharded checkpoint) or full state (plain tensors, from ddp/single)."""

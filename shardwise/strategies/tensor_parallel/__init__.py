@@ -249,12 +249,9 @@ class TensorParallel:
         return clip_grad_norm_(self.model_params, max_norm, self.recorder)
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from shardwise.strategies.fsdp import dtensor_state_dict
 
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
-            state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-        return state
+        return dtensor_state_dict(model, optimizer)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
         """Sharded state (DTensors, from a tp/fsdp checkpoint) or whole tensors (from single/ddp)."""
