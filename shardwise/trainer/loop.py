@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shardwise import checkpoint as ckpt
+from shardwise.batches import call_model, check_batch_fits, loss_from_output, model_inputs, returns_own_loss
 from shardwise.data import ShardedLoader, eval_batches, eval_shard, fetch, per_rank_batch, unpack_data
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import ConfigError
@@ -27,14 +28,6 @@ MetricFn = Callable[[Any, Any], torch.Tensor]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-def model_inputs(batch: Any) -> tuple[Any, ...]:
-    """What the model is called with: all but the last element of a tuple/list batch
-    (``(x, y)`` -> ``model(x)``), or the batch itself (a tensor or a dict)."""
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch[:-1]) if len(batch) > 1 else tuple(batch)
-    return (batch,)
-
-
 def batch_size_of(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
@@ -46,13 +39,17 @@ def batch_size_of(batch: Any) -> int:
 
 
 def make_step_fn(loss_fn: LossFn | None, module: nn.Module) -> StepFn:
-    """The per-micro-batch forward: ``loss_fn(model(inputs), batch)``, or the module's ``training_step``."""
+    """The per-micro-batch forward: ``loss_fn(model(inputs), batch)``, the module's ``training_step``,
+    or else the loss the model returns itself (``model(**batch).loss``, as transformers' models do)."""
     if loss_fn is not None:
         def step(model: nn.Module, batch: Any) -> torch.Tensor:
-            return loss_fn(model(*model_inputs(batch)), batch)
-    else:
+            return loss_fn(call_model(model, batch), batch)
+    elif callable(getattr(module, "training_step", None)):
         def step(model: nn.Module, batch: Any) -> torch.Tensor:
             return call_through(model, module, "training_step", batch)  # type: ignore[no-any-return]
+    else:
+        def step(model: nn.Module, batch: Any) -> torch.Tensor:
+            return loss_from_output(call_model(model, batch), batch)
     return step
 
 
@@ -114,16 +111,18 @@ class Trainer:
         cfg = self.config
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit needs a torch.nn.Module; got {type(model).__name__}")
-        if self.loss_fn is None and not callable(getattr(model, "training_step", None)):
+        has_step = callable(getattr(model, "training_step", None))
+        if self.loss_fn is None and not has_step and not returns_own_loss(model):
             raise ConfigError(
                 f"no loss: pass loss_fn=... (a function of the model output and the batch) to the Trainer, "
-                f"or define a training_step(batch) method on {type(model).__name__}"
+                f"or define a training_step(batch) method on {type(model).__name__} (a model whose forward "
+                "takes `labels`, as transformers' models do, trains on its own loss with no loss_fn)"
             )
         world = self._world_size()
         strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
         strategy.validate(world)
         world = trainers(strategy, world)  # ranks kept for service (parameter servers) take no data
-        dataset, _, _, dl_batch = unpack_data(train_data)
+        dataset, collate, _, dl_batch = unpack_data(train_data)
         if dataset is None:
             raise ConfigError("fit needs training data: a Dataset or a DataLoader")
         degrees = mesh_degrees(strategy, cfg.mesh)
@@ -135,6 +134,8 @@ class Trainer:
         micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
         check_batch(strategy, micro, cfg.accumulate)
         check_model(strategy, model)
+        if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
+            check_batch_fits(model, fetch(dataset, [0], collate))
 
     def _expendable_ranks(self) -> list[int]:
         """Ranks whose death the run survives: the strategy's optional ``expendable_ranks(world_size)``
@@ -366,13 +367,16 @@ class Trainer:
 
     def _eval_batch(self, module: nn.Module, batch: Any) -> list[torch.Tensor]:
         if self.loss_fn is not None:
-            output = module(*model_inputs(batch))
+            output = call_model(module, batch)
             return [self.loss_fn(output, batch)] + [fn(output, batch) for fn in self.metrics.values()]
         validation_step = getattr(module, "validation_step", None)
         if callable(validation_step):
             result = validation_step(batch)
             return [result["loss"]] + [result[name] for name in self.metrics]
-        return [getattr(module, "training_step")(batch)]
+        if callable(getattr(module, "training_step", None)):
+            return [getattr(module, "training_step")(batch)]
+        output = call_model(module, batch)
+        return [loss_from_output(output, batch)] + [fn(output, batch) for fn in self.metrics.values()]
 
     def _callback(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:

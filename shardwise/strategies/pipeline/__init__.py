@@ -186,7 +186,7 @@ class Pipeline:
         """The schedule's loss on the last stage: the user's step function on micro-batch ``target``."""
         i = int(target.reshape(-1)[0])
         batch = self._chunks[i]
-        from shardwise.trainer.loop import model_inputs  # layer 5 helper, imported at run time (no cycle)
+        from shardwise.batches import model_inputs
 
         loss = self._step_fn(_Replay(output, model_inputs(batch)), batch)  # type: ignore[arg-type]
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -200,7 +200,7 @@ class Pipeline:
             raise ValueError("a step needs at least one micro-batch")
         batch = concat_batches(microbatches)
         check_rows(batch_rows(batch), self.microbatches, "pipeline forward_backward")  # every rank, before any send
-        from shardwise.trainer.loop import model_inputs
+        from shardwise.batches import model_inputs
 
         self._chunks = split_batch(batch, self.microbatches)
         self._step_fn, self._precision = step_fn, precision
