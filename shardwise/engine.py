@@ -35,6 +35,7 @@ from shardwise.errors import CheckpointError, ConfigError
 from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
+from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, check_sync_batchnorm, convert_sync_batchnorm, unsynced_batchnorm_warning
 from shardwise.strategies import OptimizerFactory, StepFn, Strategy, get_strategy
 from shardwise.strategies.protocol import after_step, data_mesh, has_extra_state, load_extra_state, mesh_degrees, placement, save_extra_state
 
@@ -61,10 +62,14 @@ class Engine:
         deterministic: bool = False,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         env: DistEnv | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         self.env = env if env is not None else detect_env()
         self.strategy = get_strategy(strategy, **(strategy_options or {}))
         self.strategy.validate(self.env.world_size)
+        check_sync_batchnorm(self.strategy.name, sync_batchnorm)
+        self.sync_batchnorm = sync_batchnorm
+        """BatchNorm layers become SyncBatchNorm over the data-parallel group in ``setup``."""
         self.device = choose_device(accelerator, self.env)
         self._owns_group = connect(self.env, self.device, timeout_s)
         self.mesh = Mesh.build(world_size=self.env.world_size, rank=self.env.rank, device=self.device, **mesh_degrees(self.strategy, mesh))
@@ -127,6 +132,7 @@ class Engine:
         if not any(True for _ in model.parameters()):
             raise ConfigError(f"the model {type(model).__name__} has no parameters; there is nothing to train")
         model = self.precision.convert_module(model)
+        self._batchnorm(model)
         wrapped, optimizer = self.strategy.setup(model, make_optimizer, self.mesh, self.recorder)
         self._model, self._optimizer = wrapped, optimizer
         place = placement(self.strategy)
@@ -137,6 +143,16 @@ class Engine:
         if self.group.pg is not None and dist.is_initialized():
             self.writes_checkpoints = 0 in dist.get_process_group_ranks(self.group.pg)
         return wrapped, optimizer
+
+    def _batchnorm(self, model: nn.Module) -> None:
+        """SyncBatchNorm over the dp group when asked; otherwise a warning, once, when BatchNorm trains data-parallel."""
+        dp = self.mesh.size("dp")
+        if self.sync_batchnorm and dp > 1:
+            convert_sync_batchnorm(model, self.mesh.group("dp"), self.recorder)
+        elif self.strategy.name not in UNSYNCED_REPLICAS:
+            warning = unsynced_batchnorm_warning(model, dp)
+            if warning and self.is_rank_zero:
+                print(warning, flush=True)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.strategy.unwrap(model)

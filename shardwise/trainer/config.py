@@ -69,6 +69,8 @@ class TrainerConfig:
     """Seconds a collective waits for its peers before failing with the rank and operation named."""
     mesh: dict[str, int] = field(default_factory=dict)
     """Parallel degrees other than data parallel, e.g. ``{"tp": 2}``."""
+    sync_batchnorm: bool = False
+    """BatchNorm statistics over the global batch under data parallelism (SyncBatchNorm, CPU and GPU)."""
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:

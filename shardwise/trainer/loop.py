@@ -17,6 +17,7 @@ from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import launch
 from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
+from shardwise.strategies.batchnorm import check_sync_batchnorm
 from shardwise.strategies.protocol import check_batch, check_model, expendable_ranks, mesh_degrees, trainers
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.logging import Progress, RunFiles
@@ -121,6 +122,7 @@ class Trainer:
         world = self._world_size()
         strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
         strategy.validate(world)
+        check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
         world = trainers(strategy, world)  # ranks kept for service (parameter servers) take no data
         dataset, collate, _, dl_batch = unpack_data(train_data)
         if dataset is None:
@@ -170,7 +172,7 @@ class Trainer:
         engine = Engine(
             strategy=cfg.strategy, accelerator=cfg.accelerator, precision=cfg.precision,
             strategy_options=cfg.strategy_options, mesh=cfg.mesh, seed=cfg.seed,
-            deterministic=cfg.deterministic, timeout_s=cfg.timeout_s,
+            deterministic=cfg.deterministic, timeout_s=cfg.timeout_s, sync_batchnorm=cfg.sync_batchnorm,
         )
         self.engine = engine
         try:
