@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,9 @@ class Failure:
     """``file:line in function`` of the user's own frame, or '' when every frame is library code."""
     traceback: str
     """The full traceback text."""
+    at: float = 0.0
+    """When it was caught (``time.time()``): the first failure is the cause, later ones are
+    usually peers that lost it in a collective."""
 
 
 def _is_library(filename: str) -> bool:
@@ -73,7 +77,7 @@ def _short_path(filename: str) -> str:
 def describe(rank: int, exc: BaseException) -> Failure:
     """The failure report of ``exc``, caught in ``rank``."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return Failure(rank, type(exc).__name__, str(exc), user_frame(exc.__traceback__), text)
+    return Failure(rank, type(exc).__name__, str(exc), user_frame(exc.__traceback__), text, time.time())
 
 
 def write_tracebacks(failures: list[Failure], directory: Path) -> dict[int, Path]:
@@ -88,9 +92,14 @@ def write_tracebacks(failures: list[Failure], directory: Path) -> dict[int, Path
 
 
 def summarize(failures: list[Failure], paths: dict[int, Path]) -> str:
-    """One short block for every failed rank; ranks with the same error share one entry."""
+    """One short block: the first failure (ranks with the same error share it), then one line
+    naming the ranks that failed after it with another error (usually a lost peer)."""
+    failures = sorted(failures, key=lambda f: f.at)
+    first = failures[0]
+    same = [f for f in failures if (f.kind, f.message, f.where) == (first.kind, first.message, first.where)]
+    later = [f for f in failures if f not in same]
     groups: dict[tuple[str, str, str], list[int]] = {}
-    for f in failures:
+    for f in same:
         groups.setdefault((f.kind, f.message, f.where), []).append(f.rank)
     lines = []
     for (kind, message, where), ranks in groups.items():
@@ -99,6 +108,8 @@ def summarize(failures: list[Failure], paths: dict[int, Path]) -> str:
         lines.append(f"{who} failed: {kind}: {first_line}".rstrip(": "))
         if where:
             lines.append(f"  at {where}")
+    if later:
+        lines.append("  then: " + ", ".join(f"rank {f.rank} ({f.kind})" for f in later))
     lines.append("  full traceback: " + ", ".join(str(paths[f.rank]) for f in failures))
     return "\n".join(lines)
 

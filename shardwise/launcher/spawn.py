@@ -58,6 +58,12 @@ def stop_if_bootstrapping() -> None:
         raise StopImport
 
 
+class _WorkerFailed(Exception):
+    def __init__(self, exc: BaseException, report: str) -> None:
+        super().__init__(report)
+        self.exc, self.report = exc, report
+
+
 class RemoteTraceback(Exception):
     """What went wrong in a worker process: the short report (rank, exception, the user's
     frame, where the full traceback was written)."""
@@ -126,8 +132,13 @@ def launch(
     env = detect_env()
     if env.distributed:
         return [join_and_run(fn, args, kwargs, nproc=nproc, accelerator=accelerator, timeout_s=collective_timeout_s)]
-    return _spawn(fn, args, kwargs, nproc, timeout, threads_per_proc or _default_threads(nproc), accelerator,
-                  collective_timeout_s, lost_ok, error_dir)
+    try:
+        return _spawn(fn, args, kwargs, nproc, timeout, threads_per_proc or _default_threads(nproc), accelerator,
+                      collective_timeout_s, lost_ok, error_dir)
+    except _WorkerFailed as failed:
+        # Raised here, not where it was found: the user's traceback then shows their own call
+        # and this line, not the supervisor's internals.
+        raise failed.exc from RemoteTraceback(failed.report)
 
 
 def check_world_size(nproc: int, world_size: int, source: str, what: str = "launch(nproc=...)") -> None:
@@ -196,7 +207,7 @@ def _payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             f"could not send the function and its arguments to the workers: {exc}. They must be picklable: "
             "define the function at module level (not a lambda or a nested function), or run the script "
             "with `shardwise run`"
-        ) from exc
+        ) from None  # the pickler's own traceback adds nothing to this message
     if pickler.uses_main and main_spec is None:
         raise ConfigError(
             f"launch got {getattr(fn, '__qualname__', fn)!r} (or a class it needs) defined in an interactive session "
@@ -304,12 +315,16 @@ def _raise_failure(procs: list[subprocess.Popen[bytes]], boot: Path, rank: int, 
     from shardwise.launcher import report
 
     _stop(procs)  # peers blocked in a collective with the failed rank would wait for its timeout
-    failures = [failure]
+    found = {rank: (failure, exc_bytes)}
     for other in range(len(procs)):
         path = boot / f"error-{other}.pkl"
         if other != rank and path.exists():
-            failures.append(pickle.loads(path.read_bytes())[0])
+            found[other] = pickle.loads(path.read_bytes())
+    # The earliest failure is the cause; a peer that noticed it in a collective fails later.
+    rank = min(found, key=lambda r: found[r][0].at)
+    failure, exc_bytes = found[rank]
+    failures = [f for f, _ in found.values()]
     directory = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="shardwise-errors-"))
     text = report.summarize(failures, report.write_tracebacks(failures, directory))
     exc = pickle.loads(exc_bytes) if exc_bytes else LaunchError(f"rank {rank} raised {failure.kind}: {failure.message}")
-    raise exc.with_traceback(None) from RemoteTraceback(text)
+    raise _WorkerFailed(exc.with_traceback(None), text)
