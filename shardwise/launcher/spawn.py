@@ -211,7 +211,7 @@ def _payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     if pickler.uses_main and main_spec is None:
         raise ConfigError(
             f"launch got {getattr(fn, '__qualname__', fn)!r} (or a class it needs) defined in an interactive session "
-            "(a notebook, a REPL, python -c), which worker processes cannot import. Move the function and "
+            "(a notebook, a REPL, python -c, a package run with -m), which worker processes cannot import. Move the function and "
             "the classes it uses into a .py module and import them, or save the code as a script and run it "
             "with `python script.py`"
         )
