@@ -1,15 +1,23 @@
-"""shardwise.launch: results per rank, failures raised in the parent, hangs stopped."""
+"""shardwise.launch: results per rank, failures raised in the parent as one short report, hangs stopped,
+and under a launcher: joined, nothing spawned."""
 
 from __future__ import annotations
 
+import inspect
+import os
+import shutil
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from shardwise import launch
+from shardwise import Trainer, launch
 from shardwise.errors import ConfigError, LaunchError
+from shardwise.launcher.spawn import RemoteTraceback
 
 
 def _rank_and_sum() -> tuple[int, int, float, int]:
@@ -55,17 +63,6 @@ def test_bad_nproc_and_unpicklable_functions_are_clear_errors():
 
 
 # -- a worker's error: one short block, the original type, the full traceback in a file ---------------
-import inspect  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import socket  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from torch import nn  # noqa: E402
-
-from shardwise import Trainer  # noqa: E402
-from shardwise.launcher.spawn import RemoteTraceback  # noqa: E402
-
 _BOOM_LINE = inspect.getsourcelines(_fail_on_rank_one)[1] + 2  # the `raise` line
 
 
