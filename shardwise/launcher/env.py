@@ -135,8 +135,14 @@ def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEO
     """Join the job's default process group; return True if this call created it.
 
     An existing process group (the user's, or torchrun's script that already
-    called init_process_group) is used as it is.
+    called init_process_group) is used as it is. A worker of torchrun is tied to its
+    agent first: torchrun stops its workers on SIGTERM/SIGHUP, but an agent killed with
+    SIGKILL would leave them training alone.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from shardwise.launcher.lifeline import die_with_parent
+
+        die_with_parent()
     if not env.distributed or (dist.is_initialized()):
         return False
     backend = backend_for(device)

@@ -1,11 +1,22 @@
 """Start N local worker processes from Python: ``shardwise.launch(fn, nproc=N)``.
 
 The parent holds the rendezvous store (a TCPStore on a port the OS picks, so two
-launches never race for a port), the children join it and run ``fn``. The parent
-watches all of them: when one fails, the others are stopped at once (they would
-otherwise wait in a collective until its timeout) and the failure is raised in
-the parent with the worker's traceback; a launch that runs past ``timeout``
-is stopped and names the ranks still running.
+launches never race for a port), the children join it and run ``fn``. Each child is a
+fresh interpreter (``shardwise.launcher.worker``) that imports the user's script the way
+multiprocessing's spawn does, but stops that import at the script's own call to
+``launch`` / ``Trainer.fit``: a script works with or without an
+``if __name__ == "__main__":`` guard. Results and errors come back through files, so a
+large result can never block a child on a pipe nobody reads.
+
+The parent watches all children: when one fails, the others are stopped at once (they
+would otherwise wait in a collective until its timeout) and the failure is raised in the
+parent as the worker's own exception, with a short report (rank, exception, the user's
+file:line) and the full traceback in a file; a launch that runs past ``timeout`` is
+stopped and names the ranks still running. Children die with the parent, however it
+dies (see ``lifeline``).
+
+Under a launcher that already started the job (torchrun, Slurm, Ray, an existing process
+group) nothing is spawned: ``launch`` joins the job and runs ``fn`` in this process.
 
 ``expendable`` names ranks the job can lose (asynchronous parameter-server workers,
 which no other rank waits for): when one of them dies or fails, the parent says so on
@@ -16,22 +27,46 @@ the job at once.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import multiprocessing.connection as mpc
+import io
 import os
 import pickle
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-import traceback
+from pathlib import Path
 from typing import Any, Callable, Collection
 
 from shardwise.errors import ConfigError, LaunchError
 
 _GRACE_S = 5.0
+_POLL_S = 0.05
+_bootstrapping = False  # set by shardwise.launcher.worker while it imports the user's script
+
+
+class StopImport(BaseException):
+    """Raised by ``launch``/``Trainer.fit`` while a worker imports the user's script: the
+    worker has what it needs (everything defined above the call) and stops there."""
+
+
+def stop_if_bootstrapping() -> None:
+    """Called first by ``launch`` and ``Trainer.fit``: in a worker that is importing the
+    user's script (an unguarded top-level call), stop the import here."""
+    if _bootstrapping:
+        raise StopImport
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, exc: BaseException, report: str) -> None:
+        super().__init__(report)
+        self.exc, self.report = exc, report
 
 
 class RemoteTraceback(Exception):
-    """The traceback of an exception raised in a worker process."""
+    """What went wrong in a worker process: the short report (rank, exception, the user's
+    frame, where the full traceback was written)."""
 
     def __init__(self, tb: str) -> None:
         super().__init__(tb)
@@ -39,57 +74,6 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.tb
-
-
-def _worker(
-    rank: int,
-    nproc: int,
-    port: int,
-    threads: int,
-    accelerator: str,
-    timeout_s: float,
-    payload: bytes,
-    conn: mpc.Connection,
-) -> None:
-    # Children of shardwise.launch speak torch's environment convention, so that
-    # user code (and shardwise.launcher.env) sees an ordinary distributed job.
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        SHARDWISE_LAUNCHER="spawn",
-        OMP_NUM_THREADS=str(threads),
-    )
-    import torch
-    import torch.distributed as dist
-
-    from shardwise.launcher.env import choose_device, connect, detect_env
-
-    torch.set_num_threads(threads)
-    try:
-        fn, args, kwargs = pickle.loads(payload)
-        env = detect_env()
-        connect(env, choose_device(accelerator, env), timeout_s=timeout_s)
-        result = fn(*args, **kwargs)
-        try:
-            conn.send(("ok", pickle.dumps(result)))
-        except Exception as exc:  # an unpicklable result is the caller's problem, not a crash
-            conn.send(("ok", pickle.dumps(f"<result of rank {rank} not picklable: {exc}>")))
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        tb = traceback.format_exc()
-        try:
-            payload = pickle.dumps(exc)
-            pickle.loads(payload)
-        except Exception:
-            payload = pickle.dumps(LaunchError(f"rank {rank} raised {type(exc).__name__}: {exc}"))
-        conn.send(("error", (payload, tb)))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        conn.close()
 
 
 def _default_threads(nproc: int) -> int:
@@ -106,15 +90,28 @@ def launch(
     accelerator: str = "cpu",
     collective_timeout_s: float = 120.0,
     expendable: Collection[int] = (),
+    error_dir: str | os.PathLike[str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local processes joined in one process group.
 
     Returns the list of each rank's return value (``None`` for a rank of ``expendable``
-    that died or failed: the others ran on without it). ``fn`` and its arguments are
-    pickled by value (each rank gets its own copy of every tensor), so they must be
-    picklable: a function defined at the top level of a module. In a notebook,
-    define it in a module, or run the notebook's code as a script with ``shardwise run``.
+    that died or failed: the others ran on without it). Under a launcher that already
+    started this process as one rank of a job (torchrun / ``shardwise run``, Slurm, Ray,
+    or a process group that exists), nothing is spawned: ``fn`` runs here, in the job, and
+    the list holds this rank's value only (``[result]``); ``nproc`` must then equal the
+    job's world size.
+
+    ``fn`` and its arguments are pickled by value (each rank gets its own copy of every
+    tensor), so ``fn`` must be defined at the top level of a module or script. A script
+    needs no ``if __name__ == "__main__":`` guard: each worker runs the script's top-level
+    code up to the call to ``launch`` and stops there. In a notebook, define ``fn`` in a
+    module, or save the code as a script.
+
+    A failing rank raises its own exception here (its type unchanged), caused by a
+    ``RemoteTraceback`` with a short report; the full traceback of each failed rank is in
+    ``error_dir/rank-N.txt`` (a new temporary directory by default). ``start_method`` is
+    kept for compatibility: workers are always fresh interpreters.
 
     >>> def hello():
     ...     import torch.distributed as dist
@@ -122,105 +119,212 @@ def launch(
     >>> launch(hello, nproc=2)  # doctest: +SKIP
     [0, 1]
     """
+    stop_if_bootstrapping()
     if not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"nproc must be a whole number >= 1; got {nproc!r}")
     lost_ok = set(expendable)
     if 0 in lost_ok or any(not isinstance(r, int) or not 0 <= r < nproc for r in lost_ok):
         raise ConfigError(f"expendable ranks must be in 1 .. {nproc - 1} (rank 0 reports the result); got {sorted(expendable)}")
-    if start_method not in mp.get_all_start_methods():
-        raise ConfigError(f"start_method must be one of {mp.get_all_start_methods()}; got {start_method!r}")
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise ConfigError(f"start_method must be 'spawn', 'fork' or 'forkserver'; got {start_method!r}")
+    from shardwise.launcher.env import detect_env
+
+    env = detect_env()
+    if env.distributed:
+        return [join_and_run(fn, args, kwargs, nproc=nproc, accelerator=accelerator, timeout_s=collective_timeout_s)]
+    try:
+        return _spawn(fn, args, kwargs, nproc, timeout, threads_per_proc or _default_threads(nproc), accelerator,
+                      collective_timeout_s, lost_ok, error_dir)
+    except _WorkerFailed as failed:
+        # Raised here, not where it was found: the user's traceback then shows their own call
+        # and this line, not the supervisor's internals.
+        raise failed.exc from RemoteTraceback(failed.report)
+
+
+def check_world_size(nproc: int, world_size: int, source: str, what: str = "launch(nproc=...)") -> None:
+    """Under a launcher the job's size is the launcher's: ``nproc`` must agree with it."""
+    if nproc != world_size:
+        raise ConfigError(
+            f"{what} asked for {nproc} processes, but this process already runs in a job of "
+            f"{world_size} started by {source}; shardwise joins that job and spawns nothing. "
+            f"Set nproc={world_size} (or leave nproc out), or start the job with {nproc} processes"
+        )
+
+
+def join_and_run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, nproc: int,
+                 accelerator: str, timeout_s: float) -> Any:
+    """Join the job this process belongs to and run ``fn`` here; the group is left as found."""
     import torch.distributed as dist
 
-    threads = threads_per_proc or _default_threads(nproc)
-    ctx: Any = mp.get_context(start_method)
+    from shardwise.launcher.env import choose_device, connect, detect_env
+
+    env = detect_env()
+    check_world_size(nproc, env.world_size, env.source)
+    created = connect(env, choose_device(accelerator, env), timeout_s=timeout_s)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _main_spec() -> tuple[str, str] | None:
+    """How a worker finds the user's ``__main__`` (multiprocessing's rules): a script's
+    path, a module run with ``-m``, or None (a notebook, a REPL, ``python -c``, ``-m pkg``)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return None
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return None if name == "__main__" or name.endswith(".__main__") else ("name", name)
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    return ("path", os.path.abspath(path))
+
+
+class _Pickler(pickle.Pickler):
+    """Plain pickle that notes whether anything refers to ``__main__``."""
+
+    uses_main = False
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type) or callable(obj):
+            if getattr(obj, "__module__", None) == "__main__":
+                self.uses_main = True
+        return NotImplemented
+
+
+def _payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], main_spec: tuple[str, str] | None) -> bytes:
     # Plain pickle, by value: multiprocessing's own pickler (with torch's reducers) would
     # put tensors in shared memory, and every rank would then step the same parameters.
+    buf = io.BytesIO()
+    pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
     try:
-        payload = pickle.dumps((fn, args, kwargs))
+        pickler.dump((fn, args, kwargs))
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise LaunchError(
             f"could not send the function and its arguments to the workers: {exc}. They must be picklable: "
             "define the function at module level (not a lambda or a nested function), or run the script "
             "with `shardwise run`"
-        ) from exc
-    # The parent serves the rendezvous store: port 0 lets the OS choose a free one.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=collective_timeout_s),
-    )
-    procs: list[mp.process.BaseProcess] = []
-    conns: dict[int, mpc.Connection] = {}
+        ) from None  # the pickler's own traceback adds nothing to this message
+    if pickler.uses_main and main_spec is None:
+        raise ConfigError(
+            f"launch got {getattr(fn, '__qualname__', fn)!r} (or a class it needs) defined in an interactive session "
+            "(a notebook, a REPL, python -c, a package run with -m), which worker processes cannot import. Move the function and "
+            "the classes it uses into a .py module and import them, or save the code as a script and run it "
+            "with `python script.py`"
+        )
+    return buf.getvalue()
+
+
+def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], nproc: int, timeout: float | None,
+           threads: int, accelerator: str, collective_timeout_s: float, lost_ok: set[int],
+           error_dir: str | os.PathLike[str] | None) -> list[Any]:
+    import torch.distributed as dist
+
+    main_spec = _main_spec()
+    payload = _payload(fn, args, kwargs, main_spec)
+    boot = Path(tempfile.mkdtemp(prefix="shardwise-launch-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    store = None
     try:
+        (boot / "payload.pkl").write_bytes(payload)
+        (boot / "boot.pkl").write_bytes(pickle.dumps((main_spec, list(sys.path), list(sys.argv))))
+        # The parent serves the rendezvous store: port 0 lets the OS choose a free one.
+        store = dist.TCPStore(
+            "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
         for rank in range(nproc):
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_worker,
-                args=(rank, nproc, store.port, threads, accelerator, collective_timeout_s, payload, child_conn),
-                name=f"shardwise-rank{rank}",
+            # Children speak torch's environment convention, so that user code (and
+            # shardwise.launcher.env) sees an ordinary distributed job.
+            child_env = dict(
+                os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), SHARDWISE_LAUNCHER="spawn",
+                OMP_NUM_THREADS=str(threads), SHARDWISE_PARENT_PID=str(os.getpid()),
+                SHARDWISE_ACCELERATOR=accelerator, SHARDWISE_COLLECTIVE_TIMEOUT_S=str(collective_timeout_s),
             )
-            p.start()
-            child_conn.close()
-            procs.append(p)
-            conns[rank] = parent_conn
-        return _supervise(procs, conns, timeout, lost_ok)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "shardwise.launcher.worker", str(boot), str(rank)],
+                env=child_env, stdin=subprocess.DEVNULL,
+            ))
+        return _supervise(procs, boot, timeout, lost_ok, error_dir)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(_GRACE_S)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop(procs)
         del store
+        shutil.rmtree(boot, ignore_errors=True)
 
 
-def _supervise(
-    procs: list[mp.process.BaseProcess], conns: dict[int, mpc.Connection], timeout: float | None,
-    expendable: Collection[int] = (),
-) -> list[Any]:
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every child still running, SIGKILL those that outlive the grace period."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _supervise(procs: list[subprocess.Popen[bytes]], boot: Path, timeout: float | None, expendable: Collection[int],
+               error_dir: str | os.PathLike[str] | None) -> list[Any]:
+    from shardwise.launcher import report
+
     results: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
-    pending = dict(conns)
+    pending = set(range(len(procs)))
     while pending:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = mpc.wait(list(pending.values()) + [procs[r].sentinel for r in pending], timeout=remaining)
-        if not ready:
-            running = sorted(pending)
-            raise LaunchError(f"launch timed out after {timeout:.0f}s; ranks still running: {running}")
-        for rank, conn in list(pending.items()):
-            if conn in ready or procs[rank].sentinel in ready:
-                try:
-                    status, payload = conn.recv()
-                except EOFError:
-                    procs[rank].join(_GRACE_S)
-                    if rank in expendable:
-                        del pending[rank]
-                        results[rank] = None
-                        print(f"shardwise: rank {rank} died with exit code {procs[rank].exitcode}; the strategy "
-                              "can lose it, so the run goes on without it", file=sys.stderr, flush=True)
-                        continue
-                    raise LaunchError(
-                        f"rank {rank} died with exit code {procs[rank].exitcode} before reporting a result "
-                        "(killed, out of memory, or a crash in native code)"
-                    ) from None
-                del pending[rank]
-                if status == "error" and rank in expendable:
+        if deadline is not None and time.monotonic() > deadline:
+            raise LaunchError(f"launch timed out after {timeout:.0f}s; ranks still running: {sorted(pending)}")
+        done = [r for r in sorted(pending) if procs[r].poll() is not None]
+        if not done:
+            time.sleep(_POLL_S)
+            continue
+        for rank in done:
+            pending.discard(rank)
+            code = procs[rank].returncode
+            result_file, error_file = boot / f"result-{rank}.pkl", boot / f"error-{rank}.pkl"
+            if code == 0 and result_file.exists():
+                results[rank] = pickle.loads(result_file.read_bytes())
+                continue
+            if not error_file.exists():
+                if rank in expendable:
                     results[rank] = None
-                    print(f"shardwise: rank {rank} failed; the strategy can lose it, so the run goes on without it:\n"
-                          f"{payload[1]}", file=sys.stderr, flush=True)
+                    report.to_stderr(f"shardwise: rank {rank} died with exit code {code}; the strategy "
+                                     "can lose it, so the run goes on without it")
                     continue
-                if status == "error":
-                    exc_payload, tb = payload
-                    exc = pickle.loads(exc_payload)
-                    raise exc from RemoteTraceback(f"\n\nrank {rank} failed:\n{tb}")
-                results[rank] = pickle.loads(payload)
-    for p in procs:
-        p.join()
+                raise LaunchError(f"rank {rank} died with exit code {code} before reporting a result "
+                                  "(killed, out of memory, or a crash in native code)")
+            failure, exc_bytes = pickle.loads(error_file.read_bytes())
+            if rank in expendable:
+                results[rank] = None
+                report.to_stderr(f"shardwise: rank {rank} failed; the strategy can lose it, so the run goes on "
+                                 f"without it:\n{failure.traceback}")
+                continue
+            _raise_failure(procs, boot, rank, failure, exc_bytes, error_dir)
     return [results[r] for r in range(len(procs))]
 
 
-def is_interactive() -> bool:
-    """True in a notebook or a REPL, where spawned children cannot import ``__main__``."""
-    main = sys.modules.get("__main__")
-    return main is None or not hasattr(main, "__file__")
+def _raise_failure(procs: list[subprocess.Popen[bytes]], boot: Path, rank: int, failure: Any, exc_bytes: bytes,
+                   error_dir: str | os.PathLike[str] | None) -> None:
+    """Stop the other ranks, gather every rank that failed by then, raise the first one's exception."""
+    from shardwise.launcher import report
+
+    _stop(procs)  # peers blocked in a collective with the failed rank would wait for its timeout
+    found = {rank: (failure, exc_bytes)}
+    for other in range(len(procs)):
+        path = boot / f"error-{other}.pkl"
+        if other != rank and path.exists():
+            found[other] = pickle.loads(path.read_bytes())
+    # The earliest failure is the cause; a peer that noticed it in a collective fails later.
+    rank = min(found, key=lambda r: found[r][0].at)
+    failure, exc_bytes = found[rank]
+    failures = [f for f, _ in found.values()]
+    directory = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="shardwise-errors-"))
+    text = report.summarize(failures, report.write_tracebacks(failures, directory))
+    exc = pickle.loads(exc_bytes) if exc_bytes else LaunchError(f"rank {rank} raised {failure.kind}: {failure.message}")
+    raise _WorkerFailed(exc.with_traceback(None), text)

@@ -15,7 +15,7 @@ from shardwise.data import ShardedLoader, eval_batches, eval_shard, fetch, per_r
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
-from shardwise.launcher.spawn import launch
+from shardwise.launcher.spawn import check_world_size, launch, stop_if_bootstrapping
 from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
 from shardwise.strategies.protocol import check_batch, check_model, expendable_ranks, mesh_degrees, trainers
@@ -106,6 +106,8 @@ class Trainer:
     # -- checks before anything runs ------------------------------------------------------
     def _world_size(self) -> int:
         env = detect_env()
+        if env.distributed and self.config.nproc > 1:
+            check_world_size(self.config.nproc, env.world_size, env.source, "Trainer(nproc=...)")
         return env.world_size if env.distributed else self.config.nproc
 
     def _check(self, model: nn.Module, train_data: Any) -> None:
@@ -150,6 +152,7 @@ class Trainer:
     # -- fit ------------------------------------------------------------------------------
     def fit(self, model: nn.Module, train_data: Any, val_data: Any = None) -> dict[str, Any]:
         """Train ``model``; returns the run summary (also written to ``out/summary.json``)."""
+        stop_if_bootstrapping()  # a worker importing an unguarded script stops here (see launcher.worker)
         self._check(model, train_data)
         env = detect_env()
         needs_group = self.config.strategy != "single"
@@ -159,6 +162,7 @@ class Trainer:
                 nproc=self.config.nproc, start_method=self.config.start_method,
                 accelerator="cpu" if self.config.accelerator == "cpu" else "auto",
                 collective_timeout_s=self.config.timeout_s, expendable=self._expendable_ranks(),
+                error_dir=Path(self.config.out) / "errors" if self.config.out else None,
             )
             summary, state = results[0]
             model.load_state_dict(state)

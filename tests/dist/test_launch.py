@@ -1,15 +1,23 @@
-"""shardwise.launch: results per rank, failures raised in the parent, hangs stopped."""
+"""shardwise.launch: results per rank, failures raised in the parent as one short report, hangs stopped,
+and under a launcher: joined, nothing spawned."""
 
 from __future__ import annotations
 
+import inspect
+import os
+import shutil
+import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from shardwise import launch
+from shardwise import Trainer, launch
 from shardwise.errors import ConfigError, LaunchError
+from shardwise.launcher.spawn import RemoteTraceback
 
 
 def _rank_and_sum() -> tuple[int, int, float, int]:
@@ -34,10 +42,10 @@ def test_results_come_back_per_rank_with_one_thread_each():
     assert results == [(0, 2, 3.0, 1), (1, 2, 3.0, 1)]
 
 
-def test_a_failing_rank_raises_its_own_exception_in_the_parent():
+def test_a_failing_rank_raises_its_own_exception_in_the_parent(tmp_path):
     start = time.monotonic()
     with pytest.raises(ValueError, match="boom on rank one") as info:
-        launch(_fail_on_rank_one, nproc=2)
+        launch(_fail_on_rank_one, nproc=2, error_dir=tmp_path)
     assert "rank 1 failed" in str(info.value.__cause__)
     assert time.monotonic() - start < 60  # the peer blocked in all_reduce was stopped, not waited for
 
@@ -52,3 +60,111 @@ def test_bad_nproc_and_unpicklable_functions_are_clear_errors():
         launch(_rank_and_sum, nproc=0)
     with pytest.raises(LaunchError, match="picklable"):
         launch(lambda: 1, nproc=1)
+
+
+# -- a worker's error: one short block, the original type, the full traceback in a file ---------------
+_BOOM_LINE = inspect.getsourcelines(_fail_on_rank_one)[1] + 2  # the `raise` line
+
+
+def _config_error_everywhere() -> None:
+    raise ConfigError("bad setting x=3")
+
+
+def test_the_failure_report_is_short_names_the_user_frame_and_points_at_the_full_traceback(tmp_path):
+    with pytest.raises(ValueError, match="boom on rank one") as info:
+        launch(_fail_on_rank_one, nproc=2, error_dir=tmp_path / "errors")
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    lines = str(cause).splitlines()
+    assert lines[0] == "rank 1 failed: ValueError: boom on rank one"
+    assert lines[1] == f"  at {os.path.relpath(__file__)}:{_BOOM_LINE} in _fail_on_rank_one"
+    # Rank 0, waiting for rank 1 in all_reduce, may fail too (its peer closed the connection) or be stopped first.
+    assert lines[2:-1] in ([], ["  then: rank 0 (RuntimeError)"]), lines
+    assert lines[-1].startswith(f"  full traceback: {tmp_path / 'errors' / 'rank-1.txt'}")
+    full = (tmp_path / "errors" / "rank-1.txt").read_text()
+    assert "Traceback (most recent call last)" in full and "boom on rank one" in full and "shardwise/launcher/worker.py" in full
+
+
+def test_the_same_error_on_every_rank_is_one_entry_of_the_original_type_with_a_temporary_traceback_dir():
+    with pytest.raises(ConfigError, match="bad setting x=3") as info:
+        launch(_config_error_everywhere, nproc=2)
+    text = str(info.value.__cause__)
+    assert text.splitlines()[0] in ("ranks 0, 1 failed: ConfigError: bad setting x=3", "ranks 1, 0 failed: ConfigError: bad setting x=3",
+                                    "rank 0 failed: ConfigError: bad setting x=3", "rank 1 failed: ConfigError: bad setting x=3")
+    paths = [Path(p) for p in text.splitlines()[-1].split("full traceback: ")[1].split(", ")]
+    try:
+        assert all(p.is_file() and "bad setting x=3" in p.read_text() for p in paths)
+    finally:
+        shutil.rmtree(paths[0].parent)
+
+
+class _TensorOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)  # a dict batch fails here
+
+
+def _dict_loss(output, batch):
+    return output.sum()
+
+
+def test_a_dict_batch_the_model_cannot_take_is_reported_at_the_users_forward_in_out_errors(tmp_path):
+    data = [{"x": torch.randn(4), "y": torch.tensor(1)} for _ in range(16)]
+    trainer = Trainer(strategy="ddp", nproc=2, global_batch_size=4, max_steps=2, loss_fn=_dict_loss, out=str(tmp_path), progress_bar=False)
+    with pytest.raises(TypeError, match="must be Tensor, not dict") as info:
+        trainer.fit(_TensorOnly(), data)
+    lines = str(info.value.__cause__).splitlines()
+    forward_line = inspect.getsourcelines(_TensorOnly.forward)[1] + 1
+    assert lines[0].startswith(("ranks 0, 1 failed: TypeError", "ranks 1, 0 failed: TypeError", "rank 0 failed: TypeError", "rank 1 failed: TypeError"))
+    assert lines[1] == f"  at {os.path.relpath(__file__)}:{forward_line} in forward"
+    assert (tmp_path / "errors").is_dir() and any((tmp_path / "errors").glob("rank-*.txt"))
+
+
+# -- under a launcher: join, spawn nothing, refuse a different nproc ---------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pid_rank_world() -> tuple[int, int, int]:
+    return os.getpid(), dist.get_rank(), dist.get_world_size()
+
+
+def _torchrun_like(monkeypatch: pytest.MonkeyPatch, world: int) -> None:
+    for key, value in dict(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+
+
+def test_launch_under_a_launcher_runs_here_and_returns_this_ranks_result(monkeypatch):
+    _torchrun_like(monkeypatch, 1)
+    assert launch(_pid_rank_world, nproc=1) == [(os.getpid(), 0, 1)]  # this process, no child (hygiene checks)
+    assert not dist.is_initialized()  # the group launch created is gone again
+
+
+def test_an_nproc_that_disagrees_with_the_launchers_world_size_is_a_config_error(monkeypatch):
+    _torchrun_like(monkeypatch, 2)
+    with pytest.raises(ConfigError, match=r"launch\(nproc=...\) asked for 3 processes, but this process already runs in a job of 2 started by torchrun"):
+        launch(_pid_rank_world, nproc=3)
+    with pytest.raises(ConfigError, match=r"Trainer\(nproc=...\) asked for 3 processes.*job of 2.*Set nproc=2"):
+        Trainer(strategy="ddp", nproc=3, loss_fn=_dict_loss).fit(_TensorOnly(), [torch.randn(4)] * 8)
+    assert not dist.is_initialized()
+
+
+def test_a_function_from_an_interactive_session_is_a_clear_error_before_anything_starts(monkeypatch):
+    import types
+
+    fake_main = types.ModuleType("__main__")  # a REPL's __main__: no __file__
+    monkeypatch.setitem(__import__("sys").modules, "__main__", fake_main)
+
+    def in_repl() -> int:
+        return 1
+
+    in_repl.__module__ = "__main__"
+    in_repl.__qualname__ = "in_repl"
+    fake_main.in_repl = in_repl  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="defined in an interactive session.*Move the function"):
+        launch(in_repl, nproc=2)

@@ -1,0 +1,133 @@
+"""The process ``shardwise.launch`` starts for each rank: ``python -m shardwise.launcher.worker BOOT RANK``.
+
+Why not multiprocessing's spawn: it re-imports the user's script as ``__mp_main__`` to
+find the functions defined there, and a script without an ``if __name__ == "__main__":``
+guard then calls ``launch`` / ``Trainer.fit`` again while the child bootstraps; the child
+dies and the parent waits forever. Here the script is imported the same way, but a call
+to ``launch`` or ``Trainer.fit`` during that import stops the import (everything above
+the call is defined, which is all the function can use), so guarded and unguarded
+scripts both work, and nothing below the call runs in a worker.
+
+Results and errors go to files in the launch's directory, never through a pipe the
+parent might not be reading.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _pin_to_parent() -> None:
+    # First thing: a worker must never outlive the launcher (see lifeline).
+    from shardwise.launcher.lifeline import die_with_parent
+
+    die_with_parent(int(os.environ["SHARDWISE_PARENT_PID"]))
+
+
+def _import_main(spec: tuple[str, str] | None) -> None:
+    """Run the user's script as ``__mp_main__`` (aliased ``__main__``, so pickles that name
+    ``__main__.X`` find it), stopping quietly at its first launch."""
+    if spec is None:
+        return
+    import importlib.util
+    import types
+
+    from shardwise.launcher import spawn
+
+    kind, target = spec
+    module = types.ModuleType("__mp_main__")
+    if kind == "path":
+        with open(target, "rb") as f:
+            code = compile(f.read(), target, "exec")
+        module.__file__ = target
+    else:
+        found = importlib.util.find_spec(target)
+        if found is None or found.loader is None:
+            return
+        code = found.loader.get_code(target)  # type: ignore[attr-defined]
+        module.__file__ = found.origin
+        module.__spec__ = found
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+    spawn._bootstrapping = True
+    try:
+        exec(code, module.__dict__)
+    except spawn.StopImport:
+        pass
+    finally:
+        spawn._bootstrapping = False
+
+
+def main(boot_dir: str, rank: int) -> int:
+    import pickle
+    from pathlib import Path
+
+    _pin_to_parent()
+    boot = Path(boot_dir)
+    with open(boot / "boot.pkl", "rb") as f:
+        main_spec, sys_path, argv = pickle.load(f)
+    sys.path[:] = sys_path
+    sys.argv[:] = argv
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.launcher.env import choose_device, connect, detect_env
+    from shardwise.launcher.report import describe
+
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    torch.set_num_threads(threads)
+    accelerator = os.environ["SHARDWISE_ACCELERATOR"]
+    timeout_s = float(os.environ["SHARDWISE_COLLECTIVE_TIMEOUT_S"])
+    try:
+        try:
+            _import_main(main_spec)
+            with open(boot / "payload.pkl", "rb") as f:
+                fn, args, kwargs = pickle.load(f)
+        except Exception as exc:
+            raise _load_error(exc) from exc
+        env = detect_env()
+        connect(env, choose_device(accelerator, env), timeout_s=timeout_s)
+        result = fn(*args, **kwargs)
+        try:
+            data = pickle.dumps(result)
+        except Exception as exc:  # an unpicklable result is the caller's problem, not a crash
+            data = pickle.dumps(f"<result of rank {rank} not picklable: {exc}>")
+        _write(boot / f"result-{rank}.pkl", data)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        failure = describe(rank, exc)
+        try:
+            exc_bytes = pickle.dumps(exc)
+            pickle.loads(exc_bytes)
+        except Exception:
+            exc_bytes = b""
+        _write(boot / f"error-{rank}.pkl", pickle.dumps((failure, exc_bytes)))
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def _load_error(exc: Exception) -> Exception:
+    from shardwise.errors import LaunchError
+
+    return LaunchError(
+        f"the worker could not load the function to run ({type(exc).__name__}: {exc}). Define the function, "
+        "and everything it uses, at the top level of a module or script, above the call to launch/fit "
+        "(not inside `if __name__ == \"__main__\":`, where workers do not look)"
+    )
+
+
+def _write(path: "os.PathLike[str]", data: bytes) -> None:
+    # Written whole, then renamed: the parent never reads half a file.
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))
