@@ -54,7 +54,9 @@ from shardwise.strategies.pipeline.observe import _Clock, bubble_section, mean, 
 from shardwise.strategies.pipeline.schedule import (
     _Replay, _schedule_class, batch_rows, check_rows, check_schedule, concat_batches, split_batch,
 )
+from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, check_nested, is_nested, nested_layout, split_blocks
 from shardwise.strategies.pipeline.split import StageModule, balance, sequence_layers, split_layers
+from shardwise.strategies.pipeline.ties import Tie, _cross_stage_ties, _find_param, sync_tied
 from shardwise.strategies.pipeline.split import _register as _register  # importable from here, as before the split
 from shardwise.strategies.pipeline.state import gather_state, load_local_state
 from shardwise.strategies.protocol import OptimizerFactory, StepFn
@@ -92,6 +94,7 @@ class Pipeline:
         self, *, pp: int = 2, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int | None = None,
         split_points: Sequence[str] | None = None, tp: int = 1, dp_strategy: str = "ddp", timeline: str | None = None,
         warmup_steps: int = 1, sequence_parallel: bool = False, tp_plan: dict[str, str] | None = None,
+        layers: str | None = None,
     ) -> None:
         if virtual_stages is None:
             virtual_stages = 2 if schedule == "interleaved" else 1
@@ -107,6 +110,12 @@ class Pipeline:
         self.virtual_stages, self.split_points, self.tp = virtual_stages, list(split_points or []), tp
         self.dp_strategy, self.timeline, self.warmup_steps = dp_strategy, timeline, warmup_steps
         self.sequence_parallel, self.tp_plan = bool(sequence_parallel), tp_plan
+        self.layers = layers or None
+        """Dotted path of a nested model's block list (``model.layers``); found by itself when not given."""
+        self._nested = False
+        self._tied: list[Tie] = []  # weights tied across pipeline ranks
+        self._skip_norm: set[int] = set()
+        self._aliases: dict[str, str] = {}
         if self.sequence_parallel and tp == 1:
             raise ConfigError("sequence_parallel needs tp > 1 (it shards activations across the tensor-parallel ranks)")
         self.num_stages = pp * virtual_stages
@@ -133,6 +142,17 @@ class Pipeline:
         """Refuse, in the parent before any process starts, a model this pipeline cannot split: not
         a sequence of layers, fewer layers with parameters than ``pp x virtual_stages`` stages, or
         ``split_points`` that do not name its layers in order (``setup``'s checks, no process group)."""
+        if is_nested(model, self.layers):
+            layout = nested_layout(model, self.layers)
+            check_nested(model, layout, self.num_stages, self.microbatches)
+            split_blocks(model, layout, self.num_stages, self.split_points)
+            if layout.aliases and self.dp_strategy == "fsdp":
+                raise ConfigError(
+                    f"{type(model).__name__} ties {', '.join(f'{a} to {c}' for a, c in layout.aliases.items())}; with the "
+                    "tied ends on different pipeline stages shardwise sums their gradients itself, which it does for "
+                    "dp_strategy='ddp' but not under FSDP's sharded gradients; use dp_strategy='ddp'"
+                )
+            return
         split_layers(sequence_layers(model), self.num_stages, self.split_points)
 
     # -- setup --------------------------------------------------------------------------------
@@ -145,15 +165,26 @@ class Pipeline:
             raise ConfigError(f"the mesh has pp={mesh.size('pp')} but the pipeline was asked for pp={self.pp}")
         self._mesh, self._recorder = mesh, recorder
         self._all_names = [n for n, _ in model.named_parameters()]
-        runs = split_layers(sequence_layers(model), self.num_stages, self.split_points)
-        self.stage_layers = [[n for n, _ in run] for run in runs]
+        self._nested = is_nested(model, self.layers)
+        if self._nested:
+            self.check_model(model)
+            layout = nested_layout(model, self.layers)
+            block_runs = split_blocks(model, layout, self.num_stages, self.split_points)
+            self.stage_layers = [[f"{layout.blocks}.{k}" for k in run] for run in block_runs]
+            self._aliases = layout.aliases
+            make_stage: Any = lambda s: NestedStage(model, layout, block_runs[s], s == 0, s == self.num_stages - 1)  # noqa: E731
+            self._tied = _cross_stage_ties(model, layout, block_runs, self.pp)
+        else:
+            runs = split_layers(sequence_layers(model), self.num_stages, self.split_points)
+            self.stage_layers = [[n for n, _ in run] for run in runs]
+            make_stage = lambda s: StageModule(runs[s])  # noqa: E731
         group = mesh.group("pp")
         me = mesh.coordinate("pp")
         stages: dict[int, nn.Module] = {}
         runners: dict[int, nn.Module] = {}
         self.stages: list[Any] = []
         for s in range(me, self.num_stages, self.pp):
-            stage_mod = StageModule(runs[s]).to(mesh.device)
+            stage_mod = make_stage(s).to(mesh.device)
             if self.tp > 1:
                 # Tensor parallel first, inside the stage (original names: the plan matches as on the whole model).
                 _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
@@ -163,6 +194,9 @@ class Pipeline:
             self._clock.instrument(stage)
             self.stages.append(stage)
         self._group = group
+        self._tie_params = {t.name: _find_param(stages, t.name, self._aliases) for t in self._tied}
+        self._skip_norm = {id(p) for t in self._tied if (p := self._tie_params[t.name]) is not None and me != t.first}
+        sync_tied(self._tied, self._tie_params, group, me, grads=False, device=mesh.device)  # one logical weight: start equal
         self._clock.align(group)
         cls = _schedule_class(self.schedule_name)
         target = self.stages if self.schedule_name == "interleaved" else self.stages[0]
@@ -175,7 +209,8 @@ class Pipeline:
         wrapped = PipelineModule(stages, runners, self.num_stages, group, mesh.device)
         self._module = wrapped
         self._local_names = [n for n, _ in wrapped.named_parameters()]
-        params = [p for s in sorted(stages) for p in stages[s].parameters()]
+        params = list({id(p): p for s in sorted(stages) for p in stages[s].parameters()}.values())  # a tie on one rank: once
+        self._last_stage = stages.get(self.num_stages - 1)
         return wrapped, make_optimizer(params)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -186,9 +221,8 @@ class Pipeline:
         """The schedule's loss on the last stage: the user's step function on micro-batch ``target``."""
         i = int(target.reshape(-1)[0])
         batch = self._chunks[i]
-        from shardwise.batches import model_inputs
-
-        loss = self._step_fn(_Replay(output, model_inputs(batch)), batch)  # type: ignore[arg-type]
+        full = getattr(self._last_stage, "output", None) if self._nested else None
+        loss = self._step_fn(_Replay(output, batch, full), batch)  # type: ignore[arg-type]
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ConfigError(f"the pipeline's step function must return a scalar loss tensor; got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
         self._losses[i] = loss.detach()  # by index: torch's shape inference may run micro-batch 0 once more
@@ -200,20 +234,32 @@ class Pipeline:
             raise ValueError("a step needs at least one micro-batch")
         batch = concat_batches(microbatches)
         check_rows(batch_rows(batch), self.microbatches, "pipeline forward_backward")  # every rank, before any send
-        from shardwise.batches import model_inputs
+        from shardwise.batches import model_args
 
         self._chunks = split_batch(batch, self.microbatches)
         self._step_fn, self._precision = step_fn, precision
         self._losses: dict[int, torch.Tensor] = {}
         self._clock.events = []
-        args = model_inputs(batch) if self.holds_first else ()
+        call_args, call_kwargs = model_args(batch)
+        if self._nested:
+            # every stage gets the micro-batch as keywords (masks, positions); only the first reads the inputs
+            args: tuple[Any, ...] = ()
+            kwargs = batch_kwargs(call_args, call_kwargs)
+        else:
+            if call_kwargs:
+                raise ConfigError(
+                    "a dict batch needs a model the pipeline splits by its block list (a transformers model, or "
+                    "layers='path.to.blocks'); this model is split by its top-level children, which take one tensor"
+                )
+            args, kwargs = (call_args if self.holds_first else ()), {}
         target = torch.arange(self.microbatches) if self.holds_last else None
         start = time.perf_counter()
         with precision.autocast():
-            self.schedule.step(*args, target=target, **self._step_kwargs)
+            self.schedule.step(*args, target=target, **kwargs, **self._step_kwargs)
         end = time.perf_counter()
         self._chunks = []
         assert self._mesh is not None
+        sync_tied(self._tied, self._tie_params, self._group, self._mesh.coordinate("pp"), grads=True, device=self._mesh.device, recorder=self._recorder)
         average_grads(self._module, self._mesh, dp_strategy=self.dp_strategy, tp=self.tp, sequence_parallel=self.sequence_parallel, recorder=self._recorder)
         busy = sum(e - s for _, _, _, s, e in self._clock.events)
         loss = torch.stack([self._losses[i] for i in sorted(self._losses)]).double().mean() if self.holds_last else torch.zeros((), dtype=torch.float64)
@@ -239,17 +285,17 @@ class Pipeline:
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the global norm, each gradient's square counted once (see `compose.clip_grad_norm`)."""
         device = self._mesh.device if self._mesh else torch.device("cpu")
-        return clip_grad_norm(model, max_norm, device, self._group if self.pp > 1 else None)
+        return clip_grad_norm(model, max_norm, device, self._group if self.pp > 1 else None, skip=self._skip_norm)
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
         parameters), gathered from every pipeline rank to every rank of the group."""
-        return gather_state(model, optimizer, self._group, self.pp, self._all_names)
+        return gather_state(model, optimizer, self._group, self.pp, self._all_names, self._aliases)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
         """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``)."""
-        load_local_state(model, optimizer, state, self._all_names)
+        load_local_state(model, optimizer, state, self._all_names, self._aliases)
 
     # -- observability ------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:

@@ -65,13 +65,14 @@ def average_grads(module: nn.Module, mesh: Mesh, *, dp_strategy: str, tp: int, s
         offset += g.numel()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device, pp_group: Group | None) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device, pp_group: Group | None, skip: set[int] = frozenset()) -> torch.Tensor:  # type: ignore[assignment]
     """Clip by the global norm: a gradient's squared norm counts once, summed over the tp ranks
     that hold shards of it and over the pp ranks (each parameter lives on one stage), never
     over replicas (dp, or tp for replicated tensors). Same coefficient as torch's
     ``clip_grad_norm_``: ``max_norm / (norm + 1e-6)``, at most 1.
 
-    ``pp_group``: the pipeline group, None with one pipeline rank."""
+    ``pp_group``: the pipeline group, None with one pipeline rank. ``skip``: ids of parameters whose
+    gradient is scaled but not counted (the second copy of a weight tied across stages)."""
     params = [p for p in model.parameters() if p.grad is not None]
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     sharded: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}  # (mesh, sharded dims) -> (mesh, sum of squares)
@@ -80,6 +81,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device, pp_g
         g: Any = p.grad
         local: torch.Tensor = g.to_local() if hasattr(g, "to_local") else g
         locals_.append(local)
+        if id(p) in skip:
+            continue
         sq = local.double().pow(2).sum()
         # Sharded along a mesh dim: any placement but Replicate and Partial (torch 2.13's
         # _StridedShard, which FSDP2 over TP produces, answers is_shard() False).

@@ -34,7 +34,7 @@ class PipelineModule(nn.Module):
         super().__init__()
         for idx in sorted(stages):
             for name in stages[idx].layer_names:  # type: ignore[union-attr]
-                _register(self, name, stages[idx].get_submodule(name))
+                _register_path(self, name, stages[idx].get_submodule(name))
         self._stage_mods = dict(stages)
         self._runners = dict(runners)  # what runs each stage (the stage module, or its DDP/FSDP wrapper)
         self.num_stages, self._group, self._device = num_stages, group, device
@@ -43,14 +43,21 @@ class PipelineModule(nn.Module):
     def owner(self, stage: int) -> int:
         return stage % self.pp
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             raise RuntimeError(
                 "a pipeline-parallel model's forward does not carry gradients from stage to stage: train through "
                 "engine.forward_backward (the pipeline schedule), and call the model under torch.no_grad() to evaluate"
             )
+        from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs
+
+        nested = any(isinstance(m, NestedStage) for m in self._stage_mods.values())
+        # a model split by its block list: every stage reads the call's inputs (masks, positions)
+        side = batch_kwargs(inputs, kwargs) if nested else {}
+        if kwargs and not nested:
+            raise ConfigError("this pipeline's stages take positional inputs; the model was called with keywords")
         me = self._group.rank
-        x: tuple[Any, ...] = inputs
+        x: tuple[Any, ...] = () if nested else inputs
         out: Any = None
         for s in range(self.num_stages):
             owner = self.owner(s)
@@ -58,11 +65,49 @@ class PipelineModule(nn.Module):
                 continue
             if s > 0 and self.owner(s - 1) != me:
                 x = (_recv_tensor(self._group, self.owner(s - 1), self._device),)
-            out = self._runners[s](*x)
+            out = self._runners[s](*x, **side)
             if s < self.num_stages - 1 and self.owner(s + 1) != me:
                 _send_tensor(out, self._group, self.owner(s + 1))
             x = (out,)
-        return _broadcast_tensor(out, self._group, self.owner(self.num_stages - 1), self._device)
+        last = self.owner(self.num_stages - 1)
+        result = _broadcast_tensor(out, self._group, last, self._device)
+        if not kwargs:
+            return result
+        # a dict batch: the model's own output has a loss too (labels given); every rank gets both
+        from shardwise.batches import output_loss
+
+        loss = output_loss(self._stage_mods[self.num_stages - 1].output) if me == last else None
+        has = torch.tensor([1 if loss is not None else 0], device=self._device)
+        if self.pp > 1:
+            dist.broadcast(has, src=self._group.global_rank(last), group=self._group.pg)
+        output = PipelineOutput(logits=result)
+        if int(has.item()):
+            output["loss"] = _broadcast_tensor(loss.detach().reshape(1) if loss is not None else None, self._group, last, self._device)[0]
+        return output
+
+
+class PipelineOutput(dict):  # type: ignore[type-arg]
+    """What a pipeline returns for a keyword call: ``logits`` and, with labels, ``loss``, by key or attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _register_path(owner: nn.Module, name: str, module: nn.Module) -> None:
+    """Register ``module`` on ``owner`` under a dotted name of any depth (containers are ModuleDicts)."""
+    if name.count(".") <= 1:
+        _register(owner, name, module)
+        return
+    node = owner
+    *parents, leaf = name.split(".")
+    for part in parents:
+        if part not in node._modules:
+            node.add_module(part, nn.ModuleDict())
+        node = node._modules[part]  # type: ignore[assignment]
+    node.add_module(leaf, module)
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8, torch.int8]

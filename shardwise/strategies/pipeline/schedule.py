@@ -11,7 +11,7 @@ ran; ``_Replay`` stands in for the model there, so the user's ``loss_fn`` runs u
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -58,7 +58,10 @@ def split_batch(batch: Any, m: int) -> list[Any]:
     if isinstance(batch, (tuple, list)):
         parts = [split_batch(b, m) if isinstance(b, torch.Tensor) else [b] * m for b in batch]
         return [type(batch)(p[i] for p in parts) if isinstance(batch, tuple) else [p[i] for p in parts] for i in range(m)]
-    raise ConfigError(f"the pipeline strategy splits batches that are tensors or tuples of tensors; got {type(batch).__name__}")
+    if isinstance(batch, Mapping):
+        cut = {k: split_batch(v, m) if isinstance(v, torch.Tensor) else [v] * m for k, v in batch.items()}
+        return [{k: cut[k][i] for k in batch} for i in range(m)]
+    raise ConfigError(f"the pipeline strategy splits batches that are tensors, tuples or dicts of tensors; got {type(batch).__name__}")
 
 
 def concat_batches(batches: Sequence[Any]) -> Any:
@@ -68,6 +71,8 @@ def concat_batches(batches: Sequence[Any]) -> Any:
         return first
     if isinstance(first, torch.Tensor):
         return torch.cat(list(batches), dim=0)
+    if isinstance(first, Mapping):
+        return {k: concat_batches([b[k] for b in batches]) if isinstance(first[k], torch.Tensor) else first[k] for k in first}
     if isinstance(first, (tuple, list)):
         cols = [concat_batches([b[i] for b in batches]) if isinstance(first[i], torch.Tensor) else first[i] for i in range(len(first))]
         return tuple(cols) if isinstance(first, tuple) else cols
@@ -77,6 +82,8 @@ def concat_batches(batches: Sequence[Any]) -> Any:
 def batch_rows(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
+    if isinstance(batch, Mapping) and batch:
+        return batch_rows(next(iter(batch.values())))
     if isinstance(batch, (tuple, list)) and batch:
         return batch_rows(batch[0])
     raise ConfigError(f"the pipeline strategy splits batches that are tensors or tuples of tensors; got {type(batch).__name__}")
@@ -93,19 +100,30 @@ def check_rows(rows: int, microbatches: int, where: str) -> None:
 
 class _Replay:
     """Stands in for the model inside the user's ``step_fn`` on the last stage: returns the
-    pipeline's output for the micro-batch, so ``loss_fn(model(*inputs), batch)`` runs as written."""
+    pipeline's output for the micro-batch, so ``loss_fn(model(*inputs), batch)`` (or the model's
+    own loss, ``model(**batch).loss``) runs as written.
 
-    def __init__(self, output: Any, inputs: tuple[Any, ...]) -> None:
-        self.output, self.inputs = output, inputs
+    ``full`` is the last stage's whole output for a model split by its block list (a
+    ModelOutput with ``logits`` and, when the batch holds ``labels``, ``loss``); otherwise the
+    output tensor is returned."""
+
+    def __init__(self, output: Any, batch: Any, full: Any = None) -> None:
+        from shardwise.batches import model_args
+
+        self.output, self.full = output, full
+        self.args, self.kwargs = model_args(batch)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        same = len(args) == len(self.inputs) and not kwargs and all(
-            a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape) for a, b in zip(args, self.inputs)
-        )
-        if not same:
+        def same(a: Any, b: Any) -> bool:
+            return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape)
+
+        fits = (len(args) == len(self.args) and all(same(a, b) for a, b in zip(args, self.args))
+                and set(kwargs) == set(self.kwargs) and all(same(kwargs[k], self.kwargs[k]) for k in kwargs))
+        if not fits:
             raise ConfigError(
                 "the pipeline strategy computes the loss on its last stage from the model's output: the step "
-                "function must be loss_fn(model(*inputs), batch) with inputs the batch's leading elements "
-                "(pass loss_fn=... to the Trainer; a training_step that calls the whole model cannot be split)"
+                "function must be loss_fn(model(*inputs), batch) with inputs the batch's leading elements, or "
+                "the model's own loss from a dict batch (pass loss_fn=... to the Trainer; a training_step that "
+                "calls the whole model cannot be split)"
             )
-        return self.output
+        return self.full if self.full is not None else self.output

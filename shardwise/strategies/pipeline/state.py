@@ -19,14 +19,21 @@ from shardwise.comm.collectives import Group
 from shardwise.strategies.pipeline.evaluate import PipelineModule
 
 
-def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Group, pp: int, all_names: list[str]) -> dict[str, Any]:
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Group, pp: int, all_names: list[str],
+                 aliases: dict[str, str] | None = None) -> dict[str, Any]:
     """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
-    parameters), gathered from every pipeline rank to every rank of the group."""
+    parameters), gathered from every pipeline rank to every rank of the group.
+
+    ``aliases``: tied names -> first name. A weight tied across stages is in the model state
+    under every name (as ``single``'s state dict has it) and in the optimizer state once, under
+    its first name (the first owner's copy; every copy took the same steps)."""
+    aliases = aliases or {}
     stage_mods = model._stage_mods if isinstance(model, PipelineModule) else {0: model}
     local_model = {s: {k: _full(v).detach().cpu() for k, v in m.state_dict().items()} for s, m in stage_mods.items()}
     local_opt = None
     if optimizer is not None:
         named = ckpt.optimizer_state_by_name(optimizer.state_dict(), ckpt.parameter_names(model, optimizer))
+        named = _canonical(named, aliases)
         local_opt = {"state": {k: {n: _full(t) for n, t in s.items()} for k, s in named["state"].items()}, "param_groups": named["param_groups"]}
         local_opt = _to_cpu(local_opt)
     parts: list[Any] = [None] * pp
@@ -40,10 +47,12 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grou
         state: dict[str, Any] = {}
         groups: list[dict[str, Any]] = []
         for _, opt in parts:
-            state.update(opt["state"])
+            for k, v in opt["state"].items():
+                state.setdefault(k, v)  # a tied weight: the first owner's (pipeline rank order) copy
             for gi, g in enumerate(opt["param_groups"]):
                 if gi < len(groups):
-                    groups[gi]["params"] = groups[gi]["params"] + list(g["params"])
+                    have = set(groups[gi]["params"])
+                    groups[gi]["params"] = groups[gi]["params"] + [n for n in g["params"] if n not in have]
                 else:
                     groups.append(dict(g, params=list(g["params"])))
         order = {n: i for i, n in enumerate(all_names)}
@@ -54,8 +63,11 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grou
     return out
 
 
-def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], all_names: list[str]) -> None:
-    """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``)."""
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], all_names: list[str],
+                     aliases: dict[str, str] | None = None) -> None:
+    """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``); a copy of a
+    tied weight takes the optimizer state saved under the weight's first name."""
+    aliases = aliases or {}
     own = model.state_dict()
     missing = [k for k in own if k not in state["model"]]
     if missing:
@@ -73,10 +85,10 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     full = state["optimizer"]
     named = ckpt.optimizer_state_by_name(full, all_names)
     local_names = ckpt.parameter_names(model, optimizer)
-    keep = set(local_names)
+    first = {n: aliases.get(n, n) for n in local_names}  # this rank's name -> the saved name
     sub = {
-        "state": {n: s for n, s in named["state"].items() if n in keep},
-        "param_groups": [dict(g, params=[n for n in g["params"] if n in keep]) for g in named["param_groups"]],
+        "state": {n: named["state"][first[n]] for n in local_names if first[n] in named["state"]},
+        "param_groups": [dict(g, params=[n for n in local_names if first[n] in set(g["params"])]) for g in named["param_groups"]],
     }
     sub["param_groups"] = [g for g in sub["param_groups"] if g["params"]]
     if any(hasattr(v, "full_tensor") for v in own.values()):
@@ -86,6 +98,16 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         set_optimizer_state_dict(model, optimizer, cast(Any, sub), options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(ckpt.optimizer_state_by_number(sub, local_names))
+
+
+def _canonical(named: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
+    """Optimizer state by name with tied names replaced by the weight's first name."""
+    if not aliases:
+        return named
+    return {
+        "state": {aliases.get(n, n): s for n, s in named["state"].items()},
+        "param_groups": [dict(g, params=[aliases.get(n, n) for n in g["params"]]) for g in named["param_groups"]],
+    }
 
 
 def _full(t: Any) -> Any:
