@@ -162,7 +162,7 @@ def test_a_bad_style_is_a_config_error_before_anything_runs():
 
 
 def test_only_linears_split():
-    with pytest.raises(ConfigError, match="splits nn.Linear modules; embed_tokens is a Embedding"):
+    with pytest.raises(ConfigError, match=r"splits nn.Linear modules \(and Conv1D\); embed_tokens is a Embedding"):
         resolve_plan(Llama(), {"embed_tokens": "colwise"})
 
 

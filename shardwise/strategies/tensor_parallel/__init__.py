@@ -64,8 +64,10 @@ from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_
 from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
 from shardwise.strategies.tensor_parallel.plan import (
-    ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, resolve_plan,
+    ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, declared_plan,
+    fused_parts, resolve, resolve_plan, roles,
 )
+from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
 
 __all__ = [
     "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "auto_plan",
@@ -99,7 +101,7 @@ class TensorParallel:
 
     def __init__(
         self, *, tp: int | None = None, sequence_parallel: bool = False, plan: dict[str, str] | None = None,
-        dp_strategy: str = "ddp", count_collectives: bool = True,
+        dp_strategy: str = "ddp", count_collectives: bool = True, check_replicas: bool = False,
     ) -> None:
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ConfigError(f"tp must be a whole number >= 1; got {tp!r}")
@@ -122,6 +124,8 @@ class TensorParallel:
                     raise ConfigError(f"plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'")
         self.tp, self.sequence_parallel, self.plan, self.dp_strategy = tp, bool(sequence_parallel), plan, dp_strategy
         self.count = count_collectives
+        self.check_replicas = bool(check_replicas)
+        self.tp_group: Any = None
         self.degree, self.dp = tp or 1, 1
         self.applied: dict[str, str] = {}
         self.recorder: Recorder | None = None
@@ -130,6 +134,7 @@ class TensorParallel:
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.steps = 0
         self._world_tp: int | None = None
+        self._model: nn.Module | None = None
         self._dirty = False
 
     def mesh_degrees(self) -> dict[str, int]:
@@ -151,9 +156,13 @@ class TensorParallel:
         The degree is ``tp``, else the world size `validate` saw; without either only the plan
         itself is checked.
         """
-        resolved = resolve_plan(model, self.plan, self.tp or self._world_tp)
+        resolved, grad_sum, _ = resolve(model, self.plan, self.tp or self._world_tp)
         if self.sequence_parallel:
             _sequence_blocks(model, resolved)
+        roles(model, resolved, grad_sum, self.sequence_parallel)  # the backstop: a module no rule covers
+        if self.dp_strategy == "fsdp" and any(fused_parts(model, n) for n, st in resolved.items() if st == "colwise"):
+            raise ConfigError("a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; "
+                              "got dp_strategy 'fsdp'. Use dp_strategy='ddp'")
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
         if not dist.is_initialized():
@@ -162,12 +171,13 @@ class TensorParallel:
             raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={mesh.size('pp')}. Use strategy 'pipeline' with --tp for pp x tp")
         self.degree, self.dp = mesh.size("tp"), mesh.size("dp")
         self.recorder = recorder
-        resolve_plan(model, self.plan, self.degree)  # a bad plan or head count fails here, before any group is built
+        self.check_model(model)  # a bad plan or head count fails here, before any group is built
         model = model.to(mesh.device)
         tp_mesh = _dim_mesh(mesh, "tp")
         parallelize(model, tp_mesh, self.plan, self.sequence_parallel)
         self.applied = dict(model._shardwise_tp["plan"])  # type: ignore[index]
         self.names = group_names(tp=tp_mesh.get_group())
+        self.tp_group = tp_mesh.get_group()
         if self.dp > 1:
             dp_mesh = _dim_mesh(mesh, "dp")
             self.names.update(group_names(dp=dp_mesh.get_group()))
@@ -175,6 +185,7 @@ class TensorParallel:
             if self.dp_strategy == "fsdp":
                 shard_data_parallel(model, dp_mesh)
         self.model_params = list(model.parameters())
+        self._model = model
         optimizer = make_optimizer(self.model_params)
         # Gradients are finished (sequence-parallel partial sums reduced, dp replicas averaged)
         # before clipping and before the optimizer step, however backward was called: through
@@ -197,8 +208,7 @@ class TensorParallel:
         if not self._dirty:
             return
         self._dirty = False
-        if self.sequence_parallel:
-            reduce_partial_grads(model, self.recorder)
+        reduce_partial_grads(model, self.recorder)  # sequence-parallel norms, declared per-head norms
         if self.dp > 1 and self.dp_strategy == "ddp" and self.dp_group is not None:
             replicate_grads(model, self.dp_group, self.recorder)
 
@@ -232,6 +242,12 @@ class TensorParallel:
         self.finish_grads(model)
         return loss
 
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """With ``check_replicas``: after every step, the replicated parameters must be equal bit for
+        bit across the tp ranks (`relayout.check_replicas` names the first that differs)."""
+        if self.check_replicas and self.tp_group is not None:
+            check_replicas(model, self.tp_group)
+
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         # ddp: nothing to skip (the dp allreduce runs once, in finish_grads); fsdp: accumulate
@@ -251,7 +267,7 @@ class TensorParallel:
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         from shardwise.strategies.fsdp import dtensor_state_dict
 
-        return dtensor_state_dict(model, optimizer)
+        return to_original(model, dtensor_state_dict(model, optimizer))
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
         """Sharded state (DTensors, from a tp/fsdp checkpoint) or whole tensors (from single/ddp)."""
@@ -261,6 +277,7 @@ class TensorParallel:
         from shardwise.strategies.fsdp import is_sharded_state
 
         full = not is_sharded_state(state["model"])
+        state = to_run(model, state)
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=False)
         set_model_state_dict(model, state["model"], options=options)
         if optimizer is not None and "optimizer" in state:
