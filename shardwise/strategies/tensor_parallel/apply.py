@@ -61,15 +61,16 @@ def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = N
     for name, style in resolved.items():
         styles[name] = colwise(fused.get(name, 0)) if style == "colwise" else rowwise(Shard(1) if sequence_parallel else Replicate())
     parallelize_module(module, tp_mesh, styles)
+    seq: dict[str, int] = {}  # the sequence length of this forward (shards may be uneven: ViT's 17 tokens on 2 ranks)
     for sub, cols in _sublayers(resolved).items():
         target = module.get_submodule(sub) if sub else module
-        target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate()), with_kwargs=True)
+        target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate(), seq), with_kwargs=True)
         if any(_is_attention_input(c, target) for c in cols):
             _localize(target, tp)
     if sequence_parallel:
-        _sequence_boundaries(module, tp_mesh, blocks)
+        _sequence_boundaries(module, tp_mesh, blocks, seq)
         for name in role["whole"]:
-            _run_whole(module.get_submodule(name), tp_mesh)
+            _run_whole(module.get_submodule(name), tp_mesh, seq)
     synchronize_dropout(module, tp_mesh, blocks, role["whole"])
     module._shardwise_tp = {  # type: ignore[assignment]
         "plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp, "source": source,
@@ -86,7 +87,16 @@ def _localize(attn: nn.Module, tp: int) -> None:
             setattr(attn, attr, value // tp)
 
 
-def _gather_input(tp_mesh: Any, layout: Any) -> Any:
+def _sharded(x: torch.Tensor, tp_mesh: Any, seq: dict[str, int]) -> Any:
+    """This rank's sequence shard as a DTensor of the whole sequence (``torch.chunk`` shards, maybe uneven)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (x.shape[0], seq["len"], *x.shape[2:])
+    stride = tuple(int(v) for v in torch.empty(0).new_empty(shape, device="meta").stride())
+    return DTensor.from_local(x, tp_mesh, (Shard(1),), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _gather_input(tp_mesh: Any, layout: Any, seq: dict[str, int]) -> Any:
     """Megatron's ``f`` on a sublayer's main input, positional or keyword: a replicated DTensor
     (allreduce of the input gradient backward; under sequence parallelism an all-gather forward and a
     reduce-scatter backward). The column-split linears inside share it, so their input gradients
@@ -97,15 +107,16 @@ def _gather_input(tp_mesh: Any, layout: Any) -> Any:
         x, where = get_input(mod, args, kwargs)
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return None
-        dx = DTensor.from_local(x, tp_mesh, (layout,), run_check=False)
-        if not layout.is_replicate():
-            dx = dx.redistribute(tp_mesh, (Replicate(),))
+        if layout.is_replicate():
+            dx = DTensor.from_local(x, tp_mesh, (layout,), run_check=False)
+        else:
+            dx = _sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),))
         return put_input(args, kwargs, where, dx)
 
     return hook
 
 
-def _run_whole(mod: nn.Module, tp_mesh: Any) -> None:
+def _run_whole(mod: nn.Module, tp_mesh: Any, seq: dict[str, int]) -> None:
     """Under sequence parallelism, a module of a block that the plan leaves whole (an attention that
     cannot run on 1/tp of its heads) runs on the gathered sequence, and each rank keeps its slice of
     the output: its parameters then get whole gradients (every rank sees the whole output gradient)."""
@@ -115,7 +126,7 @@ def _run_whole(mod: nn.Module, tp_mesh: Any) -> None:
         x, where = get_input(m, args, kwargs)
         if not isinstance(x, torch.Tensor):
             return None
-        full = DTensor.from_local(x, tp_mesh, (Shard(1),), run_check=False).redistribute(tp_mesh, (Replicate(),)).to_local()
+        full = _sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),)).to_local()
         return put_input(args, kwargs, where, full)
 
     def after(m: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
@@ -127,7 +138,7 @@ def _run_whole(mod: nn.Module, tp_mesh: Any) -> None:
     mod.register_forward_hook(after, with_kwargs=True)
 
 
-def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str]) -> None:
+def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str], seq: dict[str, int]) -> None:
     """Enter the sequence-sharded region at the first block (a local slice: no communication
     forward, an all-gather of the gradient backward) and leave it after the last (an all-gather
     forward, a slice of the gradient backward). The input may be positional or a keyword, the
@@ -138,13 +149,13 @@ def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str]) -> 
 
     def enter(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x, where = get_input(mod, args, kwargs)
-        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[1] % tp:
-            # Uneven shards would give the ranks different global shapes at the next gather (a hang).
+        if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] < tp:
             raise ValueError(
-                f"sequence parallelism splits dim 1 (the sequence) of the blocks' input across tp={tp} ranks; got "
-                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}: use sequences whose length is a "
-                f"multiple of {tp}, or turn sequence_parallel off"
+                f"sequence parallelism splits dim 1 (the sequence) of the blocks' input (batch, sequence, features) across "
+                f"tp={tp} ranks; got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}: use sequences of at "
+                f"least {tp} positions, or turn sequence_parallel off"
             )
+        seq["len"] = int(x.shape[1])
         if isinstance(x, DTensor):
             dx = x.redistribute(tp_mesh, (Shard(1),))
         else:
@@ -153,7 +164,7 @@ def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str]) -> 
 
     def leave(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
         y = main_output(out)
-        dx = y if isinstance(y, DTensor) else DTensor.from_local(y, tp_mesh, (Shard(1),), run_check=False)
+        dx = y if isinstance(y, DTensor) else _sharded(y, tp_mesh, seq)
         return replace_output(out, dx.redistribute(tp_mesh, (Replicate(),)).to_local())
 
     module.get_submodule(blocks[0]).register_forward_pre_hook(enter, with_kwargs=True)
