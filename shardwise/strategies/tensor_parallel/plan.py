@@ -1,29 +1,27 @@
-"""Tensor-parallel plans: which ``nn.Linear`` modules split how, and the checks that a split is
-exact. Nothing here needs a process group, so the trainer can refuse a model before launch.
+"""Tensor-parallel plans: which linears split how, what every other module with parameters is
+(its role), and the checks that a split is exact. Nothing here needs a process group, so the
+trainer can refuse a model before launch.
 
-``auto_plan``: in every module, the ``nn.Linear`` children named like the first linear of a pair
-are column-split and the one named like the second is row-split, when both are present:
+Where a plan comes from, in order: the user's ``plan``; the model's declared plan
+(`declared_plan`: transformers' ``_tp_plan`` / ``config.base_model_tp_plan``); `auto_plan`, which
+finds pairs by name in every module (``nn.Linear`` or transformers' ``Conv1D``):
 
 ========= ============================================================ =====================
 role      child names                                                  style
 ========= ============================================================ =====================
-attention ``q k v query key value q_proj k_proj v_proj wq wk wv``      colwise (by heads)
+attention ``q k v query key value q_proj k_proj v_proj wq wk wv``,     colwise (by heads)
+          a stacked ``c_attn`` (permuted into per-rank whole heads)
           ``out o_proj proj out_proj wo c_proj``                       rowwise
 MLP       ``fc fc1 c_fc up_proj gate_proj w1 w3``                      colwise
           ``proj fc2 down_proj w2 c_proj``                             rowwise
+BERT      ``*.{query,key,value}``, ``intermediate.dense``               colwise
+          the sibling ``output.dense``                                 rowwise
 ========= ============================================================ =====================
 
-A module with column-style children but not exactly one row-style child (or the reverse) is left
-whole. Fused projections (``qkv``, ``c_attn``, ``Wqkv``, ``query_key_value``, ``qkv_proj``)
-are refused: splitting q|k|v stacked by columns would hand a rank all of q and none of v; split
-them into three linears or pass a plan for a model whose forward expects the split. Attention
-is split by heads: the head count (``out_features // head_dim`` with a ``head_dim`` attribute on
-the attention module, or its ``n_heads``/``num_heads``/``n_head``/``num_attention_heads``) must be
-divisible by ``tp``. Embeddings, the final norm and the output head stay replicated (every tp
-rank computes them whole on the same batch); a plan that finds nothing is a `ConfigError`.
-
-A user plan (`resolve_plan`) maps module names or fnmatch patterns (``"layers.*.mlp.w1"``) to
-``"colwise"`` or ``"rowwise"``; each must match at least one ``nn.Linear``.
+Fused projections of unknown layout (``qkv``, ``Wqkv``, ``query_key_value``, ``qkv_proj``,
+``in_proj``) are refused. An attention that derives its head width from its input (nanoGPT) stays
+whole. Attention is split by whole heads, key/value heads included. `roles` gives every other
+module with parameters or buffers a rule by its place in the block and refuses one no rule covers.
 """
 
 from __future__ import annotations
