@@ -37,11 +37,12 @@ def _tp_worker(models: tuple[str, ...], root: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for name in models:
         for sp in (False, True):
-            summary, state = harness.train(name, "tp", _opts(sp))
+            # The cell of the resume mode also writes a checkpoint at step 3; a second run resumes from it.
+            extra = {"out": os.path.join(root, name), "checkpoint_every": 3} if sp == RESUME_SP[name] else {}
+            summary, state = harness.train(name, "tp", _opts(sp), **extra)
             out[(name, sp)] = (summary.get("tp"), state)
-        run_dir = os.path.join(root, name)
-        harness.train(name, "tp", _opts(RESUME_SP[name]), out=run_dir, checkpoint_every=3, max_steps=3)
-        out[(name, "resumed")] = harness.train(name, "tp", _opts(RESUME_SP[name]), out=run_dir, resume="auto")[1]
+        step3 = os.path.join(root, name, "checkpoints", "step-00000003")
+        out[(name, "resumed")] = harness.train(name, "tp", _opts(RESUME_SP[name]), out=os.path.join(root, name + "-resumed"), resume=step3)[1]
     return out
 
 
