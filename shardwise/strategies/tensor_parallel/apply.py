@@ -64,7 +64,7 @@ def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = N
     seq: dict[str, int] = {}  # the sequence length of this forward (shards may be uneven: ViT's 17 tokens on 2 ranks)
     for sub, cols in _sublayers(resolved).items():
         target = module.get_submodule(sub) if sub else module
-        target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate(), seq), with_kwargs=True)
+        target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate(), seq), with_kwargs=True, prepend=True)
         if any(_is_attention_input(c, target) for c in cols):
             _localize(target, tp)
     if sequence_parallel:
@@ -107,6 +107,12 @@ def _gather_input(tp_mesh: Any, layout: Any, seq: dict[str, int]) -> Any:
         x, where = get_input(mod, args, kwargs)
         if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
             return None
+        if not layout.is_replicate() and x.dim() < 3:
+            raise ValueError(
+                f"sequence parallelism shards dim 1 of (batch, sequence, features) activations inside the blocks, but "
+                f"{type(mod).__name__} received shape {tuple(x.shape)} (the block flattened batch and sequence, as OPT's "
+                "decoder layer does); turn sequence_parallel off for this model"
+            )
         if layout.is_replicate():
             dx = DTensor.from_local(x, tp_mesh, (layout,), run_check=False)
         else:

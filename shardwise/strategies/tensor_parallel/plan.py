@@ -36,9 +36,9 @@ from shardwise.errors import ConfigError
 STYLES = ("colwise", "rowwise")
 
 ATTN_COLWISE = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"})
-ATTN_ROWWISE = frozenset({"out", "o_proj", "proj", "out_proj", "wo", "c_proj"})
-MLP_COLWISE = frozenset({"fc", "fc1", "c_fc", "up_proj", "gate_proj", "w1", "w3"})
-MLP_ROWWISE = frozenset({"proj", "fc2", "down_proj", "w2", "c_proj"})
+ATTN_ROWWISE = frozenset({"o", "out", "o_proj", "proj", "out_proj", "wo", "c_proj"})
+MLP_COLWISE = frozenset({"fc", "fc1", "c_fc", "up_proj", "gate_proj", "w1", "w3", "fc_in", "dense_h_to_4h", "wi", "wi_0", "wi_1"})
+MLP_ROWWISE = frozenset({"proj", "fc2", "down_proj", "w2", "c_proj", "fc_out", "dense_4h_to_h", "wo"})
 FUSED = frozenset({"qkv", "c_attn", "wqkv", "query_key_value", "qkv_proj", "in_proj"})
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "heads")
 
@@ -65,10 +65,10 @@ def _join(prefix: str, name: str) -> str:
 # layouts (Falcon's and BLOOM's per-head interleaving, ...) differ by model and are refused unless
 # the model declares its own plan.
 STACKED_QKV = frozenset({"c_attn"})
-_HEAD_WIDTH_ATTRS = ("head_dim", "attention_head_size", "head_size")
+_HEAD_WIDTH_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "split_size", "all_head_size", "hidden_size")
 LOCAL_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_kv_heads",
-               "split_size", "embed_dim", "all_head_size")
+               "split_size", "embed_dim", "all_head_size", "inner_dim")
 """Attributes of a head-split attention module set to this rank's value (divided by tp) after the split."""
 
 
@@ -318,12 +318,27 @@ def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
 
 
 def _sublayers(plan: dict[str, str]) -> dict[str, list[str]]:
-    """Parent module -> its column-split linears (the modules whose input Megatron's f acts on)."""
+    """Sublayer -> its column-split linears (the modules whose input Megatron's f acts on): their
+    parent (attention, MLP), or the linear itself when its parent is a block (OPT's ``fc1`` sits
+    in the decoder layer next to the norms)."""
+    blocks = set(_blocks_of(plan))
     out: dict[str, list[str]] = {}
     for name, style in plan.items():
         if style == "colwise":
-            out.setdefault(_parent(name), []).append(name)
+            parent = _parent(name)
+            out.setdefault(name if parent in blocks else parent, []).append(name)
     return out
+
+
+def _blocks_of(plan: dict[str, str]) -> list[str]:
+    """Elements of a block list (a dotted name ending in an index) that hold split linears."""
+    found = []
+    for name in plan:
+        parts = name.split(".")
+        idx = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
+        if idx:
+            found.append(".".join(parts[: idx[-1] + 1]))
+    return found
 
 
 def _blocks(module: nn.Module, plan: dict[str, str]) -> list[str]:
