@@ -349,3 +349,23 @@ def test_the_backstop_names_a_module_no_rule_covers():
 def test_a_fused_projection_of_unknown_layout_is_still_refused():
     with pytest.raises(ConfigError, match="qkv is a fused q|k|v projection whose layout"):
         auto_plan(Fused())
+
+
+def test_other_families_get_a_plan_or_a_true_refusal():
+    tf = pytest.importorskip("transformers")
+    opt = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=32, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
+                                         max_position_embeddings=16, word_embed_proj_dim=16))
+    plan, grad_sum, source = resolve(opt, None, 2)
+    assert source == "auto" and plan["model.decoder.layers.0.fc1"] == "colwise" and plan["model.decoder.layers.0.fc2"] == "rowwise"
+    # fc1 sits in the decoder layer next to the norms: it is its own sublayer, and the norms are the layer's.
+    assert roles(opt, plan, grad_sum, True)["sum"] == [
+        f"model.decoder.layers.0.{n}.{p}" for n in ("self_attn_layer_norm", "final_layer_norm") for p in ("weight", "bias")]
+    neox = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, max_position_embeddings=16))
+    assert resolve(neox, None, 2)[2] == "declared"  # its fused query_key_value is per-head interleaved: colwise gives whole heads
+    falcon = tf.FalconForCausalLM(tf.FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ConfigError, match="query_key_value is a fused q|k|v projection whose layout"):
+        resolve(falcon, None, 2)
+    t5 = tf.T5EncoderModel(tf.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    with pytest.raises(ConfigError, match=r"SelfAttention.relative_attention_bias \(Embedding\) holds parameters"):
+        TensorParallel(tp=2).check_model(t5)
