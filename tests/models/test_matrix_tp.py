@@ -76,6 +76,14 @@ def test_what_each_model_split(tp_runs: tuple[dict[Any, Any], str]) -> None:
     assert plans["bert"]["bert.encoder.layer.0.attention.output.dense"] == "rowwise"
     assert plans["bert"]["bert.encoder.layer.0.intermediate.dense"] == "colwise"
     assert len(plans["vit"]) == 24
+    sections = {name: tp_runs[0][(name, True)][0] for name in MODELS}
+    assert sections["llama"]["plan_source"] == "declared" and sections["gpt2"]["plan_source"] == "auto"
+    assert sections["gpt2"]["fused"] == [f"transformer.h.{i}.attn.c_attn" for i in range(4)]
+    assert sections["nanogpt"]["whole"] == [f"transformer.h.{i}.attn" for i in range(4)]
+    # Under sequence parallelism every norm inside a block has its gradient summed over tp, whatever its class.
+    assert sorted(sections["llama"]["grad_summed"]) == sorted(
+        f"model.layers.{i}.{n}.weight" for i in range(4) for n in ("input_layernorm", "post_attention_layernorm"))
+    assert len(sections["nanogpt"]["grad_summed"]) == 16 and len(sections["bert"]["grad_summed"]) == 16
 
 
 @pytest.mark.parametrize("name", MODELS)

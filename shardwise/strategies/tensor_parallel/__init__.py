@@ -135,6 +135,7 @@ class TensorParallel:
         self.steps = 0
         self._world_tp: int | None = None
         self._model: nn.Module | None = None
+        self.roles: dict[str, Any] = {}
         self._dirty = False
 
     def mesh_degrees(self) -> dict[str, int]:
@@ -175,7 +176,10 @@ class TensorParallel:
         model = model.to(mesh.device)
         tp_mesh = _dim_mesh(mesh, "tp")
         parallelize(model, tp_mesh, self.plan, self.sequence_parallel)
-        self.applied = dict(model._shardwise_tp["plan"])  # type: ignore[index]
+        info = model._shardwise_tp  # type: ignore[attr-defined]
+        self.applied = dict(info["plan"])
+        self.roles = {"plan_source": info["source"], "grad_summed": list(info["sum"]), "whole": list(info["whole"]),
+                      "fused": sorted(info["fused"])}
         self.names = group_names(tp=tp_mesh.get_group())
         self.tp_group = tp_mesh.get_group()
         if self.dp > 1:
@@ -293,6 +297,6 @@ class TensorParallel:
             per_step.setdefault(f"{group}/{kind}", {})[phase] = n / steps
         return {"tp": {
             "degree": self.degree, "dp": self.dp, "dp_strategy": self.dp_strategy if self.dp > 1 else None,
-            "sequence_parallel": self.sequence_parallel, "plan": self.applied,
+            "sequence_parallel": self.sequence_parallel, "plan": self.applied, **self.roles,
             "collectives_per_step": per_step if self.count else None, "counted_steps": self.steps if self.count else 0,
         }}

@@ -194,7 +194,9 @@ def declared_plan(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
     return (plan, grad_sum) if plan else None
 
 
-def _expand(module: nn.Module, plan: dict[str, str], what: str = "plan") -> dict[str, str]:
+def _expand(module: nn.Module, plan: dict[str, str], what: str = "plan", lenient: bool = False) -> dict[str, str]:
+    """Patterns -> module names. ``lenient`` (a declared plan on part of a model, a pipeline stage):
+    a pattern that matches nothing is skipped."""
     names = [n for n, _ in module.named_modules() if n]
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -203,6 +205,8 @@ def _expand(module: nn.Module, plan: dict[str, str], what: str = "plan") -> dict
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: 'colwise', 'rowwise'")
         matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+        if not matched and lenient:
+            continue
         if not matched:
             close = difflib.get_close_matches(pattern, names, n=3)
             raise ConfigError(
@@ -230,7 +234,9 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
             raise ConfigError(f"plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
         resolved, source = _expand(module, plan), "user"
     elif (declared := declared_plan(module)) is not None:
-        resolved, source = _expand(module, declared[0], f"the tensor-parallel plan {type(module).__name__} declares"), "declared"
+        resolved, source = _expand(module, declared[0], f"the tensor-parallel plan {type(module).__name__} declares", lenient=True), "declared"
+        if not resolved:
+            raise ConfigError(f"the tensor-parallel plan {type(module).__name__} declares ({sorted(declared[0])}) matches none of its modules; pass plan={{...}}")
         names = [n for n, _ in module.named_modules() if n]
         grad_sum = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in declared[1])]
     else:
