@@ -71,8 +71,8 @@ from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_ori
 
 __all__ = [
     "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "auto_plan",
-    "check_divisible", "clip_grad_norm_", "count_collectives", "group_names", "ns_is_input_shard", "parallelize",
-    "reduce_partial_grads", "replicate_grads", "resolve_plan", "shard_data_parallel", "synchronize_dropout",
+    "check_divisible", "check_replicas", "clip_grad_norm_", "count_collectives", "declared_plan", "group_names", "ns_is_input_shard", "parallelize",
+    "reduce_partial_grads", "replicate_grads", "resolve", "resolve_plan", "roles", "shard_data_parallel", "synchronize_dropout",
 ]
 
 
