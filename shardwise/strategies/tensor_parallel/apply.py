@@ -71,6 +71,8 @@ def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = N
         _sequence_boundaries(module, tp_mesh, blocks, seq)
         for name in role["whole"]:
             _run_whole(module.get_submodule(name), tp_mesh, seq)
+    for name in role["sum"]:
+        module.get_parameter(name)._shardwise_tp_sum = tp_mesh  # type: ignore[attr-defined]  # see grads._sum_role_grads
     synchronize_dropout(module, tp_mesh, blocks, role["whole"])
     module._shardwise_tp = {  # type: ignore[assignment]
         "plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp, "source": source,

@@ -68,16 +68,24 @@ def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
     slice of the sequence, per-head norms a model declares): one coalesced allreduce per dtype."""
     from torch.distributed.tensor import DTensor
 
-    info = getattr(module, "_shardwise_tp", None)
-    if not info or not info.get("sum"):
+    # Found two ways: through the module parallelize() ran on (its names survive FSDP2, which
+    # replaces the parameters), and by a mark on the parameters (a pipeline wrapper registers the
+    # stage's layers, not the stage module).
+    found: list[tuple[nn.Parameter, Any]] = []
+    for part in module.modules():
+        info = getattr(part, "_shardwise_tp", None) or {}
+        found += [(part.get_parameter(n), info["mesh"]) for n in info.get("sum", ())]
+    found += [(p, p._shardwise_tp_sum) for p in module.parameters() if getattr(p, "_shardwise_tp_sum", None) is not None]
+    if not found:
         return 0
-    pg = info["mesh"].get_group()
+    pg = found[0][1].get_group()
     size = dist.get_world_size(pg)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for name in info["sum"]:
-        p = module.get_parameter(name)
-        if p.grad is None:
+    seen: set[int] = set()
+    for p, _ in found:
+        if p.grad is None or id(p) in seen:
             continue
+        seen.add(id(p))
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         by_dtype.setdefault(local.dtype, []).append(local)
     for tensors in by_dtype.values():
