@@ -246,7 +246,8 @@ def test_check_model_uses_the_world_size_as_the_default_degree_and_checks_sequen
 
 # -- real models: declared plans, Conv1D, fused q|k|v, roles and the backstop ---------------------
 
-from shardwise.strategies.tensor_parallel.plan import declared_plan, resolve, roles  # noqa: E402
+from shardwise.strategies.tensor_parallel.plan import declared_plan, resolve  # noqa: E402
+from shardwise.strategies.tensor_parallel.roles import roles  # noqa: E402
 from shardwise.strategies.tensor_parallel.styles import fused_permutation  # noqa: E402
 
 

@@ -15,8 +15,11 @@ the sequence, with the same bytes sent.
 
 The package, by concern:
 
-- ``plan``: which linears split how (`auto_plan`, `resolve_plan`, `check_divisible`); no process
+- ``plan``: which linears split how (`declared_plan`, `auto_plan`, `resolve_plan`, `check_divisible`); no process
   group needed.
+- ``roles``: every other module's rule by its place in the block, and the backstop.
+- ``styles``: the split styles for Linear and Conv1D, the fused q|k|v permutation, inputs bound by signature.
+- ``relayout``: fused weights back in the original layout on save; `check_replicas`.
 - ``apply``: `parallelize`, the sequence-parallel region, `synchronize_dropout`.
 - ``grads``: `reduce_partial_grads`, `replicate_grads`, `shard_data_parallel`, `clip_grad_norm_`.
 - ``counting``: `count_collectives` and the dispatch mode behind it.
@@ -65,8 +68,9 @@ from shardwise.strategies.tensor_parallel.counting import _collective_counter_mo
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
 from shardwise.strategies.tensor_parallel.plan import (
     ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, declared_plan,
-    fused_parts, resolve, resolve_plan, roles,
+    fused_parts, resolve, resolve_plan,
 )
+from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
 
 __all__ = [

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.strategies.tensor_parallel.plan import (
-    LOCAL_ATTRS, _is_attention_input, _sequence_blocks, _sublayers, fused_parts, resolve, roles,
+    LOCAL_ATTRS, _is_attention_input, _sequence_blocks, _sublayers, fused_parts, resolve,
 )
+from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.styles import colwise, get_input, main_output, put_input, replace_output, rowwise
 
 def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False) -> nn.Module:
@@ -36,7 +37,7 @@ def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = N
     of a model (a pipeline stage holding blocks 2-3): names are the module's own. Parameters of split
     linears (``nn.Linear`` or transformers' ``Conv1D``) become DTensors (colwise: output features
     ``Shard``; rowwise: input features ``Shard``, bias replicated); everything else stays a plain
-    tensor, replicated (`plan.roles` says which gradients are summed over tp). Attention modules
+    tensor, replicated (`roles.roles` says which gradients are summed over tp). Attention modules
     split by heads get their head-count and width attributes (``num_heads``, ``split_size``, ...)
     set to this rank's values.
 

@@ -64,7 +64,7 @@ def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) ->
 
 
 def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
-    """Sum over tp the gradients of the replicated parameters `plan.roles` lists (norms that saw a
+    """Sum over tp the gradients of the replicated parameters `roles.roles` lists (norms that saw a
     slice of the sequence, per-head norms a model declares): one coalesced allreduce per dtype."""
     from torch.distributed.tensor import DTensor
 
