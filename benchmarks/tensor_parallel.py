@@ -16,7 +16,12 @@ parameters left out): the
 activation memory that tensor and sequence parallelism divide. On CPU with gloo this measures overhead
 and communication cost, not a GPU's speed-up.
 
-    python benchmarks/tensor_parallel.py [--widths 64 128 256] [--steps 12] [--layers 2] [--repeats 1]
+The last rows train Hugging Face's ``LlamaForCausalLM`` (``--llama-width``, 4 heads, 2 key/value
+heads, MLP 2x wide, the same layers, block and batch; built from a config, no download) through
+its own declared tensor-parallel plan and its own loss (``model(**batch).loss``): the same formula
+holds, since grouped-query attention changes the weights, not the activations between the pairs.
+
+    python benchmarks/tensor_parallel.py [--widths 64 128 256] [--steps 12] [--layers 2] [--repeats 1] [--llama-width 128]
 """
 
 from __future__ import annotations
@@ -107,6 +112,40 @@ def _fit(strategy: str, width: int, args: argparse.Namespace, **options: Any) ->
             "collectives": (summary.get("tp") or {}).get("collectives_per_step")}
 
 
+class _Dicts(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Causal-LM samples as transformers users feed them: ``{"input_ids", "labels"}``."""
+
+    def __init__(self, block: int, n: int) -> None:
+        self.ids = _data(block, n).tensors[0]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _fit_llama(strategy: str, args: argparse.Namespace, **options: Any) -> dict[str, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    width = args.llama_width
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=args.layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.block,
+                                   tie_word_embeddings=False, use_cache=False, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg)
+    timer = StepTimer(args.warmup)
+    trainer = shardwise.Trainer(
+        strategy=strategy, optimizer=_adamw, strategy_options=options, callbacks=[timer],
+        global_batch_size=args.batch, max_steps=args.steps, log_every=args.steps, progress_bar=False,
+    )
+    summary = trainer.fit(model, _Dicts(args.block, args.batch * args.steps))
+    by_op = summary["comm"]["by_op"]
+    tp_sent = sum(v["sent_bytes"] for k, v in by_op.items() if k.startswith("tp/"))
+    return {"step_s": statistics.median(timer.times), "tp_sent_per_step": tp_sent / summary["steps"], "saved_mb": timer.saved_bytes / 1e6,
+            "collectives": (summary.get("tp") or {}).get("collectives_per_step")}
+
+
 def _best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The repeat with the lowest median step time (the machine may be shared: noise only adds)."""
     return min(runs, key=lambda r: r["step_s"])
@@ -119,6 +158,9 @@ def _two(widths: list[int], args: argparse.Namespace) -> dict[Any, Any]:
             runs.setdefault(("tp2", width), []).append(_fit("tp", width, args, tp=2))
             runs.setdefault(("tp2 sp", width), []).append(_fit("tp", width, args, tp=2, sequence_parallel=True))
             runs.setdefault(("no count", width), []).append(_fit("tp", width, args, tp=2, count_collectives=False))
+        if args.llama_width:
+            runs.setdefault(("tp2", "llama"), []).append(_fit_llama("tp", args, tp=2))
+            runs.setdefault(("tp2 sp", "llama"), []).append(_fit_llama("tp", args, tp=2, sequence_parallel=True))
     return {k: _best(v) for k, v in runs.items()}
 
 
@@ -140,10 +182,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--llama-width", type=int, default=128, help="hidden size of the HF Llama rows (0: leave them out)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions; each row keeps its fastest")
     args = ap.parse_args()
     torch.set_num_threads(1)
     single = {w: _best([_fit("single", w, args) for _ in range(args.repeats)]) for w in args.widths}
+    if args.llama_width:
+        single["llama"] = _best([_fit_llama("single", args) for _ in range(args.repeats)])
     two = shardwise.launch(_two, args.widths, args, nproc=2, threads_per_proc=1)[0]
     print(f"charlm, {args.layers} blocks, 4 heads, block {args.block}, global batch {args.batch}, fp32; median step after {args.warmup} "
           f"warm-up steps, fastest of {args.repeats} repeats")
@@ -151,13 +196,16 @@ def main() -> None:
             f"{'act. MB':>8} {'vs tp1':>7}  collectives per step (tp group: fwd/bwd)")
     print(head)
     print("-" * len(head))
-    for w in args.widths:
+    for w in args.widths + (["llama"] if args.llama_width else []):
+        width = args.llama_width if w == "llama" else w
         base = single[w]["step_s"]
         act = single[w]["saved_mb"]
+        if w == "llama":
+            print(f"HF LlamaForCausalLM, d_model {width}, 4 heads / 2 kv heads, its declared plan and its own loss")
         print(f"{w:>7} {'tp1':>9} {base * 1e3:>8.2f} {1.0:>7.2f} {0.0:>16.3f} {0.0:>10.3f} {'':>6} {act:>8.2f} {1.0:>7.2f}")
-        for run in ("tp2", "tp2 sp", "no count"):
+        for run in ("tp2", "tp2 sp") + (("no count",) if w != "llama" else ()):
             r = two[(run, w)]
-            pred = predicted_bytes(w, args, 2, run == "tp2 sp") / 1e6
+            pred = predicted_bytes(width, args, 2, run == "tp2 sp") / 1e6
             sent = r["tp_sent_per_step"] / 1e6
             counts = ", ".join(f"{k.split('/')[1]} {int(v.get('forward', 0))}/{int(v.get('backward', 0))}" for k, v in (r["collectives"] or {}).items())
             ratio = f"{sent / pred:>6.3f}" if run != "no count" else f"{'':>6}"

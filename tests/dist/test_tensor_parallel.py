@@ -159,18 +159,29 @@ def _partial_model(sequence_parallel: bool) -> tuple[float, float, list[str]]:
     return (out - want).abs().max().item(), (xs.grad - xr.grad).abs().max().item(), sorted(stage._shardwise_tp["plan"])
 
 
-def _uneven_sequence() -> str | None:
-    """Sequence parallelism on a sequence of 7 at tp=2: refused in forward, on every rank alike."""
+def _uneven_sequence() -> tuple[float, float, str | None]:
+    """Sequence parallelism on a sequence of 7 at tp=2 (shards of 4 and 3, as ViT's 17 tokens): the
+    output and the embedding's gradient equal the unsplit model's; a sequence of 1 is refused."""
+    import copy
+
     from torch.distributed.device_mesh import init_device_mesh
 
-    from shardwise.strategies.tensor_parallel import parallelize
+    from shardwise.strategies.tensor_parallel import parallelize, reduce_partial_grads
 
-    model = parallelize(tiny_gpt(), init_device_mesh("cpu", (2,)), sequence_parallel=True)
+    ref = tiny_gpt()
+    model = parallelize(copy.deepcopy(ref), init_device_mesh("cpu", (2,)), sequence_parallel=True)
+    x = chars(4).tensors[0][:, :7]
+    out, want = model(x), ref(x)
+    out.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    reduce_partial_grads(model)
+    grads = max((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).sub(q.grad).abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters()))
     try:
-        model(chars(4).tensors[0][:, :7])
+        model(x[:, :1])
     except ValueError as exc:
-        return str(exc)
-    return None
+        return (out - want).abs().max().item(), grads, str(exc)
+    return (out - want).abs().max().item(), grads, None
 
 
 def _world_of_two(root: Path) -> dict[Any, Any]:
@@ -373,16 +384,18 @@ def test_tp_that_does_not_divide_the_world_size_is_a_config_error_before_launch(
 def test_heads_that_do_not_divide_by_tp_is_a_config_error(two):
     for rank in range(2):
         assert two[rank]["heads"] is not None
-        assert "blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks (attention is split by whole heads); choose tp in [1, 3]" in two[rank]["heads"]
+        assert "blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks (attention is split by whole heads, key/value heads included); choose tp in [1, 3]" in two[rank]["heads"]
 
 
 def test_fp16_with_its_grad_scaler_is_refused_before_the_first_step(two):
     assert "strategy 'tp' does not run with precision '16-mixed'" in two[0]["fp16"] and "use precision 'bf16-mixed'" in two[0]["fp16"]
 
 
-def test_a_sequence_that_does_not_split_under_sequence_parallelism_is_refused(two):
+def test_an_uneven_sequence_splits_exactly_and_one_too_short_is_refused(two):
     for rank in range(2):
-        assert "sequence parallelism splits dim 1 (the sequence) of the blocks' input across tp=2 ranks; got shape (4, 7, 16)" in two[rank]["uneven"]
+        out, grads, refusal = two[rank]["uneven"]
+        assert out < 1e-12 and grads < 1e-12, (out, grads)
+        assert refusal is not None and "sequence parallelism splits dim 1 (the sequence) of the blocks' input (batch, sequence, features) across tp=2 ranks; got (4, 1, 16)" in refusal
 
 
 def test_bad_plans_are_config_errors():

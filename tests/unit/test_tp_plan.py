@@ -162,7 +162,7 @@ def test_a_bad_style_is_a_config_error_before_anything_runs():
 
 
 def test_only_linears_split():
-    with pytest.raises(ConfigError, match="splits nn.Linear modules; embed_tokens is a Embedding"):
+    with pytest.raises(ConfigError, match=r"splits nn.Linear modules \(and Conv1D\); embed_tokens is a Embedding"):
         resolve_plan(Llama(), {"embed_tokens": "colwise"})
 
 
@@ -242,3 +242,131 @@ def test_check_model_uses_the_world_size_as_the_default_degree_and_checks_sequen
     with pytest.raises(ConfigError, match="sequence_parallel needs transformer blocks"):
         TensorParallel(tp=2, sequence_parallel=True).check_model(TwoLayer())
     TensorParallel(tp=2, sequence_parallel=True).check_model(CharGPT(11, 8, 16, 2, 1))
+
+
+# -- real models: declared plans, Conv1D, fused q|k|v, roles and the backstop ---------------------
+
+from shardwise.strategies.tensor_parallel.plan import declared_plan, resolve  # noqa: E402
+from shardwise.strategies.tensor_parallel.roles import roles  # noqa: E402
+from shardwise.strategies.tensor_parallel.styles import fused_permutation  # noqa: E402
+
+
+def _zoo(name: str, **kw):  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    from tests.models import zoo
+
+    return zoo.build(name, layers=2, **kw)
+
+
+def test_a_model_that_declares_its_plan_gets_it():
+    model = _zoo("llama")
+    plan, grad_sum, source = resolve(model, None, 2)
+    assert source == "declared" and not grad_sum
+    assert plan["model.layers.1.self_attn.o_proj"] == "rowwise" and plan["model.layers.0.mlp.up_proj"] == "colwise"
+    assert "lm_head" not in plan and "model.embed_tokens" not in plan  # embeddings and head stay whole
+
+
+def test_grouped_query_kv_heads_must_divide_by_tp():
+    model = _zoo("llama")  # 4 query heads, 2 key/value heads
+    resolve(model, None, 2)
+    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn.k_proj has 2 attention heads, which do not split across tp=4 ranks.*key/value heads"):
+        resolve(model, None, 4)
+
+
+def test_a_declared_per_head_norm_has_its_gradient_summed_and_unknown_declared_styles_are_refused():
+    tf = pytest.importorskip("transformers")
+    cfg = tf.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=16)
+    model = tf.Qwen3ForCausalLM(cfg)
+    plan, grad_sum, _ = resolve(model, None, 2)
+    assert grad_sum == ["model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"]
+    assert roles(model, plan, grad_sum, False)["sum"] == ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"]
+    model._tp_plan = {"model.layers.*.mlp.gate_up_proj": "packed_colwise"}
+    with pytest.raises(ConfigError, match="declares tensor-parallel style 'packed_colwise' for 'model.layers.*.mlp.gate_up_proj'"):
+        declared_plan(model)
+
+
+def test_gpt2_conv1d_and_its_stacked_c_attn_split_by_heads():
+    model = _zoo("gpt2")
+    plan, _, source = resolve(model, None, 2)
+    assert source == "auto"
+    assert plan == {f"transformer.h.{i}.{n}": s for i in range(2) for n, s in
+                    (("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))}
+    with pytest.raises(ConfigError, match=r"transformer.h.0.attn.c_attn has 4 attention heads, which do not split across tp=8"):
+        resolve(model, None, 8)
+
+
+def test_the_fused_permutation_gives_each_rank_its_heads_q_k_and_v():
+    # 3 blocks (q, k, v) of 8 features, 2 ranks: rank 0 holds q[0:4], k[0:4], v[0:4].
+    perm = fused_permutation(8, 3, 2)
+    assert perm.tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+    assert torch.equal(torch.argsort(perm)[perm], torch.arange(24))
+
+
+def test_norms_are_chosen_by_their_place_in_the_block_not_their_class():
+    model = _zoo("nanogpt")  # its LayerNorm is its own class, not nn.LayerNorm
+    plan, grad_sum, _ = resolve(model, None, 2)
+    r = roles(model, plan, grad_sum, True)
+    assert r["blocks"] == ["transformer.h.0", "transformer.h.1"]
+    assert r["sum"] == [f"transformer.h.{i}.ln_{j}.{p}" for i in range(2) for j in (1, 2) for p in ("weight", "bias")]
+    assert r["whole"] == ["transformer.h.0.attn", "transformer.h.1.attn"]  # c // n_head: cannot run on local heads
+    assert roles(model, plan, grad_sum, False)["sum"] == []  # without sequence parallelism the norms see whole activations
+    llama = _zoo("llama")
+    plan, grad_sum, _ = resolve(llama, None, 2)
+    assert roles(llama, plan, grad_sum, True)["sum"] == [
+        f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
+
+
+class ScaledAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(8, 8) for _ in range(4))
+        self.temperature = nn.Parameter(torch.ones(2))  # per-head: sees only this rank's heads
+
+
+class PositionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = LlamaAttention(8, 2, 2)
+        self.register_buffer("positions", torch.arange(4))
+
+
+def test_the_backstop_names_a_module_no_rule_covers():
+    model = nn.Sequential(nn.ModuleList([nn.Module()]))
+    model[0][0].attn = ScaledAttention()
+    plan = resolve_plan(model, tp=2)
+    with pytest.raises(ConfigError, match=r"0.0.attn \(ScaledAttention\) holds parameters \['temperature'\] of its own next to its split linears"):
+        roles(model, plan, [], False)
+    with pytest.raises(ConfigError, match=r"0.0.attn \(ScaledAttention\) holds parameters"):
+        TensorParallel(tp=2).check_model(model)
+    blocks = nn.Sequential(nn.ModuleList([PositionBlock()]))
+    plan = resolve_plan(blocks, tp=2)
+    roles(blocks, plan, [], False)  # without sequence parallelism a block's buffer sees the whole sequence
+    with pytest.raises(ConfigError, match=r"0.0 \(PositionBlock\) holds buffers \['positions'\] inside block 0.0.*Turn sequence_parallel off"):
+        TensorParallel(tp=2, sequence_parallel=True).check_model(blocks)
+
+
+def test_a_fused_projection_of_unknown_layout_is_still_refused():
+    with pytest.raises(ConfigError, match="qkv is a fused q|k|v projection whose layout"):
+        auto_plan(Fused())
+
+
+def test_other_families_get_a_plan_or_a_true_refusal():
+    tf = pytest.importorskip("transformers")
+    opt = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=32, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
+                                         max_position_embeddings=16, word_embed_proj_dim=16))
+    plan, grad_sum, source = resolve(opt, None, 2)
+    assert source == "auto" and plan["model.decoder.layers.0.fc1"] == "colwise" and plan["model.decoder.layers.0.fc2"] == "rowwise"
+    # fc1 sits in the decoder layer next to the norms: it is its own sublayer, and the norms are the layer's.
+    assert roles(opt, plan, grad_sum, True)["sum"] == [
+        f"model.decoder.layers.0.{n}.{p}" for n in ("self_attn_layer_norm", "final_layer_norm") for p in ("weight", "bias")]
+    neox = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, max_position_embeddings=16))
+    assert resolve(neox, None, 2)[2] == "declared"  # its fused query_key_value is per-head interleaved: colwise gives whole heads
+    falcon = tf.FalconForCausalLM(tf.FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ConfigError, match="query_key_value is a fused q|k|v projection whose layout"):
+        resolve(falcon, None, 2)
+    t5 = tf.T5EncoderModel(tf.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
+    with pytest.raises(ConfigError, match=r"SelfAttention.relative_attention_bias \(Embedding\) holds parameters"):
+        TensorParallel(tp=2).check_model(t5)

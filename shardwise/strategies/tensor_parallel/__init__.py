@@ -15,8 +15,11 @@ the sequence, with the same bytes sent.
 
 The package, by concern:
 
-- ``plan``: which linears split how (`auto_plan`, `resolve_plan`, `check_divisible`); no process
+- ``plan``: which linears split how (`declared_plan`, `auto_plan`, `resolve_plan`, `check_divisible`); no process
   group needed.
+- ``roles``: every other module's rule by its place in the block, and the backstop.
+- ``styles``: the split styles for Linear and Conv1D, the fused q|k|v permutation, inputs bound by signature.
+- ``relayout``: fused weights back in the original layout on save; `check_replicas`.
 - ``apply``: `parallelize`, the sequence-parallel region, `synchronize_dropout`.
 - ``grads``: `reduce_partial_grads`, `replicate_grads`, `shard_data_parallel`, `clip_grad_norm_`.
 - ``counting``: `count_collectives` and the dispatch mode behind it.
@@ -64,13 +67,16 @@ from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_
 from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
 from shardwise.strategies.tensor_parallel.plan import (
-    ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, resolve_plan,
+    ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, declared_plan,
+    fused_parts, resolve, resolve_plan,
 )
+from shardwise.strategies.tensor_parallel.roles import roles
+from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
 
 __all__ = [
     "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "auto_plan",
-    "check_divisible", "clip_grad_norm_", "count_collectives", "group_names", "ns_is_input_shard", "parallelize",
-    "reduce_partial_grads", "replicate_grads", "resolve_plan", "shard_data_parallel", "synchronize_dropout",
+    "check_divisible", "check_replicas", "clip_grad_norm_", "count_collectives", "declared_plan", "group_names", "ns_is_input_shard", "parallelize",
+    "reduce_partial_grads", "replicate_grads", "resolve", "resolve_plan", "roles", "shard_data_parallel", "synchronize_dropout",
 ]
 
 
@@ -99,7 +105,7 @@ class TensorParallel:
 
     def __init__(
         self, *, tp: int | None = None, sequence_parallel: bool = False, plan: dict[str, str] | None = None,
-        dp_strategy: str = "ddp", count_collectives: bool = True,
+        dp_strategy: str = "ddp", count_collectives: bool = True, check_replicas: bool = False,
     ) -> None:
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ConfigError(f"tp must be a whole number >= 1; got {tp!r}")
@@ -122,6 +128,8 @@ class TensorParallel:
                     raise ConfigError(f"plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'")
         self.tp, self.sequence_parallel, self.plan, self.dp_strategy = tp, bool(sequence_parallel), plan, dp_strategy
         self.count = count_collectives
+        self.check_replicas = bool(check_replicas)
+        self.tp_group: Any = None
         self.degree, self.dp = tp or 1, 1
         self.applied: dict[str, str] = {}
         self.recorder: Recorder | None = None
@@ -130,6 +138,8 @@ class TensorParallel:
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.steps = 0
         self._world_tp: int | None = None
+        self._model: nn.Module | None = None
+        self.roles: dict[str, Any] = {}
         self._dirty = False
 
     def mesh_degrees(self) -> dict[str, int]:
@@ -151,9 +161,13 @@ class TensorParallel:
         The degree is ``tp``, else the world size `validate` saw; without either only the plan
         itself is checked.
         """
-        resolved = resolve_plan(model, self.plan, self.tp or self._world_tp)
+        resolved, grad_sum, _ = resolve(model, self.plan, self.tp or self._world_tp)
         if self.sequence_parallel:
             _sequence_blocks(model, resolved)
+        roles(model, resolved, grad_sum, self.sequence_parallel)  # the backstop: a module no rule covers
+        if self.dp_strategy == "fsdp" and any(fused_parts(model, n) for n, st in resolved.items() if st == "colwise"):
+            raise ConfigError("a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; "
+                              "got dp_strategy 'fsdp'. Use dp_strategy='ddp'")
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
         if not dist.is_initialized():
@@ -162,12 +176,16 @@ class TensorParallel:
             raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={mesh.size('pp')}. Use strategy 'pipeline' with --tp for pp x tp")
         self.degree, self.dp = mesh.size("tp"), mesh.size("dp")
         self.recorder = recorder
-        resolve_plan(model, self.plan, self.degree)  # a bad plan or head count fails here, before any group is built
+        self.check_model(model)  # a bad plan or head count fails here, before any group is built
         model = model.to(mesh.device)
         tp_mesh = _dim_mesh(mesh, "tp")
         parallelize(model, tp_mesh, self.plan, self.sequence_parallel)
-        self.applied = dict(model._shardwise_tp["plan"])  # type: ignore[index]
+        info = model._shardwise_tp  # type: ignore[attr-defined]
+        self.applied = dict(info["plan"])
+        self.roles = {"plan_source": info["source"], "grad_summed": list(info["sum"]), "whole": list(info["whole"]),
+                      "fused": sorted(info["fused"])}
         self.names = group_names(tp=tp_mesh.get_group())
+        self.tp_group = tp_mesh.get_group()
         if self.dp > 1:
             dp_mesh = _dim_mesh(mesh, "dp")
             self.names.update(group_names(dp=dp_mesh.get_group()))
@@ -175,6 +193,7 @@ class TensorParallel:
             if self.dp_strategy == "fsdp":
                 shard_data_parallel(model, dp_mesh)
         self.model_params = list(model.parameters())
+        self._model = model
         optimizer = make_optimizer(self.model_params)
         # Gradients are finished (sequence-parallel partial sums reduced, dp replicas averaged)
         # before clipping and before the optimizer step, however backward was called: through
@@ -197,8 +216,7 @@ class TensorParallel:
         if not self._dirty:
             return
         self._dirty = False
-        if self.sequence_parallel:
-            reduce_partial_grads(model, self.recorder)
+        reduce_partial_grads(model, self.recorder)  # sequence-parallel norms, declared per-head norms
         if self.dp > 1 and self.dp_strategy == "ddp" and self.dp_group is not None:
             replicate_grads(model, self.dp_group, self.recorder)
 
@@ -232,6 +250,12 @@ class TensorParallel:
         self.finish_grads(model)
         return loss
 
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """With ``check_replicas``: after every step, the replicated parameters must be equal bit for
+        bit across the tp ranks (`relayout.check_replicas` names the first that differs)."""
+        if self.check_replicas and self.tp_group is not None:
+            check_replicas(model, self.tp_group)
+
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         # ddp: nothing to skip (the dp allreduce runs once, in finish_grads); fsdp: accumulate
@@ -251,7 +275,7 @@ class TensorParallel:
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         from shardwise.strategies.fsdp import dtensor_state_dict
 
-        return dtensor_state_dict(model, optimizer)
+        return to_original(model, dtensor_state_dict(model, optimizer))
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
         """Sharded state (DTensors, from a tp/fsdp checkpoint) or whole tensors (from single/ddp)."""
@@ -261,6 +285,7 @@ class TensorParallel:
         from shardwise.strategies.fsdp import is_sharded_state
 
         full = not is_sharded_state(state["model"])
+        state = to_run(model, state)
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=False)
         set_model_state_dict(model, state["model"], options=options)
         if optimizer is not None and "optimizer" in state:
@@ -276,6 +301,6 @@ class TensorParallel:
             per_step.setdefault(f"{group}/{kind}", {})[phase] = n / steps
         return {"tp": {
             "degree": self.degree, "dp": self.dp, "dp_strategy": self.dp_strategy if self.dp > 1 else None,
-            "sequence_parallel": self.sequence_parallel, "plan": self.applied,
+            "sequence_parallel": self.sequence_parallel, "plan": self.applied, **self.roles,
             "collectives_per_step": per_step if self.count else None, "counted_steps": self.steps if self.count else 0,
         }}

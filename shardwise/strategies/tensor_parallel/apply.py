@@ -23,96 +23,164 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.strategies.tensor_parallel.plan import _join, _sequence_blocks, _sublayers, resolve_plan
-
-_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-
+from shardwise.strategies.tensor_parallel.plan import (
+    LOCAL_ATTRS, _is_attention_input, _sequence_blocks, _sublayers, fused_parts, resolve,
+)
+from shardwise.strategies.tensor_parallel.roles import roles
+from shardwise.strategies.tensor_parallel.styles import colwise, get_input, main_output, put_input, replace_output, rowwise
 
 def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Split ``module``'s linear pairs across ``tp_mesh`` (a 1D DeviceMesh), in place; returns it.
 
-    ``plan``: ``None`` for the automatic plan, or module name / fnmatch pattern -> ``"colwise"`` |
-    ``"rowwise"``. Works on part of a model (a pipeline stage holding blocks 2-3): names are the
-    module's own, so a stage built by deleting the other children keeps the original names.
-    Parameters of split linears become DTensors (colwise: ``Shard(0)`` weight and bias; rowwise:
-    ``Shard(1)`` weight, replicated bias); everything else stays a plain tensor, replicated, except
-    under ``sequence_parallel``, where the norms inside blocks hold replicated DTensors.
+    ``plan``: ``None`` for the model's declared plan (transformers' ``_tp_plan``) or else the
+    automatic plan, or module name / fnmatch pattern -> ``"colwise"`` | ``"rowwise"``. Works on part
+    of a model (a pipeline stage holding blocks 2-3): names are the module's own. Parameters of split
+    linears (``nn.Linear`` or transformers' ``Conv1D``) become DTensors (colwise: output features
+    ``Shard``; rowwise: input features ``Shard``, bias replicated); everything else stays a plain
+    tensor, replicated (`roles.roles` says which gradients are summed over tp). Attention modules
+    split by heads get their head-count and width attributes (``num_heads``, ``split_size``, ...)
+    set to this rank's values.
 
-    With ``sequence_parallel``, activations are sequence-sharded (dim 1) from the first block's
-    input to the last block's output (registration order); the module's input and output stay
-    whole, so a pipeline stage exchanges whole activations.
+    Sublayer inputs are found by binding the call to ``forward``'s signature, so HF layers called
+    with ``hidden_states=...`` work. With ``sequence_parallel``, activations are sequence-sharded
+    (dim 1) from the first block's input to the last block's output (registration order); the
+    module's input and output stay whole, and so does everything computed outside the blocks
+    (rotary tables, masks), which the blocks receive replicated and use on the gathered sequence.
 
     >>> tp_mesh = init_device_mesh("cpu", (2,))                               # doctest: +SKIP
     >>> parallelize(model, tp_mesh, sequence_parallel=True)                  # doctest: +SKIP
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
-    resolved = resolve_plan(module, plan, tp)
+    resolved, grad_sum, source = resolve(module, plan, tp)
+    role = roles(module, resolved, grad_sum, sequence_parallel)
+    blocks = _sequence_blocks(module, resolved) if sequence_parallel else []
+    fused = {n: fused_parts(module, n) for n, s in resolved.items() if s == "colwise" and fused_parts(module, n)}
     styles: dict[str, Any] = {}
     for name, style in resolved.items():
-        if style == "colwise":
-            styles[name] = ColwiseParallel()
-        else:
-            styles[name] = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())
-    blocks: list[str] = []
-    if sequence_parallel:
-        blocks = _sequence_blocks(module, resolved)
-        for sub in _sublayers(resolved):
-            styles[sub] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False)
-        for block in blocks:
-            for name, m in module.get_submodule(block).named_modules():
-                if isinstance(m, _NORMS) and not any(_join(block, name).startswith(s + ".") or _join(block, name) == s for s in _sublayers(resolved)):
-                    styles[_join(block, name)] = SequenceParallel()
-    else:
-        for sub, cols in _sublayers(resolved).items():
-            if len(cols) > 1:  # q, k, v share one input: sum their input gradients once (Megatron's f)
-                styles[sub] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False)
-    if "" in styles:  # a sublayer at the root: PrepareModuleInput on the module itself
-        root_style = styles.pop("")
-        parallelize_module(module, tp_mesh, root_style)
+        styles[name] = colwise(fused.get(name, 0)) if style == "colwise" else rowwise(Shard(1) if sequence_parallel else Replicate())
     parallelize_module(module, tp_mesh, styles)
+    seq: dict[str, int] = {}  # the sequence length of this forward (shards may be uneven: ViT's 17 tokens on 2 ranks)
+    for sub, cols in _sublayers(resolved).items():
+        target = module.get_submodule(sub) if sub else module
+        target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate(), seq), with_kwargs=True, prepend=True)
+        if any(_is_attention_input(c, target) for c in cols):
+            _localize(target, tp)
     if sequence_parallel:
-        _sequence_boundaries(module, tp_mesh, blocks)
-    synchronize_dropout(module, tp_mesh, blocks if sequence_parallel else [])
-    module._shardwise_tp = {"plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp}  # type: ignore[assignment]
+        _sequence_boundaries(module, tp_mesh, blocks, seq)
+        for name in role["whole"]:
+            _run_whole(module.get_submodule(name), tp_mesh, seq)
+    for name in role["sum"]:
+        module.get_parameter(name)._shardwise_tp_sum = tp_mesh  # type: ignore[attr-defined]  # see grads._sum_role_grads
+    synchronize_dropout(module, tp_mesh, blocks, role["whole"])
+    module._shardwise_tp = {  # type: ignore[assignment]
+        "plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp, "source": source,
+        "sum": role["sum"], "whole": role["whole"], "fused": fused, "mesh": tp_mesh,
+    }
     return module
 
 
-def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str]) -> None:
+def _localize(attn: nn.Module, tp: int) -> None:
+    """Set an attention module's head counts and widths to this rank's (its forward reshapes with them)."""
+    for attr in LOCAL_ATTRS:
+        value = getattr(attn, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % tp == 0:
+            setattr(attn, attr, value // tp)
+
+
+def _sharded(x: torch.Tensor, tp_mesh: Any, seq: dict[str, int]) -> Any:
+    """This rank's sequence shard as a DTensor of the whole sequence (``torch.chunk`` shards, maybe uneven)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (x.shape[0], seq["len"], *x.shape[2:])
+    stride = tuple(int(v) for v in torch.empty(0).new_empty(shape, device="meta").stride())
+    return DTensor.from_local(x, tp_mesh, (Shard(1),), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _gather_input(tp_mesh: Any, layout: Any, seq: dict[str, int]) -> Any:
+    """Megatron's ``f`` on a sublayer's main input, positional or keyword: a replicated DTensor
+    (allreduce of the input gradient backward; under sequence parallelism an all-gather forward and a
+    reduce-scatter backward). The column-split linears inside share it, so their input gradients
+    are summed once."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x, where = get_input(mod, args, kwargs)
+        if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+            return None
+        if not layout.is_replicate() and x.dim() < 3:
+            raise ValueError(
+                f"sequence parallelism shards dim 1 of (batch, sequence, features) activations inside the blocks, but "
+                f"{type(mod).__name__} received shape {tuple(x.shape)} (the block flattened batch and sequence, as OPT's "
+                "decoder layer does); turn sequence_parallel off for this model"
+            )
+        if layout.is_replicate():
+            dx = DTensor.from_local(x, tp_mesh, (layout,), run_check=False)
+        else:
+            dx = _sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),))
+        return put_input(args, kwargs, where, dx)
+
+    return hook
+
+
+def _run_whole(mod: nn.Module, tp_mesh: Any, seq: dict[str, int]) -> None:
+    """Under sequence parallelism, a module of a block that the plan leaves whole (an attention that
+    cannot run on 1/tp of its heads) runs on the gathered sequence, and each rank keeps its slice of
+    the output: its parameters then get whole gradients (every rank sees the whole output gradient)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def before(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x, where = get_input(m, args, kwargs)
+        if not isinstance(x, torch.Tensor):
+            return None
+        full = _sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),)).to_local()
+        return put_input(args, kwargs, where, full)
+
+    def after(m: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+        y = main_output(out)
+        piece = DTensor.from_local(y, tp_mesh, (Replicate(),), run_check=False).redistribute(tp_mesh, (Shard(1),)).to_local()
+        return replace_output(out, piece)
+
+    mod.register_forward_pre_hook(before, with_kwargs=True)
+    mod.register_forward_hook(after, with_kwargs=True)
+
+
+def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str], seq: dict[str, int]) -> None:
     """Enter the sequence-sharded region at the first block (a local slice: no communication
     forward, an all-gather of the gradient backward) and leave it after the last (an all-gather
-    forward, a slice of the gradient backward)."""
+    forward, a slice of the gradient backward). The input may be positional or a keyword, the
+    output a tensor or a tuple whose first element is the hidden states."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     tp = tp_mesh.size()
 
-    def enter(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        if x.dim() < 2 or x.shape[1] % tp:
-            # Uneven shards would give the ranks different global shapes at the next gather (a hang).
+    def enter(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x, where = get_input(mod, args, kwargs)
+        if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[1] < tp:
             raise ValueError(
-                f"sequence parallelism splits dim 1 (the sequence) of the blocks' input across tp={tp} ranks; got shape "
-                f"{tuple(x.shape)}: use sequences whose length is a multiple of {tp}, or turn sequence_parallel off"
+                f"sequence parallelism splits dim 1 (the sequence) of the blocks' input (batch, sequence, features) across "
+                f"tp={tp} ranks; got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}: use sequences of at "
+                f"least {tp} positions, or turn sequence_parallel off"
             )
+        seq["len"] = int(x.shape[1])
         if isinstance(x, DTensor):
             dx = x.redistribute(tp_mesh, (Shard(1),))
         else:
             dx = DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).redistribute(tp_mesh, (Shard(1),))
-        return (dx.to_local(), *args[1:])
+        return put_input(args, kwargs, where, dx.to_local())
 
-    def leave(mod: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-        dx = out if isinstance(out, DTensor) else DTensor.from_local(out, tp_mesh, (Shard(1),), run_check=False)
-        return dx.redistribute(tp_mesh, (Replicate(),)).to_local()
+    def leave(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
+        y = main_output(out)
+        dx = y if isinstance(y, DTensor) else _sharded(y, tp_mesh, seq)
+        return replace_output(out, dx.redistribute(tp_mesh, (Replicate(),)).to_local())
 
-    module.get_submodule(blocks[0]).register_forward_pre_hook(enter)
-    module.get_submodule(blocks[-1]).register_forward_hook(leave)
+    module.get_submodule(blocks[0]).register_forward_pre_hook(enter, with_kwargs=True)
+    module.get_submodule(blocks[-1]).register_forward_hook(leave, with_kwargs=True)
 
 
-def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequence[str] = ()) -> int:
+def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequence[str] = (), whole: Sequence[str] = ()) -> int:
     """Make the ``nn.Dropout`` modules of ``module`` draw the same masks on every tp rank where
     their input is replicated, and different ones where it is sequence-sharded.
 
@@ -135,7 +203,7 @@ def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequenc
     base, rank = int(seed.item()), dist.get_rank(pg)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     for index, (name, drop) in enumerate(drops):
-        sharded = any(name.startswith(b + ".") for b in sharded_blocks)
+        sharded = any(name.startswith(b + ".") for b in sharded_blocks) and not any(name.startswith(w + ".") for w in whole)
         state = {"calls": 0, "fork": None}
 
         def before(m: nn.Module, args: Any, index: int = index, sharded: bool = sharded, state: dict[str, Any] = state) -> None:

@@ -60,7 +60,47 @@ def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) ->
             piece = flat[offset: offset + t.numel()].view_as(t)
             offset += t.numel()
             p.grad = DTensor.from_local(piece, mesh, placements, run_check=False)
-    return sum(len(v) for v in groups.values())
+    return sum(len(v) for v in groups.values()) + _sum_role_grads(module, recorder)
+
+
+def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
+    """Sum over tp the gradients of the replicated parameters `roles.roles` lists (norms that saw a
+    slice of the sequence, per-head norms a model declares): one coalesced allreduce per dtype."""
+    from torch.distributed.tensor import DTensor
+
+    # Found two ways: through the module parallelize() ran on (its names survive FSDP2, which
+    # replaces the parameters), and by a mark on the parameters (a pipeline wrapper registers the
+    # stage's layers, not the stage module).
+    found: list[tuple[nn.Parameter, Any]] = []
+    for part in module.modules():
+        info = getattr(part, "_shardwise_tp", None) or {}
+        found += [(part.get_parameter(n), info["mesh"]) for n in info.get("sum", ())]
+    found += [(p, p._shardwise_tp_sum) for p in module.parameters() if getattr(p, "_shardwise_tp_sum", None) is not None]
+    if not found:
+        return 0
+    pg = found[0][1].get_group()
+    size = dist.get_world_size(pg)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for p, _ in found:
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        by_dtype.setdefault(local.dtype, []).append(local)
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        n = flat.numel() * flat.element_size()
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=pg)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+        if recorder is not None:
+            sent, recv = wire_bytes("all_reduce", n, size)
+            recorder.add(CommEvent("all_reduce", "tp", size, n, sent, recv, time.perf_counter() - start))
+    return sum(len(v) for v in by_dtype.values())
 
 
 # -- data parallel over the dp dimension -------------------------------------------------------

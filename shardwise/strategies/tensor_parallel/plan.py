@@ -1,29 +1,27 @@
-"""Tensor-parallel plans: which ``nn.Linear`` modules split how, and the checks that a split is
-exact. Nothing here needs a process group, so the trainer can refuse a model before launch.
+"""Tensor-parallel plans: which linears split how, what every other module with parameters is
+(its role), and the checks that a split is exact. Nothing here needs a process group, so the
+trainer can refuse a model before launch.
 
-``auto_plan``: in every module, the ``nn.Linear`` children named like the first linear of a pair
-are column-split and the one named like the second is row-split, when both are present:
+Where a plan comes from, in order: the user's ``plan``; the model's declared plan
+(`declared_plan`: transformers' ``_tp_plan`` / ``config.base_model_tp_plan``); `auto_plan`, which
+finds pairs by name in every module (``nn.Linear`` or transformers' ``Conv1D``):
 
 ========= ============================================================ =====================
 role      child names                                                  style
 ========= ============================================================ =====================
-attention ``q k v query key value q_proj k_proj v_proj wq wk wv``      colwise (by heads)
+attention ``q k v query key value q_proj k_proj v_proj wq wk wv``,     colwise (by heads)
+          a stacked ``c_attn`` (permuted into per-rank whole heads)
           ``out o_proj proj out_proj wo c_proj``                       rowwise
 MLP       ``fc fc1 c_fc up_proj gate_proj w1 w3``                      colwise
           ``proj fc2 down_proj w2 c_proj``                             rowwise
+BERT      ``*.{query,key,value}``, ``intermediate.dense``               colwise
+          the sibling ``output.dense``                                 rowwise
 ========= ============================================================ =====================
 
-A module with column-style children but not exactly one row-style child (or the reverse) is left
-whole. Fused projections (``qkv``, ``c_attn``, ``Wqkv``, ``query_key_value``, ``qkv_proj``)
-are refused: splitting q|k|v stacked by columns would hand a rank all of q and none of v; split
-them into three linears or pass a plan for a model whose forward expects the split. Attention
-is split by heads: the head count (``out_features // head_dim`` with a ``head_dim`` attribute on
-the attention module, or its ``n_heads``/``num_heads``/``n_head``/``num_attention_heads``) must be
-divisible by ``tp``. Embeddings, the final norm and the output head stay replicated (every tp
-rank computes them whole on the same batch); a plan that finds nothing is a `ConfigError`.
-
-A user plan (`resolve_plan`) maps module names or fnmatch patterns (``"layers.*.mlp.w1"``) to
-``"colwise"`` or ``"rowwise"``; each must match at least one ``nn.Linear``.
+Fused projections of unknown layout (``qkv``, ``Wqkv``, ``query_key_value``, ``qkv_proj``,
+``in_proj``) are refused. An attention that derives its head width from its input (nanoGPT) stays
+whole. Attention is split by whole heads, key/value heads included. `roles` gives every other
+module with parameters or buffers a rule by its place in the block and refuses one no rule covers.
 """
 
 from __future__ import annotations
@@ -38,9 +36,9 @@ from shardwise.errors import ConfigError
 STYLES = ("colwise", "rowwise")
 
 ATTN_COLWISE = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"})
-ATTN_ROWWISE = frozenset({"out", "o_proj", "proj", "out_proj", "wo", "c_proj"})
-MLP_COLWISE = frozenset({"fc", "fc1", "c_fc", "up_proj", "gate_proj", "w1", "w3"})
-MLP_ROWWISE = frozenset({"proj", "fc2", "down_proj", "w2", "c_proj"})
+ATTN_ROWWISE = frozenset({"o", "out", "o_proj", "proj", "out_proj", "wo", "c_proj"})
+MLP_COLWISE = frozenset({"fc", "fc1", "c_fc", "up_proj", "gate_proj", "w1", "w3", "fc_in", "dense_h_to_4h", "wi", "wi_0", "wi_1"})
+MLP_ROWWISE = frozenset({"proj", "fc2", "down_proj", "w2", "c_proj", "fc_out", "dense_4h_to_h", "wo"})
 FUSED = frozenset({"qkv", "c_attn", "wqkv", "query_key_value", "qkv_proj", "in_proj"})
 _HEAD_ATTRS = ("n_heads", "num_heads", "n_head", "num_attention_heads", "heads")
 
@@ -62,6 +60,40 @@ def _join(prefix: str, name: str) -> str:
 
 # -- plans: which linears split how ------------------------------------------------------------
 
+# A fused q|k|v projection that stacks q, k and v as three equal blocks along its output features
+# (GPT-2's and nanoGPT's ``c_attn``): split into per-rank whole heads by a permutation. Other fused
+# layouts (Falcon's and BLOOM's per-head interleaving, ...) differ by model and are refused unless
+# the model declares its own plan.
+STACKED_QKV = frozenset({"c_attn"})
+_HEAD_WIDTH_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
+_WIDTH_ATTRS = ("n_embd", "embed_dim", "split_size", "all_head_size", "hidden_size")
+LOCAL_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_kv_heads",
+               "split_size", "embed_dim", "all_head_size", "inner_dim")
+"""Attributes of a head-split attention module set to this rank's value (divided by tp) after the split."""
+
+
+def _splittable(m: nn.Module) -> bool:
+    from shardwise.strategies.tensor_parallel.styles import is_splittable
+
+    return is_splittable(m)
+
+
+def runs_on_local_heads(attn: nn.Module) -> bool:
+    """Whether an attention module can run on 1/tp of its heads: it reshapes by a fixed head width
+    (``head_dim``-like attribute, HF's ``view(..., -1, head_dim)``), or stores no width at all.
+    A module that keeps the model width and no head width (nanoGPT's ``n_embd``, reshaping with
+    ``c // n_head`` where ``c`` is its input's width) derives the head width from the whole input."""
+    if any(isinstance(getattr(attn, a, None), int) for a in _HEAD_WIDTH_ATTRS):
+        return True
+    return not any(isinstance(getattr(attn, a, None), int) for a in _WIDTH_ATTRS)
+
+
+def fused_parts(module: nn.Module, name: str) -> int:
+    """3 for a stacked q|k|v projection split by heads (permuted), 0 otherwise."""
+    if _leaf(name).lower() not in STACKED_QKV:
+        return 0
+    return 3
+
 
 def auto_plan(module: nn.Module) -> dict[str, str]:
     """The Megatron plan for a module whose linears follow the usual names (see the module docstring).
@@ -72,14 +104,21 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
     """
     plan: dict[str, str] = {}
     for prefix, parent in module.named_modules():
-        linears = {n: c for n, c in parent.named_children() if isinstance(c, nn.Linear)}
+        linears = {n: c for n, c in parent.named_children() if _splittable(c)}
         fused = [n for n in linears if n.lower() in FUSED]
-        if fused:
+        stacked = [n for n in fused if n.lower() in STACKED_QKV]
+        if fused and not stacked:
             raise ConfigError(
-                f"{_join(prefix, fused[0])} is a fused q|k|v projection: splitting it by columns would give a rank "
-                "all of q and none of v. Split it into three linears (q, k, v), or pass plan={...} naming only the "
-                "linears to split"
+                f"{_join(prefix, fused[0])} is a fused q|k|v projection whose layout (stacked or interleaved per head) "
+                "shardwise cannot tell: splitting it by columns could give a rank all of q and none of v. Split it into three "
+                "linears (q, k, v), or pass plan={...} naming only the linears to split"
             )
+        if stacked:
+            rows = [n for n in linears if n in ATTN_ROWWISE]
+            if len(rows) == 1 and runs_on_local_heads(parent):
+                plan[_join(prefix, stacked[0])] = "colwise"
+                plan[_join(prefix, rows[0])] = "rowwise"
+            continue  # an attention that derives its head width from its input stays whole (replicated)
         is_attn = any(n in ATTN_COLWISE for n in linears)
         col_names, row_names = (ATTN_COLWISE, ATTN_ROWWISE) if is_attn else (MLP_COLWISE, MLP_ROWWISE)
         cols = [n for n in linears if n in col_names]
@@ -90,55 +129,158 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
                     plan[_join(prefix, n)] = "colwise"
                 elif n in rows:
                     plan[_join(prefix, n)] = "rowwise"
+    plan.update(_encoder_plan(module, plan))
     return plan
 
 
-def resolve_plan(module: nn.Module, plan: dict[str, str] | None = None, tp: int | None = None) -> dict[str, str]:
-    """Concrete ``{linear name: style}`` for ``module``: the automatic plan, or ``plan`` with its
-    patterns expanded; checked (styles, names, ``nn.Linear``, widths and heads divisible by ``tp``)."""
-    if plan is None:
-        resolved = auto_plan(module)
-        if not resolved:
+def _encoder_plan(module: nn.Module, found: dict[str, str]) -> dict[str, str]:
+    """BERT's layout (BERT, RoBERTa, ViT, ELECTRA, ...): ``attention.{self,attention}.{query,key,value}``
+    with the row-split ``attention.output.dense`` in a sibling module, and the MLP as
+    ``intermediate.dense`` (colwise) then ``output.dense`` (rowwise) in the layer."""
+    plan: dict[str, str] = {}
+    for prefix, parent in module.named_modules():
+        kids = dict(parent.named_children())
+        out = kids.get("output")
+        dense = getattr(out, "dense", None) if out is not None else None
+        if dense is None or not _splittable(dense):
+            continue
+        for name, child in kids.items():
+            if name == "output":
+                continue
+            lins = {n: c for n, c in child.named_children() if _splittable(c)}
+            qkv = [n for n in lins if n in ("query", "key", "value")]
+            if len(qkv) == 3 and _join(_join(prefix, name), qkv[0]) not in found:
+                for n in qkv:
+                    plan[_join(_join(prefix, name), n)] = "colwise"
+                plan[_join(prefix, "output.dense")] = "rowwise"
+            elif name == "intermediate" and list(lins) == ["dense"]:
+                plan[_join(prefix, "intermediate.dense")] = "colwise"
+                plan[_join(prefix, "output.dense")] = "rowwise"
+    return plan
+
+
+# transformers' tensor-parallel styles that concern modules shardwise keeps whole (embeddings, the
+# output head: every tp rank computes them on the same batch) or handles by role (norms).
+_HF_SKIPPED = frozenset({"embedding_rowwise", "colwise_gather_output", "gather", "sequence_parallel", "replicate",
+                         "colwise_rep", "rowwise_rep", "isolated", "local"})
+_HF_GRAD_SUM = "replicated_with_grad_allreduce"
+
+
+def declared_plan(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
+    """The model's own tensor-parallel plan (transformers' ``model._tp_plan``, which carries the
+    config's ``base_model_tp_plan`` under the base model's prefix), as (``{pattern: colwise|rowwise}``,
+    patterns whose replicated parameters need their gradients summed over tp); ``None`` when the
+    model declares none."""
+    raw = getattr(module, "_tp_plan", None)
+    if not isinstance(raw, dict) or not raw:
+        cfg = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if not isinstance(cfg, dict) or not cfg:
+            return None
+        prefix = getattr(module, "base_model_prefix", "") or ""
+        prefix = prefix if prefix and hasattr(module, prefix) else ""
+        raw = {_join(prefix, k): v for k, v in cfg.items()}
+    plan: dict[str, str] = {}
+    grad_sum: list[str] = []
+    for pattern, style in raw.items():
+        if style in STYLES:
+            plan[pattern] = style
+        elif style == _HF_GRAD_SUM:
+            grad_sum.append(pattern)
+        elif style not in _HF_SKIPPED:
             raise ConfigError(
-                f"the automatic tensor-parallel plan found no linear pair to split in {type(module).__name__}: it looks for "
-                "attention q/k/v (query/key/value, q_proj/k_proj/v_proj, wq/wk/wv) next to out/o_proj/proj/out_proj/wo, and "
-                "MLP fc/fc1/up_proj/gate_proj/w1/w3 next to proj/fc2/down_proj/w2. Pass a plan instead, e.g. "
-                "plan={'layers.*.ff.lin1': 'colwise', 'layers.*.ff.lin2': 'rowwise'}, or on the command line "
-                "--set 'trainer.strategy_options.plan={\"layers.*.ff.lin1\" = \"colwise\", \"layers.*.ff.lin2\" = \"rowwise\"}'"
+                f"{type(module).__name__} declares tensor-parallel style {style!r} for {pattern!r}, which shardwise does not "
+                "translate (it knows colwise, rowwise, replicated_with_grad_allreduce); pass plan={...} naming the linears to split"
             )
-    else:
-        if not isinstance(plan, dict) or not plan:
-            raise ConfigError(f"plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
-        names = [n for n, _ in module.named_modules() if n]
-        resolved = {}
-        for pattern, style in plan.items():
-            if style not in STYLES:
-                close = difflib.get_close_matches(str(style), STYLES, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: 'colwise', 'rowwise'")
-            matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
-            if not matched:
-                close = difflib.get_close_matches(pattern, names, n=3)
-                raise ConfigError(
-                    f"plan names {pattern!r}, which matches no module of {type(module).__name__}"
-                    + (f"; close names: {close}" if close else "") + "; see model.named_modules() for the names"
-                )
-            for n in matched:
-                resolved[n] = style
-    for name, style in resolved.items():
-        sub = module.get_submodule(name)
-        if not isinstance(sub, nn.Linear):
-            raise ConfigError(f"plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules; {name} is a {type(sub).__name__}")
-    if tp is not None:
-        check_divisible(module, resolved, tp)
+    return (plan, grad_sum) if plan else None
+
+
+def _expand(module: nn.Module, plan: dict[str, str], what: str = "plan", lenient: bool = False) -> dict[str, str]:
+    """Patterns -> module names. ``lenient`` (a declared plan on part of a model, a pipeline stage):
+    a pattern that matches nothing is skipped."""
+    names = [n for n, _ in module.named_modules() if n]
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            close = difflib.get_close_matches(str(style), STYLES, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: 'colwise', 'rowwise'")
+        matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+        if not matched and lenient:
+            continue
+        if not matched:
+            close = difflib.get_close_matches(pattern, names, n=3)
+            raise ConfigError(
+                f"{what} names {pattern!r}, which matches no module of {type(module).__name__}"
+                + (f"; close names: {close}" if close else "") + "; see model.named_modules() for the names"
+            )
+        for n in matched:
+            resolved[n] = style
     return resolved
 
 
-def _heads(attn: nn.Module, q: nn.Linear) -> int | None:
+def resolve_plan(module: nn.Module, plan: dict[str, str] | None = None, tp: int | None = None) -> dict[str, str]:
+    """Concrete ``{linear name: style}`` for ``module``: ``plan`` with its patterns expanded, else the
+    model's declared plan (`declared_plan`), else the automatic plan; checked (styles, names, linears,
+    widths and heads divisible by ``tp``)."""
+    return resolve(module, plan, tp)[0]
+
+
+def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | None = None) -> tuple[dict[str, str], list[str], str]:
+    """(`resolve_plan`'s plan, names of replicated modules whose gradients are summed over tp as the
+    model declares, where the plan came from: ``"user"``, ``"declared"`` or ``"auto"``)."""
+    grad_sum: list[str] = []
+    if plan is not None:
+        if not isinstance(plan, dict) or not plan:
+            raise ConfigError(f"plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
+        resolved, source = _expand(module, plan), "user"
+    elif (declared := declared_plan(module)) is not None:
+        resolved, source = _expand(module, declared[0], f"the tensor-parallel plan {type(module).__name__} declares", lenient=True), "declared"
+        if not resolved:
+            raise ConfigError(f"the tensor-parallel plan {type(module).__name__} declares ({sorted(declared[0])}) matches none of its modules; pass plan={{...}}")
+        names = [n for n, _ in module.named_modules() if n]
+        grad_sum = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in declared[1])]
+    else:
+        resolved, source = auto_plan(module), "auto"
+        convs = [n for n, m in module.named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
+        if not resolved and convs:
+            raise ConfigError(
+                f"{type(module).__name__} is a convolutional network ({len(convs)} convolutions, e.g. {convs[0]}) with no "
+                "attention or MLP linear pair: tensor parallelism splits linear layers, not convolutions. Train it with a "
+                "data-parallel strategy (ddp, zero1/2/3, fsdp) or a pipeline instead"
+            )
+        if not resolved:
+            raise ConfigError(
+                f"the automatic tensor-parallel plan found no linear pair to split in {type(module).__name__}: it looks for "
+                "attention q/k/v (query/key/value, q_proj/k_proj/v_proj, wq/wk/wv, a stacked c_attn) next to "
+                "out/o_proj/proj/out_proj/wo/c_proj, MLP fc/fc1/up_proj/gate_proj/w1/w3/c_fc next to proj/fc2/down_proj/w2/c_proj, "
+                "and BERT's intermediate.dense/output.dense. Pass a plan instead, e.g. "
+                "plan={'layers.*.ff.lin1': 'colwise', 'layers.*.ff.lin2': 'rowwise'}, or on the command line "
+                "--set 'trainer.strategy_options.plan={\"layers.*.ff.lin1\" = \"colwise\", \"layers.*.ff.lin2\" = \"rowwise\"}'"
+            )
+    for name, style in resolved.items():
+        sub = module.get_submodule(name)
+        if not _splittable(sub):
+            raise ConfigError(f"plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules (and Conv1D); {name} is a {type(sub).__name__}")
+    if tp is not None:
+        check_divisible(module, resolved, tp)
+    return resolved, grad_sum, source
+
+
+def _head_width(attn: nn.Module) -> int | None:
+    for attr in _HEAD_WIDTH_ATTRS:
+        value = getattr(attn, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _heads(attn: nn.Module, q: nn.Module, parts: int = 1) -> int | None:
     """Attention heads a column-split linear produces, if the attention module says (head_dim or a head count)."""
-    head_dim = getattr(attn, "head_dim", None)
-    if isinstance(head_dim, int) and head_dim > 0:
-        return q.out_features // head_dim
+    from shardwise.strategies.tensor_parallel.styles import features
+
+    width = _head_width(attn)
+    if width is not None:
+        return features(q)[1] // parts // width
     for attr in _HEAD_ATTRS:
         value = getattr(attn, attr, None)
         if isinstance(value, int) and value > 0:
@@ -146,20 +288,34 @@ def _heads(attn: nn.Module, q: nn.Linear) -> int | None:
     return None
 
 
+def _is_attention_input(name: str, attn: nn.Module) -> bool:
+    return _leaf(name) in ATTN_COLWISE or _leaf(name).lower() in FUSED or _head_width(attn) is not None
+
+
 def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
-    """Every split width divides by ``tp``; attention splits whole heads (`ConfigError` otherwise)."""
+    """Every split width divides by ``tp``; attention splits whole heads, query and key/value heads
+    alike (grouped-query attention's ``num_key_value_heads``) (`ConfigError` otherwise)."""
+    from shardwise.strategies.tensor_parallel.styles import features
+
     for name, style in plan.items():
         lin = module.get_submodule(name)
-        assert isinstance(lin, nn.Linear)
-        width = lin.out_features if style == "colwise" else lin.in_features
-        if style == "colwise" and _leaf(name) in ATTN_COLWISE:
-            heads = _heads(module.get_submodule(_parent(name)) if _parent(name) else module, lin)
-            if heads is not None and heads % tp:
-                options = [d for d in range(1, heads + 1) if heads % d == 0]
-                raise ConfigError(
-                    f"{name} has {heads} attention heads, which do not split across tp={tp} ranks (attention is split by "
-                    f"whole heads); choose tp in {options}, or a model whose head count is a multiple of {tp}"
-                )
+        fan_in, fan_out = features(lin)
+        width = fan_out if style == "colwise" else fan_in
+        attn = module.get_submodule(_parent(name)) if _parent(name) else module
+        if style == "colwise" and _is_attention_input(name, attn):
+            parts = fused_parts(module, name) or 1
+            heads = _heads(attn, lin, parts)
+            counts = {"heads": heads} if heads is not None else {}
+            counts.update({a: v for a in _HEAD_ATTRS + ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+                           if isinstance(v := getattr(attn, a, None), int) and v > 0})
+            for what, n in counts.items():
+                if n % tp:
+                    options = [d for d in range(1, n + 1) if n % d == 0]
+                    label = f"{n} attention heads" if what == "heads" else f"{what} = {n}"
+                    raise ConfigError(
+                        f"{name} has {label}, which do not split across tp={tp} ranks (attention is split by "
+                        f"whole heads, key/value heads included); choose tp in {options}, or a model whose head counts are multiples of {tp}"
+                    )
         if width % tp:
             raise ConfigError(f"{name} ({style}) has {width} {'output' if style == 'colwise' else 'input'} features, not divisible by tp={tp}")
 
@@ -168,20 +324,43 @@ def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
 
 
 def _sublayers(plan: dict[str, str]) -> dict[str, list[str]]:
-    """Parent module -> its column-split linears (the modules whose input Megatron's f acts on)."""
+    """Sublayer -> its column-split linears (the modules whose input Megatron's f acts on): their
+    parent (attention, MLP), or the linear itself when its parent is a block (OPT's ``fc1`` sits
+    in the decoder layer next to the norms)."""
+    blocks = set(_blocks_of(plan))
     out: dict[str, list[str]] = {}
     for name, style in plan.items():
         if style == "colwise":
-            out.setdefault(_parent(name), []).append(name)
+            parent = _parent(name)
+            out.setdefault(name if parent in blocks else parent, []).append(name)
     return out
 
 
+def _blocks_of(plan: dict[str, str]) -> list[str]:
+    """Elements of a block list (a dotted name ending in an index) that hold split linears."""
+    found = []
+    for name in plan:
+        parts = name.split(".")
+        idx = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
+        if idx:
+            found.append(".".join(parts[: idx[-1] + 1]))
+    return found
+
+
 def _blocks(module: nn.Module, plan: dict[str, str]) -> list[str]:
-    """Transformer blocks: the parents of the modules holding a row-split linear, in registration order."""
-    sublayers = {_parent(n) for n, s in plan.items() if s == "rowwise"}
-    parents = {_parent(s) for s in sublayers if s}
+    """Transformer blocks, in registration order: the elements of a block list (``layers.3``,
+    ``transformer.h.0``, ``encoder.layer.1``) that hold split linears; for a split linear outside
+    any list, the parent of the module holding it (charlm-style ``blocks`` need no list)."""
+    found: set[str] = set()
+    for name, style in plan.items():
+        parts = name.split(".")
+        idx = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
+        if idx:
+            found.add(".".join(parts[: idx[-1] + 1]))
+        elif style == "rowwise" and _parent(name) and _parent(_parent(name)):
+            found.add(_parent(_parent(name)))
     order = [n for n, _ in module.named_modules()]
-    return [n for n in order if n in parents]
+    return [n for n in order if n in found]
 
 
 def _sequence_blocks(module: nn.Module, plan: dict[str, str]) -> list[str]:

@@ -1,0 +1,106 @@
+"""Fused q|k|v weights in the original layout outside the run, and the replica check.
+
+A stacked q|k|v projection is permuted once at the split (`styles.fused_permutation`) so that each
+rank's contiguous shard holds whole heads. Checkpoints and exports must not see that permutation:
+`to_original` inverts it in a state dict (model and optimizer state, by parameter name) before
+saving, and `to_run` applies it to a loaded state before it is set, so a tp checkpoint resumes
+under `single` and a consolidated state dict loads into the original model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.strategies.tensor_parallel.styles import fused_permutation, out_dim
+
+
+def _fused_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (dimension of the output features, parts) for every permuted parameter."""
+    info = getattr(model, "_shardwise_tp", None) or {}
+    out: dict[str, tuple[int, int]] = {}
+    for name, parts in (info.get("fused") or {}).items():
+        mod = model.get_submodule(name)
+        for pname, _ in mod.named_parameters(recurse=False):
+            out[f"{name}.{pname}"] = (out_dim(mod) if pname == "weight" else 0, parts)
+    return out
+
+
+def _apply(t: Any, dim: int, parts: int, tp: int, invert: bool, like: Any = None) -> Any:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(t, torch.Tensor) or t.dim() <= dim:
+        return t
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    perm = fused_permutation(full.shape[dim] // parts, parts, tp).to(full.device)
+    index = torch.argsort(perm) if invert else perm
+    moved = full.index_select(dim, index)
+    ref = t if isinstance(t, DTensor) else like
+    if isinstance(ref, DTensor):
+        return distribute_tensor(moved, ref.device_mesh, ref.placements, src_data_rank=None)
+    return moved
+
+
+def _walk(model: nn.Module, state: dict[str, Any], invert: bool) -> dict[str, Any]:
+    fused = _fused_tensors(model)
+    if not fused:
+        return state
+    tp = model._shardwise_tp["degree"]  # type: ignore[index]
+    params = dict(model.named_parameters())
+    out = dict(state)
+    if "model" in out:
+        out["model"] = dict(out["model"])
+        for name, (dim, parts) in fused.items():
+            if name in out["model"]:
+                out["model"][name] = _apply(out["model"][name], dim, parts, tp, invert, params[name].data)
+    osd = out.get("optimizer")
+    if isinstance(osd, dict) and isinstance(osd.get("state"), dict):
+        osd = dict(osd)
+        osd["state"] = dict(osd["state"])
+        for name, (dim, parts) in fused.items():
+            entry = osd["state"].get(name)
+            if isinstance(entry, dict):
+                osd["state"][name] = {k: _apply(v, dim, parts, tp, invert, params[name].data)
+                                      if isinstance(v, torch.Tensor) and v.dim() > dim else v for k, v in entry.items()}
+        out["optimizer"] = osd
+    return out
+
+
+def to_original(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (``{"model", "optimizer"}``, by parameter name) with fused weights in the model's own layout."""
+    return _walk(model, state, invert=True)
+
+
+def to_run(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `to_original`: a saved state laid out for this run's split."""
+    return _walk(model, state, invert=False)
+
+
+def check_replicas(model: nn.Module, group: Any) -> None:
+    """Hash every replicated (plain) parameter and compare across ``group`` (the tp ranks), in
+    registration order; raise ``RuntimeError`` naming the first that differs. A debug check: one
+    allgather of a digest per parameter."""
+    from torch.distributed.tensor import DTensor
+
+    names, digests = [], []
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) or isinstance(getattr(p, "data", None), DTensor):
+            continue
+        h = hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).digest()[:8]
+        names.append(name)
+        digests.append(int.from_bytes(h, "little", signed=True))
+    if not names:
+        return
+    mine = torch.tensor(digests, dtype=torch.int64)
+    size = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    for i, name in enumerate(names):
+        values = {int(g[i]) for g in gathered}
+        if len(values) > 1:
+            raise RuntimeError(f"replicated parameter {name} differs across the {size} tp ranks (check_replicas): "
+                               "a rule for its gradient is missing or wrong")

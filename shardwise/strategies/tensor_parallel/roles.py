@@ -1,0 +1,75 @@
+"""Roles: what every module with parameters or buffers is, by its place in the model, once a plan
+says which linears split; and the backstop that refuses a module no rule covers. No process group
+needed, so `TensorParallel.check_model` runs it in the parent before launch."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.errors import ConfigError
+from shardwise.strategies.tensor_parallel.plan import _blocks, _join, _splittable, _sublayers
+
+
+def _inside(name: str, prefixes: "set[str] | list[str]") -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence_parallel: bool) -> dict[str, list[str]]:
+    """What happens to every module that owns parameters or buffers, by its place in the model.
+
+    - split linears (the plan): DTensor shards;
+    - inside a sublayer (the parent of column-split linears: attention, MLP), between Megatron's
+      ``f`` and ``g``: only what the model declares ``replicated_with_grad_allreduce`` (a per-head
+      norm sees only this rank's heads, so its gradient is summed over tp); anything else there is
+      refused, since it would see 1/tp of the heads or hidden units with no rule for its gradient;
+    - in a block outside the sublayers (norms, whatever their class: ``LayerNorm``, ``LlamaRMSNorm``,
+      nanoGPT's own): replicated; under sequence parallelism they see a slice of the sequence, so
+      their gradients are summed over tp (``sum``); a module there that holds linears the plan
+      does not split (an attention left whole) runs on the gathered sequence instead (``whole``);
+      a buffer there under sequence parallelism is refused (it may index positions);
+    - outside the blocks (embeddings, final norm, head): replicated, computed whole on every rank.
+
+    Returns ``{"blocks", "sublayers", "whole", "sum"}`` (``sum``: parameter names). A module no rule
+    covers is a `ConfigError` naming it (the backstop)."""
+    blocks = _blocks(module, plan)
+    sublayers = sorted(_sublayers(plan))
+    split = set(plan)
+    anchors = list(split) + sublayers  # modules that hold split work; their ancestors are transparent
+    whole: list[str] = []
+    summed: list[str] = []
+    for name, m in module.named_modules():
+        if _inside(name, split) or _inside(name, whole):
+            continue
+        own_params = [n for n, p in m.named_parameters(recurse=False) if p is not None]
+        own_buffers = [n for n, b in m.named_buffers(recurse=False) if b is not None]
+        if name in grad_sum or any(_inside(name, [g]) for g in grad_sum):
+            summed += [_join(name, n) for n in own_params]
+            continue
+        in_sub = [s for s in sublayers if s and name.startswith(s + ".")]  # a sublayer at the root: nothing to tell
+        if in_sub:
+            if own_params:
+                raise ConfigError(
+                    f"{name} ({type(m).__name__}) holds parameters {own_params} inside {in_sub[0]}, between the column- and "
+                    "row-split linears, where it sees 1/tp of the heads or hidden units; no rule says how its gradient "
+                    "combines across tp ranks. Add it to the plan's linears, or declare it (transformers' "
+                    "'replicated_with_grad_allreduce'), or train this model without tp"
+                )
+            continue
+        if name in sublayers and name:
+            if own_params:
+                raise ConfigError(f"{name} ({type(m).__name__}) holds parameters {own_params} of its own next to its split linears; "
+                                  "no rule says how their gradients combine across tp ranks. Train this model without tp, or split them")
+            continue
+        if not sequence_parallel or not _inside(name, blocks) or name in blocks and not own_params and not own_buffers:
+            continue
+        is_anchor_parent = any(a.startswith(name + ".") for a in anchors) or name in blocks
+        if not is_anchor_parent and any(_splittable(c) for _, c in m.named_modules()):
+            whole.append(name)
+            continue
+        if own_buffers:
+            raise ConfigError(
+                f"{name} ({type(m).__name__}) holds buffers {own_buffers} inside block {next(b for b in blocks if _inside(name, [b]))}, "
+                "which sequence parallelism runs on a slice of the sequence; a buffer may index positions. Turn sequence_parallel off"
+            )
+        summed += [_join(name, n) for n in own_params]
+    return {"blocks": blocks, "sublayers": sublayers, "whole": whole, "sum": summed}
