@@ -188,6 +188,8 @@ class Pipeline:
             if self.tp > 1:
                 # Tensor parallel first, inside the stage (original names: the plan matches as on the whole model).
                 _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
+                if isinstance(stage_mod, NestedStage):
+                    stage_mod.stop_after_other_hooks()  # the stage ends on the gathered sequence
             stages[s] = stage_mod
             runners[s] = apply_data_parallel(stage_mod, mesh, self.dp_strategy, self.tp)
             stage = PipelineStage(runners[s], s, self.num_stages, mesh.device, group=group.pg)

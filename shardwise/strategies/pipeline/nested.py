@@ -392,9 +392,21 @@ class NestedStage(nn.Module):
         """The whole output of the last forward on the last stage (a ModelOutput with ``loss``)."""
         blocks_list = list(own)
         if not first:
-            blocks_list[0].register_forward_pre_hook(self._take_input, with_kwargs=True)
+            blocks_list[0].register_forward_pre_hook(self._take_input, with_kwargs=True, prepend=True)
+        self.__dict__["_last_block"] = blocks_list[-1]  # not a child: it is one of the blocks already
+        self._stop_handle: Any = None
         if not last:
-            blocks_list[-1].register_forward_hook(self._stop)
+            self.stop_after_other_hooks()
+
+    def stop_after_other_hooks(self) -> None:
+        """(Re-)register the hook that ends a stage before the last at its last block, after every
+        other forward hook there: tensor parallelism's, registered later, gathers a
+        sequence-parallel output back to the whole sequence, which is what the next stage takes."""
+        if self.last:
+            return
+        if self._stop_handle is not None:
+            self._stop_handle.remove()
+        self._stop_handle = self._last_block.register_forward_hook(self._stop)
 
     def _take_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self._holder.active:
