@@ -338,3 +338,16 @@ def test_a_module_placed_before_the_blocks_that_runs_after_them_fails_loudly():
     ids = torch.randint(0, 64, (2, 16))
     with pytest.raises(ConfigError, match="took model.decoder.final_layer_norm for a module that runs before the blocks"):
         last(torch.zeros(2, 16, 32, dtype=torch.float64), input_ids=ids)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_models_are_refused_not_split_wrong(family):
+    """Every decoder block reads the encoder's output; only the first stage would have it."""
+    tf = _hf_or_skip()
+    if family == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+    else:
+        model = tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                                              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16))
+    with pytest.raises(ConfigError, match=r"runs a second stack of blocks before .*decoder.*\.(block|layers) .*encoder.*cross-attention"):
+        get_strategy("pipeline", pp=2).check_model(model)

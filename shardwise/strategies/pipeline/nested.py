@@ -214,6 +214,15 @@ def check_nested(model: nn.Module, layout: NestedLayout, stages: int, microbatch
             f"{type(model).__name__} has {n} blocks in {layout.blocks} but the pipeline needs {stages} stages "
             "(pp x virtual stages), each with at least one block; use fewer stages or a model with more blocks"
         )
+    stacks = [f"{p}.{n}" for p in layout.prelude for n, m in model.get_submodule(p).named_modules()
+              if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1]
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or stacks:
+        raise ConfigError(
+            f"{type(model).__name__} runs a second stack of blocks before {layout.blocks} "
+            f"({', '.join(stacks) or 'it is an encoder-decoder model'}) whose output every block of {layout.blocks} reads "
+            "(cross-attention); a pipeline stage boundary carries one tensor, so stages after the first would not have it. "
+            "Encoder-decoder models are not split by the pipeline; use a data-parallel strategy (ddp, zero3) or tp"
+        )
     norms = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
     if norms and microbatches > 1:
         raise ConfigError(
