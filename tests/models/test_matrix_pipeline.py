@@ -140,6 +140,19 @@ def test_tied_weight_stays_one_weight_resumes_bit_exact_and_loads_tied(runs: tup
     assert harness.max_difference(saved, single3) <= harness.TOL
 
 
+def test_a_tied_pipeline_checkpoint_exports_to_a_file_transformers_loads_tied(runs: tuple[dict[Any, Any], str], tmp_path: Any) -> None:
+    pytest.importorskip("safetensors")
+    import transformers as tf
+
+    from shardwise.checkpoint import export_safetensors
+
+    export_safetensors(os.path.join(runs[1], "gpt2", "checkpoints", "step-00000003"), tmp_path / "model.safetensors")
+    zoo.build("gpt2").config.save_pretrained(tmp_path)
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert harness.max_difference(loaded.state_dict(), harness.train("gpt2", max_steps=3)[1]) <= harness.TOL
+
+
 def test_resnet_trains_exactly_with_one_microbatch_and_is_refused_with_more(runs: tuple[dict[Any, Any], str]) -> None:
     harness.assert_matches_single("resnet", runs[0][("resnet", "gpipe")][1], what="pipeline gpipe microbatches=1")
     with pytest.raises(ConfigError, match=r"ResNetForImageClassification has BatchNorm layers .* micro-batch statistics"):
