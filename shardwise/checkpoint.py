@@ -179,10 +179,24 @@ def write(
     return final
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints under ``root``."""
-    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+def prune(root: Path, keep_last: int, run_id: str | None = None) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints under ``root`` written by run lineage
+    ``run_id`` (every checkpoint when None); another run's checkpoints are never touched."""
+    ours = [p for p in list_checkpoints(root) if run_id is None or _run_id(p) == run_id]
+    for old in ours[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _run_id(path: Path) -> str | None:
+    try:
+        return read_manifest(path).get("run_id")  # type: ignore[no-any-return]
+    except CheckpointError:
+        return None
+
+
+def run_id_of(path: Path) -> str | None:
+    """The run lineage a checkpoint belongs to (None for checkpoints written before lineages)."""
+    return _run_id(Path(path))
 
 
 def list_checkpoints(root: Path) -> list[Path]:

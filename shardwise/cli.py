@@ -28,6 +28,7 @@ _TRAINER_FLAGS = {
     "max_epochs": "max_epochs",
     "out": "out",
     "resume": "resume",
+    "overwrite": "overwrite",
     "precision": "precision",
     "accelerator": "accelerator",
     "global_batch_size": "global_batch_size",
@@ -49,6 +50,7 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--max-epochs", type=int)
     p.add_argument("--out", help="run directory: metrics.jsonl, summary.json, checkpoints/")
     p.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", default=None, help="start afresh in an --out that holds an earlier run (its files are moved to OUT/replaced-<time>/)")
     p.add_argument("--precision", help="32, 64, bf16-mixed, 16-mixed")
     p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
     p.add_argument("--global-batch-size", type=int)
