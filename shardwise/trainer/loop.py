@@ -291,6 +291,7 @@ class Trainer:
         if losses:  # stopped between log steps (a callback set should_stop after this step's log check)
             log_train()
         train_s = time.perf_counter() - train_start
+        loader.close()  # data-loading workers end with the training (they would outlive the run otherwise)
         if val[0] is not None:
             val_metrics = self._validate(engine, wrapped, val, val_batch)
             files.log({"step": self.step, **val_metrics})
