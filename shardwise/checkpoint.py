@@ -179,10 +179,24 @@ def write(
     return final
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints under ``root``."""
-    for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+def prune(root: Path, keep_last: int, run_id: str | None = None) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints under ``root`` written by run lineage
+    ``run_id`` (every checkpoint when None); another run's checkpoints are never touched."""
+    ours = [p for p in list_checkpoints(root) if run_id is None or _run_id(p) == run_id]
+    for old in ours[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _run_id(path: Path) -> str | None:
+    try:
+        return read_manifest(path).get("run_id")  # type: ignore[no-any-return]
+    except CheckpointError:
+        return None
+
+
+def run_id_of(path: Path) -> str | None:
+    """The run lineage a checkpoint belongs to (None for checkpoints written before lineages)."""
+    return _run_id(Path(path))
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -359,7 +373,9 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
     Works for every strategy's checkpoint (sharded ones are assembled from all ranks' files
     in this one process). The file holds plain tensors under the module's own parameter
     names, loadable with ``safetensors.torch.load_file`` and ``model.load_state_dict``
-    without shardwise. Needs the optional extra: ``pip install 'shardwise[export]'``.
+    without shardwise. Needs the safetensors package (``pip install safetensors``; in a clone of
+    shardwise, ``pip install -e '.[export]'``). The file's mode follows the umask, as any file
+    the user writes does.
 
     >>> export_safetensors("runs/x/checkpoints/step-00000300", "model.safetensors")  # doctest: +SKIP
     (6, 84520)
@@ -369,7 +385,7 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
     except ImportError:
         from shardwise.errors import ConfigError
 
-        raise ConfigError("exporting to safetensors needs the safetensors package; install it with: pip install 'shardwise[export]'") from None
+        raise ConfigError("exporting to safetensors needs the safetensors package; install it with: pip install safetensors") from None
     path = Path(path)
     manifest = verify(path)
     if key in manifest.get("sharded", {}).get("keys", []):
@@ -385,4 +401,7 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
     meta = {"format": "pt", "source": str(path), "step": str(manifest.get("step")), "strategy": str(manifest.get("strategy"))}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata=meta)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out, 0o666 & ~umask)  # safetensors creates its file 0600; a user's export is theirs to share
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())

@@ -3,12 +3,13 @@
 ::
 
     shardwise train --recipe NAME [--strategy NAME] [--nproc N] [--max-steps N] [--out DIR]
-                    [--resume auto|PATH] [--config FILE.toml] [--set section.key=value ...]
+                    [--resume auto|PATH] [--overwrite] [--config FILE.toml] [--set section.key=value ...]
                     [--allreduce ALGO] [--compression CODEC] [--offload]
     shardwise export CHECKPOINT_DIR OUT.safetensors      # consolidated weights, any strategy's checkpoint
     shardwise run [torchrun flags] script.py [args ...]
     shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
     shardwise strategies | recipes
+    shardwise --version
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _TRAINER_FLAGS = {
     "max_epochs": "max_epochs",
     "out": "out",
     "resume": "resume",
+    "overwrite": "overwrite",
     "precision": "precision",
     "accelerator": "accelerator",
     "global_batch_size": "global_batch_size",
@@ -43,12 +45,13 @@ _TRAINER_FLAGS = {
 def _train_parser(sub: Any) -> None:
     p = sub.add_parser("train", help="train a built-in recipe", description="Train a built-in recipe with any strategy.")
     p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
-    p.add_argument("--strategy", help="strategy name (see `shardwise strategies`)")
-    p.add_argument("--nproc", type=int, help="local worker processes (default 1; ignored under torchrun/srun)")
-    p.add_argument("--max-steps", type=int)
+    p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
+    p.add_argument("--nproc", type=int, help="local worker processes (default 1); under torchrun/srun the job's processes are used, and a different N > 1 is an error")
+    p.add_argument("--max-steps", type=int, help="optimizer steps (default: the recipe's, 300 for digits and charlm)")
     p.add_argument("--max-epochs", type=int)
     p.add_argument("--out", help="run directory: metrics.jsonl, summary.json, checkpoints/")
     p.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", default=None, help="start afresh in an --out that holds an earlier run (its files are moved to OUT/replaced-<time>/)")
     p.add_argument("--precision", help="32, 64, bf16-mixed, 16-mixed")
     p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
     p.add_argument("--global-batch-size", type=int)
@@ -154,13 +157,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return _guard(lambda: bench_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training on PyTorch: every strategy behind one flag.")
+    from shardwise import __version__
+
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     sub.add_parser("run", help="run a script under torchrun with working defaults")
     sub.add_parser("bench", help="benchmarks shipped with the package (`shardwise bench comm --help`)")
     ex = sub.add_parser("export", help="write a checkpoint's consolidated model weights to one safetensors file",
                         description="Consolidate a checkpoint's model weights (sharded or not) into one .safetensors file "
-                                    "for use outside shardwise (needs: pip install 'shardwise[export]').")
+                                    "for use outside shardwise (needs the safetensors package: pip install safetensors).")
     ex.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/checkpoints/step-00000300)")
     ex.add_argument("out", help="the .safetensors file to write")
     ex.add_argument("--key", default="model", help="which saved model to export (default: model)")

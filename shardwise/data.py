@@ -12,10 +12,13 @@ with exactly the next samples, at any world size.
 
 from __future__ import annotations
 
+import contextlib
+import random
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from shardwise.errors import ConfigError
@@ -53,6 +56,101 @@ def fetch(dataset: Any, indices: Sequence[int], collate: Collate | None = None) 
         return tuple(t[idx] for t in dataset.tensors)
     samples = [dataset[i] for i in indices]
     return (collate or default_collate)(samples)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index`` in ``epoch``: what any randomness in ``__getitem__`` draws from."""
+    return (seed * 1_000_003 + epoch) * 2_147_483_647 + index * 7_919 + 1
+
+
+@contextlib.contextmanager
+def _own_rng() -> Iterator[None]:
+    """Run with torch's CPU, Python's and NumPy's generators saved and restored around it."""
+    py, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(np_state)
+
+
+def _seed_all(value: int) -> None:
+    torch.default_generator.manual_seed(value)  # the CPU generator alone: torch.manual_seed also seeds every device (~250 us)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+
+
+def seeded_fetch(dataset: Any, indices: Sequence[int], collate: Collate | None, seed: int, epoch: int) -> Any:
+    """One batch with each sample's randomness a function of (seed, epoch, index) alone.
+
+    Augmentation in ``__getitem__`` (and a random collate) draws from torch's, Python's and
+    NumPy's global generators; seeding them per sample makes a batch the same in the main
+    process or in any data-loading worker, at any world size. The caller's generators are left
+    as they were (dropout in the training step draws its own stream). A ``TensorDataset``
+    holds no randomness and is indexed in one call."""
+    if collate is None and isinstance(dataset, TensorDataset):
+        return fetch(dataset, indices)
+    with _own_rng():
+        samples = []
+        for i in indices:
+            _seed_all(sample_seed(seed, epoch, int(i)))
+            samples.append(dataset[i])
+        _seed_all(sample_seed(seed, epoch, -1 - int(indices[0])) if len(indices) else seed)
+        return (collate or default_collate)(samples)
+
+
+class _SeededBatches(Dataset):  # type: ignore[type-arg]
+    """What the persistent DataLoader's workers run: a key (epoch, indices) -> the seeded micro-batch."""
+
+    def __init__(self, dataset: Any, collate: Collate | None, seed: int) -> None:
+        self.dataset, self.collate, self.seed = dataset, collate, seed
+
+    def __getitem__(self, key: tuple[int, tuple[int, ...]]) -> Any:
+        epoch, indices = key
+        return seeded_fetch(self.dataset, indices, self.collate, self.seed, epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _first(items: list[Any]) -> Any:
+    return items[0]
+
+
+class _PlanSampler(Sampler):  # type: ignore[type-arg]
+    """Batch sampler over every epoch from a position on: one key per micro-batch, endless."""
+
+    def __init__(self, loader: ShardedLoader, epoch: int, step: int) -> None:
+        self.loader, self.epoch, self.step = loader, epoch, step
+
+    def __iter__(self) -> Iterator[list[tuple[int, tuple[int, ...]]]]:
+        epoch, step = self.epoch, self.step
+        while True:
+            perm = epoch_permutation(self.loader.n, self.loader.seed, epoch, self.loader.shuffle)
+            for s in range(step, self.loader.steps_per_epoch):
+                for idx in self.loader._step_indices(perm, s):
+                    yield [(epoch, tuple(idx))]
+            epoch, step = epoch + 1, 0
+
+    def __len__(self) -> int:  # endless; DataLoader only asks for it to size a progress bar
+        return 2**62
+
+
+class _Counted:
+    """The next ``n`` items of an iterator (the persistent stream, one epoch at a time)."""
+
+    def __init__(self, it: Iterator[Any], n: int) -> None:
+        self.it, self.n = it, n
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> Any:
+        if self.n <= 0:
+            raise StopIteration
+        self.n -= 1
+        return next(self.it)
 
 
 class ShardedLoader:
@@ -94,6 +192,8 @@ class ShardedLoader:
         self.num_workers = num_workers
         self.epoch = 0
         self.step_in_epoch = 0
+        self._stream: Any = None
+        self._stream_position: tuple[int, int] | None = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -114,24 +214,47 @@ class ShardedLoader:
         """One epoch's remaining steps; the next iteration starts the next epoch."""
         if self.step_in_epoch >= self.steps_per_epoch:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        plan = list(self.index_plan())
-        batches = self._batches(plan)
-        for micro_batches in batches:
-            self.step_in_epoch += 1
-            yield micro_batches
+        if self.num_workers == 0:
+            for step in list(self.index_plan()):
+                self.step_in_epoch += 1
+                yield [self._fetch(self.epoch, idx) for idx in step]
+        else:
+            stream = self._worker_stream()
+            for _ in range(self.step_in_epoch, self.steps_per_epoch):
+                micro = [next(stream) for _ in range(self.accumulate)]
+                self.step_in_epoch += 1
+                yield micro
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
-    def _batches(self, plan: list[list[list[int]]]) -> Iterator[list[Any]]:
-        if self.num_workers == 0:
-            for step in plan:
-                yield [fetch(self.dataset, idx, self.collate_fn) for idx in step]
-            return
-        # Worker processes prefetch micro-batches; the position still counts what was consumed.
-        flat = [idx for step in plan for idx in step]
-        loader = DataLoader(self.dataset, batch_sampler=flat, num_workers=self.num_workers, collate_fn=self.collate_fn or default_collate)
-        it = iter(loader)
-        for _ in plan:
-            yield [next(it) for _ in range(self.accumulate)]
+    def _fetch(self, epoch: int, indices: Sequence[int]) -> Any:
+        return seeded_fetch(self.dataset, indices, self.collate_fn, self.seed, epoch)
+
+    def _worker_stream(self) -> Iterator[Any]:
+        """Micro-batches from one persistent DataLoader whose workers live as long as this loader:
+        its batch sampler walks the epochs from the current position on, so workers prefetch
+        across epoch ends and start once (a new DataLoader per epoch paid the workers' start-up
+        every epoch). A position that moved under it (a resume) starts a new one."""
+        position = (self.epoch, self.step_in_epoch)
+        if self._stream is None or self._stream_position != position:
+            self.close()
+            sampler = _PlanSampler(self, self.epoch, self.step_in_epoch)
+            loader = DataLoader(
+                _SeededBatches(self.dataset, self.collate_fn, self.seed), batch_sampler=sampler,
+                num_workers=self.num_workers, collate_fn=_first, persistent_workers=False,
+                # its own generator: starting workers draws their base seed from it, not from the
+                # global one the training step's dropout draws from (every sample is seeded anyway)
+                generator=torch.Generator().manual_seed(self.seed),
+            )
+            self._stream = iter(loader)
+        steps = self.steps_per_epoch - self.step_in_epoch
+        self._stream_position = (self.epoch + 1, 0)  # where the stream stands once this epoch is consumed
+        return _Counted(self._stream, steps * self.accumulate)
+
+    def close(self) -> None:
+        """Stop the data-loading worker processes (the Trainer calls this at the end of a run)."""
+        stream, self._stream = self._stream, None
+        if stream is not None and hasattr(stream, "_shutdown_workers"):
+            stream._shutdown_workers()
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed, "n": self.n, "global_batch": self.global_batch}
@@ -163,6 +286,15 @@ def unpack_data(data: Any) -> tuple[Any, Collate | None, int, int | None]:
     """Accept a Dataset or a DataLoader: returns (dataset, collate_fn, num_workers, batch_size)."""
     if data is None:
         return None, None, 0, None
+    inner = data.dataset if isinstance(data, DataLoader) else data
+    if isinstance(inner, IterableDataset):
+        raise ConfigError(
+            f"{type(inner).__name__} is an IterableDataset: shardwise's loader picks each global batch by index "
+            "(a seeded permutation per epoch), which is what makes results independent of the number of processes "
+            "and a resume exact mid-epoch, and a stream has no index. Give fit a map-style Dataset (with __len__ and "
+            "__getitem__; index your stream's shards or records), or train with the Engine and your own loader, "
+            "sharding the stream by engine.rank / engine.world_size"
+        )
     if isinstance(data, DataLoader):
         collate = data.collate_fn if data.collate_fn is not default_collate else None
         return data.dataset, collate, data.num_workers, data.batch_size

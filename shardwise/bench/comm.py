@@ -260,8 +260,11 @@ def main(argv: Sequence[str]) -> int:
     print(format_table(rows))
     model = fit(rows)
     if "alpha_s" in model:
+        bandwidth = model["bandwidth_bytes_per_s"]
+        # A fitted beta of 0 (sizes too small for bandwidth to show) has no bandwidth to print.
+        bw = f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "no bandwidth term: add a larger size, e.g. 64MB"
         print(f"\nfit over {', '.join(model['fitted_on'])}: alpha = {model['alpha_s'] * 1e6:.1f} us per step, "
-              f"beta = {model['beta_s_per_byte'] * 1e9:.3f} ns per byte ({model['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s); "
+              f"beta = {model['beta_s_per_byte'] * 1e9:.3f} ns per byte ({bw}); "
               f"worst relative error {model['max_relative_error']:.0%}")
     Path(args.fit).write_text(json.dumps(model, indent=2) + "\n")
     print(f"saved the fit to {args.fit}")

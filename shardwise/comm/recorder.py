@@ -34,7 +34,8 @@ class CommEvent:
     payload_bytes: int
     sent_bytes: int
     received_bytes: int
-    seconds: float
+    seconds: float | None
+    """Wall time of the call; None when it is not measured (DDP's own bucket allreduce runs in C++)."""
     steps: int = 0
 
 
@@ -88,7 +89,10 @@ class Recorder:
         t["payload_bytes"] += event.payload_bytes
         t["sent_bytes"] += event.sent_bytes
         t["received_bytes"] += event.received_bytes
-        t["seconds"] += event.seconds
+        if event.seconds is None:
+            t["untimed"] = 1  # a seconds total that leaves out untimed calls would mislead: drop it
+        else:
+            t["seconds"] += event.seconds
         t["steps"] += event.steps
         if self.keep_events:
             self.events.append(event)
@@ -106,7 +110,7 @@ class Recorder:
             key = f"{group}/{op}" if by_group else op
             acc = out.setdefault(key, {k: 0 for k in t})
             for k, v in t.items():
-                acc[k] += v
+                acc[k] = acc.get(k, 0) + v
         return out
 
     def count(self, op: str, group: str | None = None) -> int:
@@ -120,6 +124,9 @@ class Recorder:
         """The ``comm`` section of summary.json: totals and bytes per step by operation."""
         steps = max(steps, 1)
         per_op = self.totals(by_group=True)
+        for t in per_op.values():
+            if t.pop("untimed", 0):
+                t.pop("seconds", None)
         return {
             "steps": steps,
             "by_op": per_op,

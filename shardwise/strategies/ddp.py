@@ -75,7 +75,7 @@ def record_synced_steps(ddp: DistributedDataParallel, group: Group, recorder: Re
     p = group.size
     n = sum(t.numel() * t.element_size() for t in ddp.parameters() if t.requires_grad)
     sent, recv = wire_bytes("all_reduce", n, p)
-    event = CommEvent("all_reduce", group.name, p, n, sent, recv, 0.0)
+    event = CommEvent("all_reduce", group.name, p, n, sent, recv, None)  # C++ buckets: time not seen (record_buckets=True times them)
 
     def before_forward(module: nn.Module, args: Any) -> None:
         if ddp.require_backward_grad_sync and torch.is_grad_enabled():

@@ -59,6 +59,8 @@ class TrainerConfig:
     """Checkpoints to keep; older ones are deleted."""
     resume: str | None = None
     """'auto' (newest valid checkpoint in out/checkpoints, if any) or a checkpoint directory."""
+    overwrite: bool = False
+    """Start afresh in an ``out`` that holds an earlier run: its files are moved to ``out/replaced-<time>/``."""
     progress_bar: bool | None = None
     """Show a progress bar on rank 0 (default: when stderr is a terminal; log lines otherwise)."""
     num_workers: int = 0

@@ -55,14 +55,22 @@ class Progress:
 class RunFiles:
     """metrics.jsonl and summary.json in the run directory (rank 0 only)."""
 
-    def __init__(self, out: str | None, enabled: bool, *, append: bool) -> None:
+    def __init__(self, out: str | None, enabled: bool, *, append: bool, after_step: int | None = None) -> None:
+        """``append``: continue metrics.jsonl (a resume); records of steps after ``after_step`` (the
+        resumed checkpoint's step, replayed now) are dropped first, so no step is logged twice."""
         self.dir = Path(out) if out else None
         self.enabled = enabled and self.dir is not None
         self._metrics: TextIO | None = None
         if self.enabled:
             assert self.dir is not None
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(self.dir / "metrics.jsonl", "a" if append else "w")
+            path = self.dir / "metrics.jsonl"
+            if append and after_step is not None and path.exists():
+                kept = [line for line in path.read_text().splitlines() if line.strip() and _step_of(line) <= after_step]
+                tmp = path.with_suffix(".jsonl.tmp")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                os.replace(tmp, path)
+            self._metrics = open(path, "a" if append else "w")
 
     def log(self, record: dict[str, Any]) -> None:
         if self._metrics is not None:
@@ -80,6 +88,13 @@ class RunFiles:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return 0.0
 
 
 def _clean(obj: Any) -> Any:

@@ -20,6 +20,7 @@ from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
 from shardwise.strategies.protocol import check_batch, check_model, expendable_ranks, mesh_degrees, trainers
 from shardwise.trainer.config import TrainerConfig, from_mapping
+from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.trainer.logging import Progress, RunFiles
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -138,6 +139,7 @@ class Trainer:
         micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
         check_batch(strategy, micro, cfg.accumulate)
         check_model(strategy, model)
+        check_out(cfg.out, cfg.resume, cfg.overwrite)
         if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
             check_batch_fits(model, fetch(dataset, [0], collate))
 
@@ -155,6 +157,12 @@ class Trainer:
         stop_if_bootstrapping()  # a worker importing an unguarded script stops here (see launcher.worker)
         self._check(model, train_data)
         env = detect_env()
+        cfg = self.config
+        if cfg.overwrite and cfg.out and cfg.resume is None and env.rank == 0:
+            aside = move_aside(cfg.out)
+            if aside is not None:
+                print(f"shardwise: overwrite: the earlier run in {cfg.out} was moved to {aside}", flush=True)
+        self._run_id = new_run_id()  # the lineage of this run's checkpoints (a resume takes the checkpoint's)
         needs_group = self.config.strategy != "single"
         if not env.distributed and (self.config.nproc > 1 or needs_group):
             results = launch(
@@ -208,11 +216,17 @@ class Trainer:
         if scheduler is not None:
             state["scheduler"] = scheduler
 
+        engine.print(describe_outputs(cfg.out, cfg.checkpoint_every, cfg.keep_last))
+        if getattr(self, "_run_id", None) is None:
+            self._run_id = new_run_id()
         resumed_from = self._resume(engine, state)
         if resumed_from is not None:
             counters = state["counters"]
+            self._run_id = ckpt.run_id_of(resumed_from) or getattr(self, "_run_id", None) or new_run_id()
         self.step = start_step = int(counters["step"])
-        files = RunFiles(cfg.out, engine.is_rank_zero, append=resumed_from is not None)
+        if resumed_from is not None and start_step >= total:
+            return self._already_finished(engine, wrapped, start_step, total, return_state)
+        files = RunFiles(cfg.out, engine.is_rank_zero, append=resumed_from is not None, after_step=start_step if resumed_from is not None else None)
         progress = Progress(enabled=engine.is_rank_zero, total=total, initial=start_step, bar=cfg.progress_bar)
         if resumed_from is not None:
             progress.write(f"resumed from {resumed_from} at step {start_step}")
@@ -228,6 +242,26 @@ class Trainer:
         t_log, steps_at_log = time.perf_counter(), start_step
         train_start = time.perf_counter()
         last_ckpt: Path | None = None
+
+        def log_train() -> None:
+            # The only per-log collective: the mean training loss over the loop's group and steps
+            # (a rank that loops alone, an async parameter-server worker, logs its own).
+            nonlocal last_train_loss, t_log, steps_at_log
+            mean = engine.all_reduce(torch.stack(losses).double().mean().reshape(1), "mean")
+            last_train_loss = float(mean.item())
+            now = time.perf_counter()
+            record = {
+                "step": self.step,
+                "epoch": loader.epoch,
+                "train_loss": last_train_loss,
+                "lr": optimizer.param_groups[0]["lr"],
+                "samples_per_s": (self.step - steps_at_log) * global_batch / max(now - t_log, 1e-9),
+            }
+            files.log(record)
+            progress.update(self.step - steps_at_log, record)
+            t_log, steps_at_log = now, self.step
+            losses.clear()
+
         while self.step < total and not self.should_stop:
             for micro in loader:
                 micro = [engine.to_device(b) for b in micro]
@@ -243,23 +277,8 @@ class Trainer:
                 counters["samples"] = counters["samples"] + global_batch
                 losses.append(loss)
                 done = self.step >= total
-                if self.step % cfg.log_every == 0 or done:
-                    # The only per-log collective: the mean training loss over the loop's group and steps
-                    # (a rank that loops alone, an async parameter-server worker, logs its own).
-                    mean = engine.all_reduce(torch.stack(losses).double().mean().reshape(1), "mean")
-                    last_train_loss = float(mean.item())
-                    now = time.perf_counter()
-                    record = {
-                        "step": self.step,
-                        "epoch": loader.epoch,
-                        "train_loss": last_train_loss,
-                        "lr": optimizer.param_groups[0]["lr"],
-                        "samples_per_s": (self.step - steps_at_log) * global_batch / max(now - t_log, 1e-9),
-                    }
-                    files.log(record)
-                    progress.update(self.step - steps_at_log, record)
-                    t_log, steps_at_log = now, self.step
-                    losses.clear()
+                if self.step % cfg.log_every == 0 or done or self.should_stop:
+                    log_train()
                 if val[0] is not None and cfg.val_every and self.step % cfg.val_every == 0 and not done:
                     val_metrics = self._validate(engine, wrapped, val, val_batch)
                     files.log({"step": self.step, **val_metrics})
@@ -269,7 +288,10 @@ class Trainer:
                 self._callback("on_train_step_end", engine, self.step, loss)
                 if done or self.should_stop:
                     break
+        if losses:  # stopped between log steps (a callback set should_stop after this step's log check)
+            log_train()
         train_s = time.perf_counter() - train_start
+        loader.close()  # data-loading workers end with the training (they would outlive the run otherwise)
         if val[0] is not None:
             val_metrics = self._validate(engine, wrapped, val, val_batch)
             files.log({"step": self.step, **val_metrics})
@@ -331,58 +353,92 @@ class Trainer:
         return path
 
     def _save(self, engine: Engine, state: dict[str, Any], root: Path) -> Path:
-        path = engine.save(ckpt.step_dir(root, self.step), state, meta={"step": self.step})
+        run_id = getattr(self, "_run_id", None)
+        path = engine.save(ckpt.step_dir(root, self.step), state, meta={"step": self.step, "run_id": run_id})
         if engine.is_rank_zero:
-            ckpt.prune(root, self.config.keep_last)
+            ckpt.prune(root, self.config.keep_last, run_id)  # never another run's checkpoints
         return path
 
+    def _already_finished(self, engine: Engine, wrapped: nn.Module, step: int, total: int, return_state: bool) -> tuple[dict[str, Any], Any]:
+        """Resuming a run that already reached its last step: say so, train nothing, return its summary."""
+        cfg = self.config
+        engine.print(f"shardwise: the run already finished at step {step} (max steps {total}); nothing to train")
+        summary: dict[str, Any] = {}
+        if cfg.out and (Path(cfg.out) / "summary.json").exists():
+            import json
+
+            try:
+                summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+            except ValueError:
+                summary = {}
+        summary.update({"strategy": cfg.strategy, "world_size": engine.world_size, "steps": step, "steps_this_run": 0,
+                        "already_finished": True})
+        summary.pop("samples_per_s", None)
+        model_state = None
+        if return_state:
+            full = engine.consolidated_state_dict(wrapped)  # collective under sharded strategies: every rank
+            model_state = full if engine.is_rank_zero else None
+        return summary, model_state
+
     def _validate(self, engine: Engine, wrapped: nn.Module, val: tuple[Any, Any, int, int | None], batch_size: int) -> dict[str, float]:
-        """Every validation sample counted once across ranks; sums reduced, then divided."""
+        """Every validation sample counted once across ranks; sums reduced, then divided. Every key
+        ``validation_step`` returns is logged (as ``val_<key>``), not only the ones named in ``metrics``."""
         dataset, collate, _, _ = val
         module = engine.unwrap(wrapped)
         was_training = module.training
         module.eval()
-        names = list(self.metrics)
-        sums = torch.zeros(2 + len(names), dtype=torch.float64, device=engine.device)
+        totals: dict[str, float] = {}
+        count = 0
         world, rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
         # Under FSDP (and pipelines) a forward is collective: every rank must make the same
         # number of calls. Shards differ by at most one sample, so a rank with fewer batches
         # runs a real batch again and drops its result (val_samples still counts each once).
         calls = max(-(-len(eval_shard(len(dataset), world, r)) // batch_size) for r in range(world))
+        keys: list[str] = []
         with torch.no_grad(), engine.autocast():
             done = 0
             for batch in eval_batches(dataset, world, rank, batch_size, collate):
                 batch = engine.to_device(batch)
                 n = batch_size_of(batch)
                 values = self._eval_batch(module, batch)
-                sums[0] += n
-                for i, v in enumerate(values):
-                    sums[1 + i] += float(v) * n
+                keys = keys or list(values)
+                count += n
+                for k, v in values.items():
+                    totals[k] = totals.get(k, 0.0) + float(v) * n
                 done += 1
             for _ in range(calls - done):
-                self._eval_batch(module, engine.to_device(fetch(dataset, [0], collate)))
+                keys = keys or list(self._eval_batch(module, engine.to_device(fetch(dataset, [0], collate))))
         module.train(was_training)
+        # Every rank ran at least one call, so every rank knows the keys (the same code returns them).
+        sums = torch.tensor([float(count)] + [totals.get(k, 0.0) for k in keys], dtype=torch.float64, device=engine.device)
         engine.all_reduce(sums, "sum")
         sums /= copies_per_shard(engine)
-        count = max(sums[0].item(), 1.0)
-        out = {"val_loss": sums[1].item() / count}
-        out.update({f"val_{name}": sums[2 + i].item() / count for i, name in enumerate(names)})
+        samples = max(sums[0].item(), 1.0)
+        out = {f"val_{k}": sums[1 + i].item() / samples for i, k in enumerate(keys)}
         out["val_samples"] = int(sums[0].item())
         self._callback("on_validation_end", engine, out)
         return out
 
-    def _eval_batch(self, module: nn.Module, batch: Any) -> list[torch.Tensor]:
+    def _eval_batch(self, module: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """The loss and metrics of one validation batch, by name (``loss`` first)."""
+        validation_step = getattr(module, "validation_step", None)
+        if self.loss_fn is None and callable(validation_step):
+            result = validation_step(batch)
+            if not isinstance(result, Mapping) or "loss" not in result:
+                raise ConfigError(f"validation_step must return a mapping with a 'loss' key (and any metrics); got {type(result).__name__}")
+            missing = [name for name in self.metrics if name not in result]
+            if missing:
+                raise ConfigError(f"metrics {missing} are named in metrics= but validation_step returned only {sorted(result)}")
+            return {"loss": result["loss"], **{k: v for k, v in result.items() if k != "loss"}}
         if self.loss_fn is not None:
             output = call_model(module, batch)
-            return [self.loss_fn(output, batch)] + [fn(output, batch) for fn in self.metrics.values()]
-        validation_step = getattr(module, "validation_step", None)
-        if callable(validation_step):
-            result = validation_step(batch)
-            return [result["loss"]] + [result[name] for name in self.metrics]
-        if callable(getattr(module, "training_step", None)):
-            return [getattr(module, "training_step")(batch)]
-        output = call_model(module, batch)
-        return [loss_from_output(output, batch)] + [fn(output, batch) for fn in self.metrics.values()]
+            loss = self.loss_fn(output, batch)
+        elif callable(getattr(module, "training_step", None)):
+            return {"loss": getattr(module, "training_step")(batch)}
+        else:
+            output = call_model(module, batch)
+            loss = loss_from_output(output, batch)
+        return {"loss": loss, **{name: fn(output, batch) for name, fn in self.metrics.items()}}
 
     def _callback(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:

@@ -36,24 +36,27 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
 
 
-def trainer(name: str, strategy: str = "single", options: dict[str, Any] | None = None, **settings: Any) -> Trainer:
-    """The Trainer every cell uses (float64, clipping, the model's float64 loss)."""
+def trainer(name: str, strategy: str = "single", options: dict[str, Any] | None = None, *, own_loss: bool = False, **settings: Any) -> Trainer:
+    """The Trainer every cell uses (float64, clipping, the model's float64 loss; with ``own_loss``
+    no loss_fn: the loss the model returns for a batch with labels)."""
     base: dict[str, Any] = dict(
         strategy=strategy, strategy_options=dict(options or {}), global_batch_size=GLOBAL_BATCH,
         max_steps=STEPS, precision="64", clip_grad_norm=CLIP, seed=0, progress_bar=False, log_every=1,
     )
     base.update(settings)
-    return Trainer(optimizer=sgd, loss_fn=zoo.parity_loss_fn(name), **base)
+    return Trainer(optimizer=sgd, loss_fn=None if own_loss else zoo.parity_loss_fn(name), **base)
 
 
-def train(name: str, strategy: str = "single", options: dict[str, Any] | None = None, **settings: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
-    """Train one cell in this process (alone for ``single``, or as one rank of a running job).
+def train(name: str, strategy: str = "single", options: dict[str, Any] | None = None, *, val: int = 0, **settings: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """Train one cell in this process (alone for ``single``, or as one rank of a running job);
+    ``val`` samples of validation data when not 0.
 
     Returns the summary and, on rank 0, the consolidated model state (None on other ranks)."""
     model = zoo.build(name)
     t = trainer(name, strategy, options, **settings)
     t._check(model, zoo.dataset(name, SAMPLES))
-    summary, state = t._fit(model, zoo.dataset(name, SAMPLES), None, return_state=True)
+    val_data = zoo.dataset(name, val, seed=1) if val else None
+    summary, state = t._fit(model, zoo.dataset(name, SAMPLES), val_data, return_state=True)
     if strategy == "single":
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return summary, state
@@ -77,14 +80,15 @@ def result(results: dict[Any, Any], cell: Cell) -> tuple[dict[str, Any], dict[st
     return results[_key(cell)]  # type: ignore[no-any-return]
 
 
-_REFERENCES: dict[str, dict[str, torch.Tensor]] = {}
+_REFERENCES: dict[Any, dict[str, torch.Tensor]] = {}
 
 
-def reference(name: str) -> dict[str, torch.Tensor]:
-    """``single``'s final state for ``name`` (computed once per test process)."""
-    if name not in _REFERENCES:
-        _REFERENCES[name] = train(name)[1]  # type: ignore[assignment]
-    return _REFERENCES[name]
+def reference(name: str, **settings: Any) -> dict[str, torch.Tensor]:
+    """``single``'s final state for ``name`` (computed once per test process and settings)."""
+    key = (name, tuple(sorted(settings.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train(name, **settings)[1]  # type: ignore[assignment]
+    return _REFERENCES[key]
 
 
 def max_difference(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], *, integers: bool = True) -> float:
@@ -103,9 +107,10 @@ def max_difference(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
     return worst
 
 
-def assert_matches_single(name: str, state: dict[str, torch.Tensor], tol: float = TOL, what: str = "") -> float:
-    """The cell's parameters within ``tol`` of single's after STEPS steps, and training moved them."""
-    ref = reference(name)
+def assert_matches_single(name: str, state: dict[str, torch.Tensor], tol: float = TOL, what: str = "", **settings: Any) -> float:
+    """The cell's parameters within ``tol`` of single's (trained with the same ``settings``) after
+    STEPS steps, and training moved them."""
+    ref = reference(name, **settings)
     diff = max_difference(state, ref)
     assert diff <= tol, f"{name} {what}: largest parameter difference from single {diff:.3g} > {tol:g}"
     moved = max_difference(ref, zoo.build(name).state_dict(), integers=False)

@@ -1,185 +1,104 @@
-"""The pipeline cells of the model matrix: HF Llama, HF GPT-2 (tied), a nanoGPT-style GPT (tied,
-ModuleDict), BERT and ViT under pipeline gpipe, 1f1b and interleaved (pp=2, v=2, 4 layers), equal
-to ``single`` within 1e-9 after 5 clipped SGD steps in float64 (tests/models/harness.py); other
-transformers families (Mistral, Qwen2 tied, GPT-NeoX, Phi, OPT) under 1f1b; ResNet exact with one
-micro-batch and refused before launch otherwise; the model's own loss (``labels``, no loss_fn).
-
-One 2-process launch runs every cell, and the resume of each tied model: 3 steps with a checkpoint,
-resumed to 5, equal bit for bit to the uninterrupted run; the checkpoint holds single's keys and
-loads into a fresh model (the Hugging Face class for GPT-2) with strict=True, ties intact.
-"""
+"""The pipeline cells of the model matrix: Hugging Face Llama, GPT-2 (tied), BERT, ViT and a
+nanoGPT-style GPT (tied, a ModuleDict) split by their block lists under GPipe, 1F1B and
+interleaved 1F1B, equal to ``single`` within 1e-9 after 5 clipped steps in float64; tied weights
+kept one weight; the model's own loss with no loss_fn; evaluation; checkpoints that resume bit
+for bit and load into the original model with its ties; and refusals that are true."""
 
 from __future__ import annotations
-
-import os
-from typing import Any
 
 import pytest
 import torch
 
-from shardwise import Trainer, launch
+from shardwise import launch
 from shardwise.errors import ConfigError
-from shardwise.strategies.pipeline import Pipeline
 from tests.models import harness, zoo
 
 pytest.importorskip("transformers", reason="the model tests need transformers: pip install -e '.[dev]'")
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(500)]
 
-MODELS = ("llama", "gpt2", "nanogpt", "bert", "vit")
-TIED = ("gpt2", "nanogpt")
-SCHEDULES = {"gpipe": {"pp": 2, "schedule": "gpipe"}, "1f1b": {"pp": 2, "schedule": "1f1b"},
-             "interleaved": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}}
-FAMILIES = ("mistral", "qwen2", "neox", "phi", "opt")
-
-
-def family(name: str) -> torch.nn.Module:
-    """A small float64 causal LM of another transformers family (4 layers, seed 0)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    c: dict[str, Any] = dict(vocab_size=zoo.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                             num_attention_heads=4, max_position_embeddings=zoo.SEQ, attn_implementation="eager")
-    if name == "mistral":
-        model = tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, tie_word_embeddings=False, **c))
-    elif name == "qwen2":
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **c))
-    elif name == "neox":
-        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**c))
-    elif name == "phi":
-        model = tf.PhiForCausalLM(tf.PhiConfig(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **c))
-    else:  # OPT declares its final norm before its layers (the forward runs it after them)
-        model = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=zoo.VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=4,
-                                               num_attention_heads=4, max_position_embeddings=zoo.SEQ, dropout=0.0,
-                                               attention_dropout=0.0, word_embed_proj_dim=32, attn_implementation="eager"))
-    return model.double()
-
-
-def train_family(name: str, strategy: str = "single", options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    model = family(name)
-    t = harness.trainer("llama", strategy, options)  # Llama's float64 causal-LM loss and data fit every causal LM
-    data = zoo.dataset("llama", harness.SAMPLES)
-    t._check(model, data)
-    _, state = t._fit(model, data, None, return_state=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()} if strategy == "single" else state
-
-
-def train_own_loss(name: str, strategy: str = "single", options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """``name`` trained on the model's own loss (``labels`` in the batch, no loss_fn)."""
-    model = zoo.build(name)
-    t = Trainer(optimizer=harness.sgd, loss_fn=None, strategy=strategy, strategy_options=dict(options or {}),
-                global_batch_size=harness.GLOBAL_BATCH, max_steps=harness.STEPS, precision="64",
-                clip_grad_norm=harness.CLIP, seed=0, progress_bar=False, log_every=100)
-    data = zoo.dataset(name, harness.SAMPLES)
-    t._check(model, data)
-    _, state = t._fit(model, data, None, return_state=True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()} if strategy == "single" else state
-
-
-def _worker(root: str) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
-    for name in MODELS:
-        for sched, opts in SCHEDULES.items():
-            extra = {"out": os.path.join(root, name), "checkpoint_every": 3} if name in TIED and sched == "1f1b" else {}
-            out[(name, sched)] = harness.train(name, "pipeline", opts, **extra)
-    for name in TIED:
-        step3 = os.path.join(root, name, "checkpoints", "step-00000003")
-        out[(name, "resumed")] = harness.train(name, "pipeline", SCHEDULES["1f1b"], out=os.path.join(root, name + "-r"), resume=step3)
-    out[("resnet", "gpipe")] = harness.train("resnet", "pipeline", {"pp": 2, "schedule": "gpipe", "microbatches": 1})
-    out[("llama", "own loss")] = train_own_loss("llama", "pipeline", SCHEDULES["1f1b"])
-    out[("nanogpt", "layers")] = harness.train("nanogpt", "pipeline", {**SCHEDULES["gpipe"], "layers": "transformer.h", "split_points": ["transformer.h.1"]})
-    for name in FAMILIES:
-        out[(name, "family")] = train_family(name, "pipeline", SCHEDULES["1f1b"])
-    return out
+MODELS = ("llama", "gpt2", "bert", "vit", "nanogpt")
+SCHEDULES = {
+    "gpipe": {"pp": 2, "schedule": "gpipe", "microbatches": 2},
+    "1f1b": {"pp": 2, "schedule": "1f1b", "microbatches": 4},
+    "interleaved": {"pp": 2, "schedule": "interleaved", "microbatches": 2},  # 4 stages of one block
+}
+CELLS = [(n, "pipeline", opts) for opts in SCHEDULES.values() for n in MODELS]
+OWN_LOSS = [(n, "pipeline", SCHEDULES["1f1b"], {"own_loss": True}) for n in ("llama", "bert")]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[Any, Any], str]:
-    root = str(tmp_path_factory.mktemp("pipeline_matrix"))
-    return launch(_worker, root, nproc=2, threads_per_proc=1, timeout=600)[0], root
+def results():
+    return harness.run_cells(CELLS + OWN_LOSS, nproc=2)
 
 
-@pytest.mark.parametrize("sched", list(SCHEDULES))
-@pytest.mark.parametrize("name", MODELS)
-def test_pipeline_matches_single(runs: tuple[dict[Any, Any], str], name: str, sched: str) -> None:
-    summary, state = runs[0][(name, sched)]
-    harness.assert_matches_single(name, state, what=f"pipeline {sched}")
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: f"{c[0]}-{c[2]['schedule']}")
+def test_cell_matches_single(results, cell):
+    summary, state = harness.result(results, cell)
+    harness.assert_matches_single(cell[0], state, what=f"pipeline {cell[2]['schedule']}")
     section = summary["pipeline"]
-    assert section["stages"] == (4 if sched == "interleaved" else 2) and summary["steps"] == harness.STEPS
+    assert len(section["stage_layers"]) == cell[2]["pp"] * (2 if cell[2]["schedule"] == "interleaved" else 1)
 
 
-def test_each_model_is_cut_along_its_own_block_list(runs: tuple[dict[Any, Any], str]) -> None:
-    blocks = {"llama": "model.layers", "gpt2": "transformer.h", "nanogpt": "transformer.h",
-              "bert": "bert.encoder.layer", "vit": "vit.layers"}
-    for name in MODELS:
-        prefix = blocks[name]
-        assert runs[0][(name, "1f1b")][0]["pipeline"]["stage_layers"] == [[f"{prefix}.0", f"{prefix}.1"], [f"{prefix}.2", f"{prefix}.3"]]
-        assert runs[0][(name, "interleaved")][0]["pipeline"]["stage_layers"] == [[f"{prefix}.{i}"] for i in range(4)]
-    # layers= and split_points= from the user: an uneven split, still equal to single.
-    summary, state = runs[0][("nanogpt", "layers")]
-    assert summary["pipeline"]["stage_layers"] == [["transformer.h.0"], ["transformer.h.1", "transformer.h.2", "transformer.h.3"]]
-    harness.assert_matches_single("nanogpt", state, what="pipeline layers=transformer.h")
+@pytest.mark.parametrize("name", ["gpt2", "nanogpt"])
+def test_weights_tied_across_stages_stay_one_weight(results, name):
+    for opts in SCHEDULES.values():
+        _, state = harness.result(results, (name, "pipeline", opts))
+        assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]), opts["schedule"]
 
 
-@pytest.mark.parametrize("name", TIED)
-def test_tied_weight_stays_one_weight_resumes_bit_exact_and_loads_tied(runs: tuple[dict[Any, Any], str], name: str) -> None:
-    uninterrupted = runs[0][(name, "1f1b")][1]
-    resumed = runs[0][(name, "resumed")][1]
-    assert list(uninterrupted) == list(zoo.build(name).state_dict()), "the checkpoint's keys are not single's, in single's order"
-    assert torch.equal(uninterrupted["lm_head.weight"], uninterrupted["transformer.wte.weight"])
-    for k, v in uninterrupted.items():
-        assert torch.equal(resumed[k], v), f"{name}: {k} differs after resume"
-    # the step-3 checkpoint (written by the pipeline) loads into a fresh model, ties intact
-    from shardwise.checkpoint import load_file
-
-    saved = load_file(os.path.join(runs[1], name, "checkpoints", "step-00000003", "state.pt"))["model"]
-    fresh = zoo.build(name, seed=1)
-    fresh.load_state_dict(saved, strict=True)
-    assert fresh.lm_head.weight is fresh.transformer.wte.weight
-    assert torch.equal(fresh.lm_head.weight, saved["transformer.wte.weight"])
-    single3 = harness.train(name, max_steps=3)[1]
-    assert harness.max_difference(saved, single3) <= harness.TOL
+@pytest.mark.parametrize("cell", OWN_LOSS, ids=lambda c: c[0])
+def test_the_models_own_loss_trains_with_no_loss_fn(results, cell):
+    """No loss_fn: the last stage takes the loss the model computes from the batch's labels.
+    (transformers computes a causal LM's loss in float32, hence Llama's looser tolerance.)"""
+    _, state = harness.result(results, cell)
+    tol = 1e-6 if cell[0] == "llama" else harness.TOL
+    harness.assert_matches_single(cell[0], state, tol=tol, what="own loss", own_loss=True)
 
 
-def test_a_tied_pipeline_checkpoint_exports_to_a_file_transformers_loads_tied(runs: tuple[dict[Any, Any], str], tmp_path: Any) -> None:
-    pytest.importorskip("safetensors")
-    import transformers as tf
-
-    from shardwise.checkpoint import export_safetensors
-
-    export_safetensors(os.path.join(runs[1], "gpt2", "checkpoints", "step-00000003"), tmp_path / "model.safetensors")
-    zoo.build("gpt2").config.save_pretrained(tmp_path)
-    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64)
-    assert loaded.lm_head.weight is loaded.transformer.wte.weight
-    assert harness.max_difference(loaded.state_dict(), harness.train("gpt2", max_steps=3)[1]) <= harness.TOL
+def _resume_worker(root: str) -> list[dict]:
+    """gpt2 under 1f1b: 5 steps with a checkpoint at 3, then a resume from it to 5; and
+    evaluation through the pipeline."""
+    opts = SCHEDULES["1f1b"]
+    full, full_state = harness.train("gpt2", "pipeline", opts, out=f"{root}/a", checkpoint_every=3, val=8)
+    _, resumed_state = harness.train("gpt2", "pipeline", opts, out=f"{root}/b", resume=f"{root}/a/checkpoints/step-00000003")
+    return [full, full_state, resumed_state]
 
 
-def test_resnet_trains_exactly_with_one_microbatch_and_is_refused_with_more(runs: tuple[dict[Any, Any], str]) -> None:
-    harness.assert_matches_single("resnet", runs[0][("resnet", "gpipe")][1], what="pipeline gpipe microbatches=1")
-    with pytest.raises(ConfigError, match=r"ResNetForImageClassification has BatchNorm layers .* micro-batch statistics"):
-        harness.trainer("resnet", "pipeline", {"pp": 2, "schedule": "1f1b"}, nproc=2).fit(zoo.build("resnet"), zoo.dataset("resnet", 16))
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    out = launch(_resume_worker, str(root), nproc=2, threads_per_proc=1, timeout=300)[0]
+    return root, out
 
 
-def test_the_models_own_loss_trains_as_in_single(runs: tuple[dict[Any, Any], str]) -> None:
-    """No loss_fn: the last stage runs the model's forward with ``labels`` on the head's output,
-    so the loss is transformers' own (``model.loss_function``, float32 inside)."""
-    diff = harness.max_difference(runs[0][("llama", "own loss")], train_own_loss("llama"))
-    assert diff <= harness.TOL
+def test_a_tied_checkpoint_resumes_bit_for_bit_and_loads_into_the_hf_model(resumed):
+    root, (summary, full_state, resumed_state) = resumed
+    for k, v in full_state.items():
+        assert torch.equal(v, resumed_state[k]), k
+    fresh = zoo.build("gpt2")
+    fresh.load_state_dict(full_state, strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # the model's own tie survives the load
+    assert torch.equal(fresh.lm_head.weight, full_state["transformer.wte.weight"])
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_other_causal_lm_families_match_single(runs: tuple[dict[Any, Any], str], name: str) -> None:
-    diff = harness.max_difference(runs[0][(name, "family")], train_family(name))
-    assert diff <= harness.TOL, f"{name}: {diff:.3g}"
+def test_evaluation_through_the_pipeline_equals_single(resumed):
+    _, (summary, _, _) = resumed
+    single, _ = harness.train("gpt2", val=8)
+    assert summary["val_samples"] == single["val_samples"] == 8
+    assert abs(summary["val_loss"] - single["val_loss"]) < 1e-12
 
 
-def test_what_cannot_be_split_is_refused_before_launch() -> None:
-    llama = zoo.build("llama")
-    with pytest.raises(ConfigError, match=r"layers='model.nope' is not a module of LlamaForCausalLM; its module lists are \['model.layers'\]"):
-        Pipeline(pp=2, layers="model.nope").check_model(llama)
-    with pytest.raises(ConfigError, match=r"has 4 blocks in model.layers but the pipeline needs 8 stages"):
-        Pipeline(pp=2, schedule="interleaved", virtual_stages=4, microbatches=4).check_model(llama)
-    with pytest.raises(ConfigError, match=r"ties lm_head.weight to transformer.wte.weight.*dp_strategy='ddp'"):
-        Pipeline(pp=2, dp_strategy="fsdp").check_model(zoo.build("nanogpt"))
-    with pytest.raises(ConfigError, match="pipeline needs 8 stages"):  # through the Trainer: in the parent, no process started
-        harness.trainer("llama", "pipeline", {"pp": 2, "schedule": "interleaved", "virtual_stages": 4, "microbatches": 4}, nproc=2).fit(
-            llama, zoo.dataset("llama", 16))
+def test_batchnorm_models_are_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="BatchNorm.*micro-batch statistics"):
+        harness.trainer("resnet", "pipeline", SCHEDULES["gpipe"], nproc=2).fit(zoo.build("resnet"), zoo.dataset("resnet", 16))
+
+
+def test_too_few_blocks_for_the_stages_is_refused_naming_the_block_list():
+    model = zoo.build("llama", layers=2)
+    with pytest.raises(ConfigError, match=r"has 2 blocks in model\.layers but the pipeline needs 4 stages"):
+        harness.trainer("llama", "pipeline", SCHEDULES["interleaved"], nproc=2).fit(model, zoo.dataset("llama", 16))
+
+
+def test_a_layers_path_that_is_not_a_module_list_is_refused():
+    with pytest.raises(ConfigError, match="layers='transformer.wte'.*not an nn.ModuleList"):
+        harness.trainer("gpt2", "pipeline", dict(SCHEDULES["gpipe"], layers="transformer.wte"), nproc=2).fit(zoo.build("gpt2"), zoo.dataset("gpt2", 16))

@@ -89,6 +89,7 @@ def test_worker_processes_give_the_same_batches():
     a = ShardedLoader(_dataset(24), global_batch=4, accumulate=2, seed=5)
     b = ShardedLoader(_dataset(24), global_batch=4, accumulate=2, seed=5, num_workers=1)
     steps_a, steps_b = list(iter(a)), list(iter(b))
+    b.close()
     assert len(steps_a) == len(steps_b) == 6
     for sa, sb in zip(steps_a, steps_b):
         for ma, mb in zip(sa, sb):

@@ -70,7 +70,7 @@ def test_a_dataloader_gives_its_batch_size_and_collate(tmp_path):
     trainer = Trainer(optimizer=adam, loss_fn=ce, max_steps=3, progress_bar=False)
     summary = trainer.fit(mlp(dtype=torch.float32), loader)
     assert summary["global_batch_size"] == 16 and summary["samples"] == 48
-    assert calls["n"] == 3
+    assert calls["n"] == 1 + 3  # one sample collated before launch (does the batch fit forward?), then 3 steps
 
 
 def test_a_progress_bar_on_a_terminal(capsys):
