@@ -205,3 +205,37 @@ def test_bf16_mixed_equals_a_hand_written_autocast_loop():
     assert all(v.dtype == torch.float32 for v in got.values())  # bf16-mixed keeps float32 parameters
     assert diff(by_hand(True), got) == 0.0
     assert diff(by_hand(False), got) > 1e-4
+
+
+class CountingSet(torch.utils.data.Dataset):
+    """A data set that is not a TensorDataset (fetched sample by sample) and records every fetch."""
+
+    def __init__(self, base: TensorDataset) -> None:
+        self.base, self.seen = base, []
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int) -> Any:
+        self.seen.append(int(i))
+        return self.base[i]
+
+
+def test_summary_samples_equal_the_samples_the_model_was_fed():
+    """summary["samples"] is held to what the loader fetched, not to steps x global batch: 40 samples,
+    a global batch of 16 (two steps an epoch, 8 dropped), five steps -> 80 fetches, each epoch's
+    32 distinct."""
+    x, y = data().tensors
+    counting = CountingSet(TensorDataset(torch.cat([x, x[:8]]), torch.cat([y, y[:8]])))
+    fed = []
+
+    def counted_ce(output: torch.Tensor, batch: Any) -> torch.Tensor:
+        fed.append(int(output.shape[0]))
+        return ce(output, batch)
+
+    summary = Trainer(optimizer=sgd, loss_fn=counted_ce, precision="64", global_batch_size=16, accumulate=2, max_steps=5,
+                      log_every=5, progress_bar=False).fit(model64(), counting)
+    assert fed == [8] * 10  # two micro-batches of 8 a step
+    assert len(counting.seen) == sum(fed) == summary["samples"] == 80
+    for epoch in range(2):
+        assert len(set(counting.seen[epoch * 32:(epoch + 1) * 32])) == 32
