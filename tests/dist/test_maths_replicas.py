@@ -19,7 +19,8 @@ Nesterov and at momentum 0 must not (so the check can tell them apart).
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import io
 from typing import Any
 
 import torch
@@ -93,8 +94,20 @@ def _run_central() -> list[torch.Tensor] | None:
     return out
 
 
+def _broadcast_and_print() -> dict[str, Any]:
+    """README: ``engine.broadcast`` and ``engine.print`` (rank 0 only)."""
+    engine = Engine(strategy="ddp", precision="64", accelerator="cpu")  # joins the launcher's group
+    value = torch.tensor([10.0 * (engine.rank + 1)], dtype=torch.float64)
+    engine.broadcast(value, src=1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        engine.print("hello from rank", engine.rank)
+    return {"value": value.item(), "printed": printed.getvalue()}
+
+
 def _two_processes() -> dict[str, Any]:
     out = {
+        "engine": _broadcast_and_print(),
         "local": _run_replicas("local-sgd", {"sync_every": H}, adamw),
         "diloco": _run_replicas("diloco", {"sync_every": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU}, sgd),
     }
@@ -178,6 +191,9 @@ def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 def test_local_sgd_diloco_and_the_parameter_server_equal_their_maths_by_hand():
     got = shardwise.launch(_two_processes, nproc=2, threads_per_proc=1, timeout=150)
     init = flat(mlp())
+    # README claims checked in the same launch: broadcast from rank 1 reaches rank 0; print is rank 0's only.
+    assert [g["engine"]["value"] for g in got] == [20.0, 20.0]
+    assert [g["engine"]["printed"] for g in got] == ["hello from rank 0\n", ""]
 
     local = hand_local_sgd()
     for r in (0, 1):

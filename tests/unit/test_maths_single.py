@@ -239,3 +239,47 @@ def test_summary_samples_equal_the_samples_the_model_was_fed():
     assert len(counting.seen) == sum(fed) == summary["samples"] == 80
     for epoch in range(2):
         assert len(set(counting.seen[epoch * 32:(epoch + 1) * 32])) == 32
+
+
+class WithSteps(nn.Module):
+    """A module with its own ``training_step`` (cross-entropy plus an L2 penalty) and a different
+    ``validation_step`` (plain cross-entropy and accuracy), so using one for the other shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model64()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        return ce(self(batch[0]), batch) + 0.05 * sum((p * p).sum() for p in self.parameters())
+
+    def validation_step(self, batch: Any) -> dict[str, torch.Tensor]:
+        out = self(batch[0])
+        return {"loss": ce(out, batch), "accuracy": (out.argmax(-1) == batch[1]).double().mean()}
+
+
+def test_training_step_and_validation_step_are_the_ones_used():
+    """README: a module may define training_step and validation_step instead of loss_fn. The weights
+    follow the hand loop on training_step's loss; val_loss and val_accuracy are validation_step's over
+    every validation sample (13, in uneven batches of 4), computed here in one pass."""
+    model = WithSteps()
+    init = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(8)
+    val = TensorDataset(torch.randn(13, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (13,), generator=g))
+    summary = Trainer(optimizer=sgd, metrics={"accuracy": None}, precision="64", global_batch_size=N, accumulate=2,
+                      max_steps=3, log_every=3, val_batch_size=4, progress_bar=False).fit(model, data(), val)
+    opt = sgd(init.parameters())
+    for _ in range(3):
+        init.training_step(data().tensors).backward()
+        opt.step()
+        opt.zero_grad()
+    assert diff(init.state_dict(), model.state_dict()) < TOL
+    with torch.no_grad():
+        out = init(val.tensors[0])
+        want_loss = float(F.cross_entropy(out, val.tensors[1]))
+        want_acc = float((out.argmax(-1) == val.tensors[1]).double().mean())
+    assert summary["val_samples"] == 13
+    assert summary["val_loss"] == pytest.approx(want_loss, rel=1e-12, abs=0)
+    assert summary["val_accuracy"] == pytest.approx(want_acc, rel=1e-12, abs=0)
