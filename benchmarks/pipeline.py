@@ -26,6 +26,17 @@ time and changes the measured bubble in ways the formula does not model; the tab
 those rows ``oversubscribed``.
 
     python benchmarks/pipeline.py [--pp 2 4] [--microbatches 2 4 8 16] [--steps 4] [--timeline /tmp/pipeline_timeline.png]
+
+``--model hf-llama``: the same table for a Hugging Face ``LlamaForCausalLM`` built from a small
+config (no download; ``--llama-layers`` layers of width ``--llama-hidden``, sequences of
+``--llama-seq`` tokens, ``--rows`` sequences per micro-batch, float32), split along
+``model.layers`` with the embedding on the first stage and the norm and head on the last, trained
+on its own loss from ``labels`` (a dict batch). Its stages are not equal (the embedding and the
+head sit on the end stages), so the measured bubble also holds that imbalance; the table adds the
+step time of the unsplit model on the same global batch in one process (``single s``), measured
+in the same run.
+
+    python benchmarks/pipeline.py --model hf-llama --pp 2 --microbatches 2 4 8 --rows 4
 """
 
 from __future__ import annotations
@@ -119,6 +130,69 @@ def _run(configs: list[dict[str, Any]], width: int, layers_per_rank: int, rows: 
     return out
 
 
+def hf_llama(hidden: int, layers: int, vocab: int, seq: int) -> nn.Module:
+    """A float32 ``LlamaForCausalLM`` with random weights from a small config (seed 0)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                         max_position_embeddings=seq, tie_word_embeddings=False, attn_implementation="sdpa")
+    return tf.LlamaForCausalLM(cfg)
+
+
+def _llama_batch(rows: int, vocab: int, seq: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _own_loss(model: Any, batch: Any) -> torch.Tensor:
+    from shardwise.batches import call_model, loss_from_output
+
+    return loss_from_output(call_model(model, batch), batch)
+
+
+def _run_llama(configs: list[dict[str, Any]], llama: dict[str, int], rows: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    out = []
+    for cfg in configs:
+        p, m, schedule = cfg["pp"], cfg["microbatches"], cfg["schedule"]
+        engine = shardwise.Engine(strategy="pipeline", accelerator="cpu",
+                                  strategy_options=dict(pp=p, microbatches=m, schedule=schedule, warmup_steps=warmup))
+        model, opt = engine.setup(hf_llama(**llama), _sgd)
+        batch = _llama_batch(rows * m, llama["vocab"], llama["seq"])
+        for _ in range(warmup + steps):
+            engine.forward_backward(model, [batch], _own_loss)
+            engine.step(opt)
+            opt.zero_grad(set_to_none=True)
+        section = engine.strategy.summary()["pipeline"]
+        out.append({**cfg, "measured": section["bubble_measured"], "median": section["bubble_measured_median_step"],
+                    "predicted": section["bubble_predicted"], "per_stage": [s["bubble"] for s in section["per_stage"]],
+                    "step_s": section["step_wall_s"], "virtual_stages": section["virtual_stages"], "timeline": None,
+                    "stage_layers": section["stage_layers"]})
+    return out
+
+
+def _single_llama_step(llama: dict[str, int], rows: int, steps: int, warmup: int) -> float:
+    """Mean step time of the unsplit model on ``rows`` sequences, in this process (one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = hf_llama(**llama)
+        opt = _sgd(model.parameters())
+        batch = _llama_batch(rows, llama["vocab"], llama["seq"])
+        times = []
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        return sum(times) / len(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -133,7 +207,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeline", default=None, help="PNG for one configuration (interleaved, p=2, m=4), events as JSON next to it")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
+    ap.add_argument("--model", choices=["blocks", "hf-llama"], default="blocks", help="blocks: equal Linear+tanh (or sleeping) blocks; hf-llama: transformers' Llama")
+    ap.add_argument("--llama-hidden", type=int, default=256)
+    ap.add_argument("--llama-layers", type=int, default=8)
+    ap.add_argument("--llama-vocab", type=int, default=2048)
+    ap.add_argument("--llama-seq", type=int, default=128)
     args = ap.parse_args(argv)
+    llama = {"hidden": args.llama_hidden, "layers": args.llama_layers, "vocab": args.llama_vocab, "seq": args.llama_seq}
 
     cores = os.cpu_count() or 1
     rows: list[dict[str, Any]] = []
@@ -147,22 +227,35 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 configs.append({"pp": p, "microbatches": m, "schedule": schedule,
                                 "timeline": schedule == "interleaved" and p == 2 and m == 4})
-        results = shardwise.launch(_run, configs, args.width, args.layers_per_rank, args.rows, args.steps, args.warmup, args.timeline,
-                                   args.action_ms if args.cost == "sleep" else None, nproc=p, threads_per_proc=1, timeout=1800)
+        if args.model == "hf-llama":
+            configs = [c for c in configs if c["schedule"] != "interleaved" or args.llama_layers >= 2 * c["pp"]]
+            results = shardwise.launch(_run_llama, configs, llama, args.rows, args.steps, args.warmup, nproc=p, threads_per_proc=1, timeout=1800)
+        else:
+            results = shardwise.launch(_run, configs, args.width, args.layers_per_rank, args.rows, args.steps, args.warmup, args.timeline,
+                                       args.action_ms if args.cost == "sleep" else None, nproc=p, threads_per_proc=1, timeout=1800)
         for r in results[0]:
-            r["oversubscribed"] = p > cores and args.cost == "compute"
+            r["oversubscribed"] = p > cores and (args.cost == "compute" or args.model == "hf-llama")
+            if args.model == "hf-llama":
+                r["single_s"] = _single_llama_step(llama, args.rows * r["microbatches"], args.steps, args.warmup)
             rows.append(r)
 
-    cost = f"sleeping blocks, {args.action_ms:g} ms forward + {2 * args.action_ms:g} ms backward per stage and micro-batch" if args.cost == "sleep" \
-        else f"width {args.width}, {args.rows} rows per micro-batch"
-    print(f"pipeline bubble: {cost}, {args.layers_per_rank} blocks per rank, "
-          f"{args.steps} steps after {args.warmup} warm-up, {cores} cores")
-    print(f"{'p':>2} {'schedule':<12} {'v':>2} {'m':>3} {'measured':>9} {'median':>7} {'predicted':>9} {'ratio':>6} {'step s':>7}  per-stage")
+    if args.model == "hf-llama":
+        cost = (f"transformers LlamaForCausalLM, {args.llama_layers} layers of width {args.llama_hidden}, vocab {args.llama_vocab}, "
+                f"{args.rows} sequences of {args.llama_seq} tokens per micro-batch, float32, own loss from labels")
+        print(f"pipeline bubble: {cost}, {args.steps} steps after {args.warmup} warm-up, {cores} cores")
+    else:
+        cost = f"sleeping blocks, {args.action_ms:g} ms forward + {2 * args.action_ms:g} ms backward per stage and micro-batch" if args.cost == "sleep" \
+            else f"width {args.width}, {args.rows} rows per micro-batch"
+        print(f"pipeline bubble: {cost}, {args.layers_per_rank} blocks per rank, "
+              f"{args.steps} steps after {args.warmup} warm-up, {cores} cores")
+    single = f" {'single s':>8}" if args.model == "hf-llama" else ""
+    print(f"{'p':>2} {'schedule':<12} {'v':>2} {'m':>3} {'measured':>9} {'median':>7} {'predicted':>9} {'ratio':>6} {'step s':>7}{single}  per-stage")
     for r in rows:
         ratio = r["measured"] / r["predicted"] if r["predicted"] else float("nan")
         flag = "  oversubscribed" if r["oversubscribed"] else ""
         stages = " ".join(f"{b:.3f}" for b in r["per_stage"])
-        print(f"{r['pp']:>2} {r['schedule']:<12} {r['virtual_stages']:>2} {r['microbatches']:>3} {r['measured']:>9.3f} {r['median']:>7.3f} {r['predicted']:>9.3f} {ratio:>6.2f} {r['step_s']:>7.3f}  {stages}{flag}")
+        one = f" {r['single_s']:>8.3f}" if "single_s" in r else ""
+        print(f"{r['pp']:>2} {r['schedule']:<12} {r['virtual_stages']:>2} {r['microbatches']:>3} {r['measured']:>9.3f} {r['median']:>7.3f} {r['predicted']:>9.3f} {ratio:>6.2f} {r['step_s']:>7.3f}{one}  {stages}{flag}")
     timelines = [r["timeline"] for r in rows if r.get("timeline")]
     if timelines:
         print(f"timeline: {timelines[0]} (events: {timelines[0]}.json)")

@@ -72,6 +72,8 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--tp", type=int, metavar="N", help="tp/pipeline: tensor-parallel degree (sets strategy_options.tp)")
     p.add_argument("--microbatches", type=int, metavar="M", help="pipeline: micro-batches per step (sets strategy_options.microbatches)")
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], help="pipeline: schedule (sets strategy_options.schedule)")
+    p.add_argument("--layers", metavar="PATH", help="pipeline: dotted path of the model's list of blocks to cut into stages, e.g. model.layers (sets strategy_options.layers; found by itself when not given)")
+    p.add_argument("--split-points", metavar="NAMES", help="pipeline: comma-separated layer names that start stages 1.. (sets strategy_options.split_points)")
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="tp: shard norms and dropout along the sequence (sets strategy_options.sequence_parallel)")
     p.add_argument("--dp-strategy", choices=["ddp", "fsdp"], help="tp/pipeline: how the data-parallel dimension is kept in sync (sets strategy_options.dp_strategy)")
     p.add_argument("--straggler", metavar="RANK:FACTOR", help="slow rank RANK down FACTOR times on purpose (demonstrations, benchmarks)")
@@ -98,7 +100,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None:
             settings[name] = value
     for option in ("allreduce", "compression", "offload", "sync_every", "servers", "mode", "staleness",
-                   "pp", "tp", "microbatches", "schedule", "sequence_parallel", "dp_strategy"):  # strategy options with flags of their own
+                   "pp", "tp", "microbatches", "schedule", "sequence_parallel", "dp_strategy", "layers", "split_points"):  # strategy options with flags of their own
         value = getattr(args, option)
         if value is not None:
             settings["strategy_options"] = {**settings.get("strategy_options", {}), option: value}

@@ -44,3 +44,10 @@ def test_one_f_one_b_with_fewer_micro_batches_than_stages_is_one_clear_line():
     proc = shardwise("train", "--recipe", "charlm", "--strategy", "pipeline", "--pp", "2", "--nproc", "2", "--microbatches", "1", "--max-steps", "1")
     assert proc.returncode == 2
     assert "1f1b needs at least as many micro-batches as stages" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_layers_flag_reaches_the_splitter_and_a_wrong_path_is_one_clear_line():
+    proc = shardwise("train", "--recipe", "charlm", "--strategy", "pipeline", "--pp", "2", "--nproc", "2", "--layers", "blocks.nope", "--max-steps", "1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "layers='blocks.nope' is not a module of CharGPT; its module lists are ['blocks']" in proc.stderr
+    assert "Traceback" not in proc.stderr

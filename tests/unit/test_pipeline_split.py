@@ -270,3 +270,84 @@ def test_naive_mp_without_two_gpus_says_so_and_suggests_pipeline():
         get_strategy("naive-mp").validate(1)
     with pytest.raises(ConfigError, match="world size of 2"):
         NaiveModelParallel(devices=["cpu", "cpu"]).validate(2)
+
+
+# -- nested models (transformers, nanoGPT): stages from the block list ---------------------------
+
+
+def _hf_or_skip():
+    return pytest.importorskip("transformers", reason="the nested-model tests need transformers: pip install -e '.[dev]'")
+
+
+def _opt():
+    tf = _hf_or_skip()
+    torch.manual_seed(0)
+    cfg = tf.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
+                       max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=32, attn_implementation="eager")
+    return tf.OPTForCausalLM(cfg).double().eval()
+
+
+def test_modules_are_placed_by_the_order_the_forward_runs_them_not_by_declaration():
+    """OPT declares final_layer_norm before layers and runs it after them: it belongs to the last stage."""
+    from shardwise.strategies.pipeline.nested import nested_layout, runs_after
+    from tests.models import zoo
+
+    opt = _opt()
+    assert runs_after(opt, "model.decoder.final_layer_norm", "model.decoder.layers") is True
+    assert runs_after(opt, "model.decoder.embed_tokens", "model.decoder.layers") is False
+    layout = nested_layout(opt)
+    assert layout.prelude == ("model.decoder.embed_tokens", "model.decoder.embed_positions")
+    assert set(layout.postlude) == {"model.decoder.final_layer_norm", "lm_head"}
+    nano = nested_layout(zoo.build("nanogpt"))  # its root's forward runs self.transformer.ln_f (a ModuleDict has no forward)
+    assert nano.blocks == "transformer.h" and set(nano.postlude) == {"transformer.ln_f", "lm_head"}
+    assert nano.aliases == {"lm_head.weight": "transformer.wte.weight"}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "nanogpt"])
+def test_nested_stages_chained_in_one_process_give_the_models_output(name):
+    """Stage 0 (embeddings, blocks 0-1) then stage 1 (blocks 2-3, norm, head): the model's own logits, bit for bit."""
+    from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, nested_layout, split_blocks
+    from shardwise.batches import model_args
+    from tests.models import zoo
+
+    _hf_or_skip()
+    model = zoo.build(name).eval()
+    batch = zoo.batch(name, 2)
+    args, kwargs = model_args(batch)
+    layout = nested_layout(model)
+    runs = split_blocks(model, layout, 2)
+    first, last = NestedStage(model, layout, runs[0], True, False), NestedStage(model, layout, runs[1], False, True)
+    keywords = batch_kwargs(args, kwargs)
+    with torch.no_grad():
+        hidden = first(**keywords)
+        out = last(hidden, **keywords)
+        expected = model(*args, **kwargs)
+    assert isinstance(hidden, torch.Tensor) and isinstance(out, torch.Tensor)
+    assert torch.equal(out, expected if isinstance(expected, torch.Tensor) else expected.logits)
+    assert not {n for n, _ in first.named_parameters()} & {n for n, _ in last.named_parameters()}  # each name on one stage
+
+
+def test_a_module_placed_before_the_blocks_that_runs_after_them_fails_loudly():
+    """If the placement is wrong for a forward, the stand-in raises instead of skipping the layer."""
+    from shardwise.strategies.pipeline.nested import NestedLayout, NestedStage
+
+    opt = _opt()
+    wrong = NestedLayout(blocks="model.decoder.layers", prelude=("model.decoder.embed_tokens", "model.decoder.embed_positions",
+                         "model.decoder.final_layer_norm"), postlude=("lm_head",), source="test")
+    last = NestedStage(opt, wrong, ["2", "3"], False, True)
+    ids = torch.randint(0, 64, (2, 16))
+    with pytest.raises(ConfigError, match="took model.decoder.final_layer_norm for a module that runs before the blocks"):
+        last(torch.zeros(2, 16, 32, dtype=torch.float64), input_ids=ids)
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_models_are_refused_not_split_wrong(family):
+    """Every decoder block reads the encoder's output; only the first stage would have it."""
+    tf = _hf_or_skip()
+    if family == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+    else:
+        model = tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                                              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16))
+    with pytest.raises(ConfigError, match=r"runs a second stack of blocks before .*decoder.*\.(block|layers) .*encoder.*cross-attention"):
+        get_strategy("pipeline", pp=2).check_model(model)

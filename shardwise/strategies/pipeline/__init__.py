@@ -52,7 +52,7 @@ from shardwise.strategies.pipeline.compose import _tensor_parallel, apply_data_p
 from shardwise.strategies.pipeline.evaluate import _DTYPES, PipelineModule
 from shardwise.strategies.pipeline.observe import _Clock, bubble_section, mean, write_timeline
 from shardwise.strategies.pipeline.schedule import (
-    _Replay, _schedule_class, batch_rows, check_rows, check_schedule, concat_batches, split_batch,
+    _Replay, _schedule_class, batch_rows, check_rows, check_schedule, concat_batches, keep_buffers_through_inference, split_batch,
 )
 from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, check_nested, is_nested, nested_layout, split_blocks
 from shardwise.strategies.pipeline.split import StageModule, balance, sequence_layers, split_layers
@@ -188,10 +188,13 @@ class Pipeline:
             if self.tp > 1:
                 # Tensor parallel first, inside the stage (original names: the plan matches as on the whole model).
                 _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
+                if isinstance(stage_mod, NestedStage):
+                    stage_mod.stop_after_other_hooks()  # the stage ends on the gathered sequence
             stages[s] = stage_mod
             runners[s] = apply_data_parallel(stage_mod, mesh, self.dp_strategy, self.tp)
             stage = PipelineStage(runners[s], s, self.num_stages, mesh.device, group=group.pg)
             self._clock.instrument(stage)
+            keep_buffers_through_inference(stage, stage_mod)
             self.stages.append(stage)
         self._group = group
         self._tie_params = {t.name: _find_param(stages, t.name, self._aliases) for t in self._tied}

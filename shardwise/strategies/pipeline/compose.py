@@ -45,9 +45,13 @@ def apply_data_parallel(stage_mod: nn.Module, mesh: Mesh, dp_strategy: str, tp: 
 
 
 def average_grads(module: nn.Module, mesh: Mesh, *, dp_strategy: str, tp: int, sequence_parallel: bool, recorder: Recorder | None) -> None:
-    """Sequence-parallel partial gradients summed over tp, then every local gradient averaged
-    across the data-parallel group: one flat allreduce per step."""
-    if sequence_parallel:
+    """Partial gradients summed over tp, then every local gradient averaged across the
+    data-parallel group: one flat allreduce per step.
+
+    The tp sum runs whenever tp > 1, not only under sequence parallelism: a model's declared plan
+    can leave replicated parameters that see one rank's heads (per-head q/k norms), whose gradients
+    tp's roles mark for summing; with nothing marked or partial it sends nothing."""
+    if tp > 1:
         _tensor_parallel().reduce_partial_grads(module, recorder)
     if mesh.size("dp") == 1 or dp_strategy != "ddp":
         return

@@ -32,7 +32,10 @@ it under every name the model has (as ``single``'s state dict does), with one op
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -147,8 +150,60 @@ def nested_layout(model: nn.Module, layers: str | None = None) -> NestedLayout:
                 continue
             if not any(True for _ in child.parameters()):
                 continue  # rotary embeddings, dropout, activations: every stage keeps them
-            (postlude if seen_path else prelude).append(full)
+            after = runs_after(model, full, ".".join(parts[:depth + 1]))
+            (postlude if (seen_path if after is None else after) else prelude).append(full)
     return NestedLayout(blocks=blocks, prelude=tuple(prelude), postlude=tuple(postlude), source=source, aliases=tied_aliases(model))
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``self.a.b`` for an attribute chain rooted at a name, else None."""
+    bits: list[str] = []
+    while isinstance(node, ast.Attribute):
+        bits.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + bits[::-1]) if isinstance(node, ast.Name) else None
+
+
+def runs_after(model: nn.Module, name: str, path: str) -> bool | None:
+    """Whether the forward that uses module ``name`` calls it after it reaches ``path`` (the
+    branch holding the blocks), read from that forward's source: the nearest ancestor of both with
+    a forward of its own (a ModuleDict has none; nanoGPT's root runs ``self.transformer.ln_f``).
+
+    Declaration order is not execution order (OPT declares ``final_layer_norm`` before ``layers``
+    and runs it after them). None when the source cannot be read or does not name both; the caller
+    then keeps the declaration order, and the stand-ins fail loudly if it was wrong."""
+    bits = name.split(".")
+    for depth in range(len(bits) - 1, -1, -1):
+        owner = model.get_submodule(".".join(bits[:depth])) if depth else model
+        if isinstance(owner, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).forward)))
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            return None
+        prefix = ".".join(bits[:depth])
+        rel = lambda full: "self." + (full[len(prefix) + 1:] if prefix else full)  # noqa: E731
+        mine, blocks = rel(name), rel(path)
+        called: list[tuple[int, int]] = []
+        used: list[tuple[int, int]] = []
+        reached: list[tuple[int, int]] = []
+        for node in ast.walk(tree):
+            dotted = _dotted(node) if isinstance(node, ast.Attribute) else None
+            if dotted is None:
+                continue
+            where = (node.lineno, node.col_offset)
+            if dotted == blocks or dotted.startswith(blocks + "."):
+                reached.append(where)
+            if dotted == mine:
+                used.append(where)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _dotted(node.func) == mine:
+                called.append((node.lineno, node.col_offset))
+        first = min(called or used, default=None)
+        if first is None or not reached:
+            return None
+        return first > min(reached)
+    return None
 
 
 def check_nested(model: nn.Module, layout: NestedLayout, stages: int, microbatches: int) -> None:
@@ -158,6 +213,15 @@ def check_nested(model: nn.Module, layout: NestedLayout, stages: int, microbatch
         raise ConfigError(
             f"{type(model).__name__} has {n} blocks in {layout.blocks} but the pipeline needs {stages} stages "
             "(pp x virtual stages), each with at least one block; use fewer stages or a model with more blocks"
+        )
+    stacks = [f"{p}.{n}" for p in layout.prelude for n, m in model.get_submodule(p).named_modules()
+              if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1]
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or stacks:
+        raise ConfigError(
+            f"{type(model).__name__} runs a second stack of blocks before {layout.blocks} "
+            f"({', '.join(stacks) or 'it is an encoder-decoder model'}) whose output every block of {layout.blocks} reads "
+            "(cross-attention); a pipeline stage boundary carries one tensor, so stages after the first would not have it. "
+            "Encoder-decoder models are not split by the pipeline; use a data-parallel strategy (ddp, zero3) or tp"
         )
     norms = [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
     if norms and microbatches > 1:
@@ -193,6 +257,10 @@ class _Holder:
     """The activation a stage received, read by its stand-ins and its first block's pre-hook."""
 
     tensor: torch.Tensor | None = None
+    started: bool = False
+    active: bool = False
+    """Whether this stage's forward is running (the hooks on the shared blocks act only then)."""
+    """Whether this forward has reached the stage's first block (a prelude stand-in must not run after it)."""
 
 
 class _Incoming(nn.Module):
@@ -201,10 +269,11 @@ class _Incoming(nn.Module):
     Attributes the forward reads (ViT reads its patch projection's dtype) come from the module it
     stands for, whose parameters it does not register."""
 
-    def __init__(self, holder: _Holder, original: nn.Module | None = None) -> None:
+    def __init__(self, holder: _Holder, original: nn.Module | None = None, name: str = "", blocks: str = "") -> None:
         super().__init__()
         self._holder = holder
         self.__dict__["_original"] = original
+        self._name, self._blocks = name, blocks
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -216,6 +285,12 @@ class _Incoming(nn.Module):
             return getattr(original, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._holder.started:
+            # never train a model with a layer silently skipped: the split was wrong for this forward
+            raise ConfigError(
+                f"the pipeline took {self._name} for a module that runs before the blocks ({self._blocks}) and gave it to "
+                "the first stage, but the forward ran it after them; pass layers=... and split_points=..., or use another strategy"
+            )
         return self._holder.tensor
 
 
@@ -307,7 +382,7 @@ class NestedStage(nn.Module):
         keep: dict[str, nn.Module | None] = {layout.blocks: own}
         for name in layout.prelude:
             if not first:
-                keep[name] = _Incoming(self._holder, model.get_submodule(name))
+                keep[name] = _Incoming(self._holder, model.get_submodule(name), name, layout.blocks)
         for name in layout.postlude:
             if not last:
                 keep[name] = _NotHere(name)
@@ -326,27 +401,44 @@ class NestedStage(nn.Module):
         """The whole output of the last forward on the last stage (a ModelOutput with ``loss``)."""
         blocks_list = list(own)
         if not first:
-            blocks_list[0].register_forward_pre_hook(self._take_input, with_kwargs=True)
+            blocks_list[0].register_forward_pre_hook(self._take_input, with_kwargs=True, prepend=True)
+        self.__dict__["_last_block"] = blocks_list[-1]  # not a child: it is one of the blocks already
+        self._stop_handle: Any = None
         if not last:
-            blocks_list[-1].register_forward_hook(self._stop)
+            self.stop_after_other_hooks()
 
-    def _take_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def stop_after_other_hooks(self) -> None:
+        """(Re-)register the hook that ends a stage before the last at its last block, after every
+        other forward hook there: tensor parallelism's, registered later, gathers a
+        sequence-parallel output back to the whole sequence, which is what the next stage takes."""
+        if self.last:
+            return
+        if self._stop_handle is not None:
+            self._stop_handle.remove()
+        self._stop_handle = self._last_block.register_forward_hook(self._stop)
+
+    def _take_input(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._holder.active:
+            return None  # the blocks are the user's model's too: its own forward runs them unchanged
         if self._holder.tensor is None:
             raise ConfigError("a pipeline stage after the first ran without the previous stage's activation")
+        self._holder.started = True
         return _replace_first_tensor(args, kwargs, self._holder.tensor)
 
     def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
-        raise _StageExit(_hidden_of(output))
+        if self._holder.active:
+            raise _StageExit(_hidden_of(output))
 
     def forward(self, *received: torch.Tensor, **batch: Any) -> torch.Tensor:
         self._holder.tensor = received[0] if received else None
+        self._holder.started, self._holder.active = False, True
         args, kwargs = _call_args(batch)
         try:
             output = self.__dict__["_clone"](*args, **kwargs)
         except _StageExit as stop:
             return stop.hidden
         finally:
-            self._holder.tensor = None
+            self._holder.tensor, self._holder.active = None, False
         self.output = output
         return _output_tensor(output)
 

@@ -127,3 +127,35 @@ class _Replay:
                 "calls the whole model cannot be split)"
             )
         return self.full if self.full is not None else self.output
+
+
+def keep_buffers_through_inference(stage: Any, module: Any) -> None:
+    """Undo what torch's shape inference does to ``module``'s buffers.
+
+    A ``PipelineStage`` built without example shapes runs its first micro-batch through the stage
+    once more, before the schedule's own forwards, to learn the shapes it sends (torch forks the
+    random state around it, but not the buffers); that extra forward would update BatchNorm's
+    running statistics and batch counter a sixth time in five steps. The buffers are copied before
+    that forward and put back once torch has freed the inference's autograd graph (this stage
+    instance only)."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+    if infer is None or cleanup is None or not any(True for _ in module.buffers()):
+        return
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def before(*args: Any, **kwargs: Any) -> Any:
+        saved[:] = [(b, b.detach().clone()) for b in module.buffers()]
+        return infer(*args, **kwargs)
+
+    def after(*args: Any, **kwargs: Any) -> Any:
+        result = cleanup(*args, **kwargs)
+        with torch.no_grad():
+            for b, copy in saved:
+                if not torch.equal(b, copy):
+                    b.copy_(copy)
+        saved.clear()
+        return result
+
+    stage._forward_metadata_inference = before
+    stage._post_metadata_inference_cleanup = after

@@ -33,9 +33,13 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grou
     local_opt = None
     if optimizer is not None:
         named = ckpt.optimizer_state_by_name(optimizer.state_dict(), ckpt.parameter_names(model, optimizer))
-        named = _canonical(named, aliases)
         local_opt = {"state": {k: {n: _full(t) for n, t in s.items()} for k, s in named["state"].items()}, "param_groups": named["param_groups"]}
         local_opt = _to_cpu(local_opt)
+    for sd in local_model.values():  # a fused q|k|v split by heads: saved in the model's own layout
+        _relayout(stage_mods, sd, None, invert=True)
+    _relayout(stage_mods, {}, local_opt, invert=True)
+    if local_opt is not None:
+        local_opt = _canonical(local_opt, aliases)
     parts: list[Any] = [None] * pp
     dist.all_gather_object(parts, (local_model, local_opt), group=group.pg)
     by_stage = {s: sd for stage_states, _ in parts for s, sd in stage_states.items()}
@@ -74,12 +78,15 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         from shardwise.errors import CheckpointError
 
         raise CheckpointError(f"the state has no {missing[:5]} for this pipeline stage")
+    stage_mods = model._stage_mods if isinstance(model, PipelineModule) else {0: model}
+    mine = {k: state["model"][k] for k in own}
     if any(hasattr(v, "full_tensor") for v in own.values()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, {k: state["model"][k] for k in own}, options=StateDictOptions(full_state_dict=True))
+        _relayout(stage_mods, mine, None, invert=False)
+        set_model_state_dict(model, mine, options=StateDictOptions(full_state_dict=True))
     else:
-        model.load_state_dict({k: state["model"][k] for k in own})
+        model.load_state_dict(mine)
     if optimizer is None or "optimizer" not in state:
         return
     full = state["optimizer"]
@@ -87,7 +94,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     local_names = ckpt.parameter_names(model, optimizer)
     first = {n: aliases.get(n, n) for n in local_names}  # this rank's name -> the saved name
     sub = {
-        "state": {n: named["state"][first[n]] for n in local_names if first[n] in named["state"]},
+        "state": {n: dict(named["state"][first[n]]) for n in local_names if first[n] in named["state"]},
         "param_groups": [dict(g, params=[n for n in local_names if first[n] in set(g["params"])]) for g in named["param_groups"]],
     }
     sub["param_groups"] = [g for g in sub["param_groups"] if g["params"]]
@@ -95,9 +102,32 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         # Sharded parameters (tp, fsdp): torch slices each whole tensor to this rank's shard (state keyed by name).
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        _relayout(stage_mods, {}, sub, invert=False)
         set_optimizer_state_dict(model, optimizer, cast(Any, sub), options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(ckpt.optimizer_state_by_number(sub, local_names))
+
+
+def _relayout(stage_mods: dict[int, nn.Module], model_state: dict[str, Any], optimizer_state: dict[str, Any] | None, *, invert: bool) -> None:
+    """Whole tensors of fused q|k|v projections (split by heads under tp, so permuted in the run)
+    moved in place between the run's layout and the model's (``invert``: run -> model), by name.
+
+    tp's own ``to_original`` / ``to_run`` re-shard what they move; a pipeline state holds whole
+    tensors, so the same permutation is applied here to plain tensors (``like=None``)."""
+    from shardwise.strategies.tensor_parallel.relayout import _apply, _fused_tensors
+
+    for mod in stage_mods.values():
+        info = getattr(mod, "_shardwise_tp", None)
+        if not info or not info.get("fused"):
+            continue
+        for name, (dim, parts) in _fused_tensors(mod).items():
+            if name in model_state:
+                model_state[name] = _apply(model_state[name], dim, parts, info["degree"], invert)
+            entry = (optimizer_state or {}).get("state", {}).get(name)
+            if isinstance(entry, dict):
+                for k, v in entry.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > dim:
+                        entry[k] = _apply(v, dim, parts, info["degree"], invert)
 
 
 def _canonical(named: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:
