@@ -124,8 +124,10 @@ def _check_parity(result: tuple[dict[str, torch.Tensor], dict[str, Any]], ref: t
 def test_stage_equals_single_at_world_size_two(strategy, opt, two, reference):
     for rank in range(2):  # every rank ends with the same whole parameters
         _check_parity(two[rank][(strategy, opt)], reference[opt])
-    # Clipping was on and active (a reference without it differs).
     assert two[0][(strategy, opt)][1]["steps"] == 10
+    # That the clip is active in these runs (a reference without it differs) is
+    # test_clipping_matters_in_the_parity_runs; that it clips by the global norm, the hand loop of
+    # tests/unit/test_maths_single.py.
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))

@@ -30,8 +30,11 @@ def test_digits_with_ddp_on_two_processes_reaches_95_percent(tmp_path):
     assert summary["val_accuracy"] >= 0.95
     assert summary["val_samples"] == 359
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if "train_loss" in r] == list(range(20, 301, 20))
-    assert lines[-1]["train_loss"] < lines[0]["train_loss"] if "train_loss" in lines[-1] else True
+    train = [r for r in lines if "train_loss" in r]
+    assert [r["step"] for r in train] == list(range(20, 301, 20))
+    # The last line of metrics.jsonl is the final validation; compare the first and last training losses
+    # (measured 1.71 at step 20, 0.0085 at step 300).
+    assert "val_loss" in lines[-1] and train[-1]["train_loss"] < 0.1 * train[0]["train_loss"], (train[0], train[-1])
     assert "backend gloo" in proc.stdout and proc.stdout.count("backend gloo") == 1  # reported once, on rank 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000100", "step-00000200", "step-00000300"]
 

@@ -68,9 +68,3 @@ def test_python_block_runs_as_written(tmp_path, line, code, guard):
     script.write_text(guarded(code) if guard else code)
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, f"README block at line {line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-
-
-@pytest.mark.parametrize("line,code", SHELL, ids=[f"line{line}" for line, _ in SHELL])
-def test_shell_block_runs_as_written(tmp_path, line, code):
-    proc = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, f"README block at line {line} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

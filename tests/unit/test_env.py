@@ -6,7 +6,7 @@ import pytest
 
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env, first_slurm_host
-from shardwise.launcher.torchrun import DEFAULT_LAST_CALL_TIMEOUT_S, prepare
+from shardwise.launcher.torchrun import prepare
 
 
 def test_no_launcher_is_one_plain_process():
@@ -35,7 +35,7 @@ def test_torchrun_defaults_that_work():
     assert args.standalone and environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert args.training_script == "train.py" and args.training_script_args == ["--lr", "3"]
     elastic = prepare(["--nnodes", "1:2", "--rdzv-endpoint", "host:29400", "train.py"], {})
-    assert elastic.rdzv_backend == "c10d" and elastic.rdzv_conf == f"last_call_timeout={DEFAULT_LAST_CALL_TIMEOUT_S}"
+    assert elastic.rdzv_backend == "c10d" and elastic.rdzv_conf == "last_call_timeout=2"  # the README's "a 2 s last_call_timeout", not the module's constant
     assert not elastic.standalone
     mine = prepare(["--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=9", "train.py"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
     assert mine.rdzv_conf == "last_call_timeout=9"
