@@ -139,7 +139,8 @@ class Trainer:
         micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
         check_batch(strategy, micro, cfg.accumulate)
         check_model(strategy, model)
-        check_out(cfg.out, cfg.resume, cfg.overwrite)
+        if detect_env().rank == 0:  # rank 0 writes the run directory (others may start after it has)
+            check_out(cfg.out, cfg.resume, cfg.overwrite)
         if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
             check_batch_fits(model, fetch(dataset, [0], collate))
 
@@ -225,7 +226,7 @@ class Trainer:
             self._run_id = ckpt.run_id_of(resumed_from) or getattr(self, "_run_id", None) or new_run_id()
         self.step = start_step = int(counters["step"])
         if resumed_from is not None and start_step >= total:
-            return self._already_finished(engine, wrapped, start_step, total, return_state)
+            return self._already_finished(engine, wrapped, state, resumed_from, start_step, total, return_state)
         files = RunFiles(cfg.out, engine.is_rank_zero, append=resumed_from is not None, after_step=start_step if resumed_from is not None else None)
         progress = Progress(enabled=engine.is_rank_zero, total=total, initial=start_step, bar=cfg.progress_bar)
         if resumed_from is not None:
@@ -359,10 +360,18 @@ class Trainer:
             ckpt.prune(root, self.config.keep_last, run_id)  # never another run's checkpoints
         return path
 
-    def _already_finished(self, engine: Engine, wrapped: nn.Module, step: int, total: int, return_state: bool) -> tuple[dict[str, Any], Any]:
-        """Resuming a run that already reached its last step: say so, train nothing, return its summary."""
+    def _already_finished(self, engine: Engine, wrapped: nn.Module, state: dict[str, Any], resumed_from: Path, step: int, total: int,
+                          return_state: bool) -> tuple[dict[str, Any], Any]:
+        """Resuming a run that already reached its last step: say so, train nothing, return its summary.
+        A checkpoint from elsewhere is saved into this run's directory, so ``out`` holds what it continued."""
         cfg = self.config
         engine.print(f"shardwise: the run already finished at step {step} (max steps {total}); nothing to train")
+        root = Path(cfg.out) / "checkpoints" if cfg.out else None
+        if root is not None and Path(resumed_from).resolve().parent != root.resolve():
+            summary_path = self._save(engine, state, root)
+        else:
+            summary_path = Path(resumed_from)
+        strategy_section = engine.strategy.summary()  # also the strategy's end of run (parameter servers stop)
         summary: dict[str, Any] = {}
         if cfg.out and (Path(cfg.out) / "summary.json").exists():
             import json
@@ -372,8 +381,9 @@ class Trainer:
             except ValueError:
                 summary = {}
         summary.update({"strategy": cfg.strategy, "world_size": engine.world_size, "steps": step, "steps_this_run": 0,
-                        "already_finished": True})
+                        "already_finished": True, "resumed_from": str(resumed_from), **strategy_section})
         summary.pop("samples_per_s", None)
+        summary["last_checkpoint"] = str(summary_path)
         model_state = None
         if return_state:
             full = engine.consolidated_state_dict(wrapped)  # collective under sharded strategies: every rank

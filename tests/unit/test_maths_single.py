@@ -236,6 +236,9 @@ def test_summary_samples_equal_the_samples_the_model_was_fed():
     summary = Trainer(optimizer=sgd, loss_fn=counted_ce, precision="64", global_batch_size=16, accumulate=2, max_steps=5,
                       log_every=5, progress_bar=False).fit(model64(), counting)
     assert fed == [8] * 10  # two micro-batches of 8 a step
+    # before launch the Trainer reads sample 0 once to check that a batch fits the model's forward
+    assert counting.seen[0] == 0
+    counting.seen = counting.seen[1:]
     assert len(counting.seen) == sum(fed) == summary["samples"] == 80
     for epoch in range(2):
         assert len(set(counting.seen[epoch * 32:(epoch + 1) * 32])) == 32
