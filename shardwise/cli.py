@@ -66,7 +66,7 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--offload", action="store_true", default=None, help="zero2/zero3/fsdp/hsdp: keep parameter, gradient and optimizer shards in CPU memory (sets strategy_options.offload)")
     p.add_argument("--sync-every", type=int, metavar="H", help="local-sgd/diloco/gossip: average the replicas every H steps (sets strategy_options.sync_every)")
     p.add_argument("--servers", type=int, metavar="K", help="ps: parameter-server processes among --nproc (sets strategy_options.servers)")
-    p.add_argument("--mode", choices=["sync", "async", "ssp"], help="ps: sync (equals ddp), async, or ssp with --staleness (sets strategy_options.mode)")
+    p.add_argument("--mode", choices=["sync", "async", "ssp"], help="ps: sync (equals ddp without clipping: with --clip-grad-norm each worker clips its own gradient), async, or ssp with --staleness (sets strategy_options.mode)")
     p.add_argument("--staleness", type=int, metavar="S", help="ps --mode ssp: no worker runs more than S steps ahead of the slowest (sets strategy_options.staleness)")
     p.add_argument("--pp", type=int, metavar="N", help="pipeline: number of pipeline stages (sets strategy_options.pp)")
     p.add_argument("--tp", type=int, metavar="N", help="tp/pipeline: tensor-parallel degree (sets strategy_options.tp)")
