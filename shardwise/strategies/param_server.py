@@ -17,7 +17,7 @@ returns only after serving, and ``placement()`` tells the engine so (``trains=Fa
 workers' placement gives the loop their own group and mesh (data sharded over workers
 only). See docs/architecture.md, "Ranks that serve".
 
-Modes (``mode=``): ``sync`` equals ddp; ``async`` applies each gradient on arrival;
+Modes (``mode=``): ``sync`` equals ddp when no clip clips (see Known limits); ``async`` applies each gradient on arrival;
 ``ssp`` with ``staleness=S`` bounds how far any worker runs ahead of the slowest (Ho et al.
 2013). The staleness of every applied gradient is recorded and reported in summary.json
 under ``ps``, with the updates each server applied and the workers it lost.
@@ -41,7 +41,10 @@ are the run's), ``data_mesh()`` still splits each global batch over the workers,
 drop a worker silent for ``worker_timeout_s`` and summary.json lists it under
 ``ps.lost_workers``. Under ``sync`` a lost worker stops the run (the launcher names it).
 
-Known limits: clipping is per worker (before the push); codecs' error-feedback residuals
+Known limits: clipping is per worker (before the push), so with a clip that clips, sync applies
+mean_w(clip(g_w)) where ddp applies clip(mean_w(g_w)); clipping the mean once would need each
+server's squared norm of its averaged shard summed over the servers before any applies (one
+scalar per server per step), which the servers' protocol does not carry yet; codecs' error-feedback residuals
 (worker side) restart at zero after a resume.
 """
 

@@ -179,3 +179,18 @@ def test_async_digits_accuracy_near_sync_and_a_lost_worker_does_not_stop_the_run
     lost = r["lost"]
     assert lost["lost_workers"] == [1], lost
     assert lost["updates_per_server"] == [30 + 5], lost  # every gradient that arrived was applied
+
+
+def test_sync_with_a_clip_that_clips_differs_from_the_reference_as_the_readme_says():
+    """Each worker clips its own gradient before the push, ddp and single clip the mean once: with a
+    clip that clips, sync is not ddp (README, `ps` row). If this starts to pass as equal, ps clips the
+    mean and the README should say sync equals ddp again."""
+    def fit(strategy: str, nproc: int, **options: Any) -> dict[str, torch.Tensor]:
+        model = mlp()
+        trainer = Trainer(strategy=strategy, strategy_options=options, nproc=nproc, optimizer=adam, loss_fn=ce,
+                          clip_grad_norm=0.05, **{**COMMON, "accumulate": 1, "max_steps": 5})
+        trainer.fit(model, classification())
+        return params(model)
+
+    ref, got = fit("single", 1), fit("ps", 3, servers=1, mode="sync")
+    assert max_diff(ref, got) > 1e-6
