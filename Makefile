@@ -6,7 +6,7 @@ VENV ?= .venv
 OUT ?= runs/demo
 # Test files run in 2 worker processes, one file per worker (module-scoped launches stay whole):
 # most multi-process tests wait on process start and messages, so two files at once use both
-# cores (348 tests: 11 min instead of 17 on 2 cores). TEST_WORKERS=0 runs them one at a time.
+# cores (505 tests: 15.5 min on 2 cores). TEST_WORKERS=0 runs them one at a time.
 TEST_WORKERS ?= 2
 
 .PHONY: setup setup-dev demo test bench mutants clean
