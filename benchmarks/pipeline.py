@@ -123,7 +123,7 @@ def _run(configs: list[dict[str, Any]], width: int, layers_per_rank: int, rows: 
             engine.forward_backward(model, [(x, y)], lambda mod, b: _mean_square(mod(b[0]), b))
             engine.step(opt)
             opt.zero_grad(set_to_none=True)
-        section = engine.strategy.summary()["pipeline"]
+        section = engine.finish()["pipeline"]
         out.append({**cfg, "measured": section["bubble_measured"], "median": section["bubble_measured_median_step"], "predicted": section["bubble_predicted"],
                     "per_stage": [s["bubble"] for s in section["per_stage"]], "step_s": section["step_wall_s"],
                     "virtual_stages": section["virtual_stages"], "timeline": section.get("timeline")})
@@ -164,7 +164,7 @@ def _run_llama(configs: list[dict[str, Any]], llama: dict[str, int], rows: int, 
             engine.forward_backward(model, [batch], _own_loss)
             engine.step(opt)
             opt.zero_grad(set_to_none=True)
-        section = engine.strategy.summary()["pipeline"]
+        section = engine.finish()["pipeline"]
         out.append({**cfg, "measured": section["bubble_measured"], "median": section["bubble_measured_median_step"],
                     "predicted": section["bubble_predicted"], "per_stage": [s["bubble"] for s in section["per_stage"]],
                     "step_s": section["step_wall_s"], "virtual_stages": section["virtual_stages"], "timeline": None,

@@ -74,7 +74,7 @@ def _run(strategy: str, options: dict[str, Any], seconds: float, straggler: Stra
         if straggler is not None:
             straggler.on_train_step_end(None, engine, steps, None)
     elapsed = time.perf_counter() - start
-    section = engine.strategy.summary()  # ps: ends the session; worker 0 gets the final parameters
+    section = engine.finish()  # ps: ends the session; worker 0 gets the final parameters
     sent = sum(t["sent_bytes"] for t in engine.recorder.totals().values())
     total = torch.tensor([float(steps * per)])
     dist.all_reduce(total, group=engine.data_mesh.group("dp").pg)  # every worker (async ones loop alone)

@@ -36,8 +36,7 @@ from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, co
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, check_sync_batchnorm, convert_sync_batchnorm, unsynced_batchnorm_warning
-from shardwise.strategies import OptimizerFactory, StepFn, Strategy, get_strategy
-from shardwise.strategies.protocol import after_step, data_mesh, has_extra_state, load_extra_state, mesh_degrees, placement, save_extra_state
+from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, get_strategy
 
 
 def seed_everything(seed: int) -> None:
@@ -63,16 +62,19 @@ class Engine:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         env: DistEnv | None = None,
         sync_batchnorm: bool = False,
+        layout: Layout | None = None,
     ) -> None:
         self.env = env if env is not None else detect_env()
-        self.strategy = get_strategy(strategy, **(strategy_options or {}))
-        self.strategy.validate(self.env.world_size)
+        self.strategy: Strategy = get_strategy(strategy, **(strategy_options or {}))
+        self.layout: Layout = layout if layout is not None else self.strategy.plan(self.env.world_size, mesh=mesh)
+        """The strategy's plan for this job (the Trainer's parent passes the one it made; alone, the engine plans)."""
         check_sync_batchnorm(self.strategy.name, sync_batchnorm)
         self.sync_batchnorm = sync_batchnorm
         """BatchNorm layers become SyncBatchNorm over the data-parallel group in ``setup``."""
         self.device = choose_device(accelerator, self.env)
         self._owns_group = connect(self.env, self.device, timeout_s)
-        self.mesh = Mesh.build(world_size=self.env.world_size, rank=self.env.rank, device=self.device, **mesh_degrees(self.strategy, mesh))
+        self.world_mesh = Mesh.build(world_size=self.env.world_size, rank=self.env.rank, device=self.device, **self.layout.degrees)
+        """The mesh over every process, as the plan laid it out (`mesh` is the loop's)."""
         self.precision = Precision(precision, self.device)
         self.recorder = Recorder()
         if deterministic:
@@ -80,16 +82,9 @@ class Engine:
             torch.backends.cudnn.benchmark = False
         if seed is not None:
             seed_everything(seed)
-        self._model: nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self.group: Group = WORLD
-        """The ranks that run the loop (the world, unless the strategy's placement keeps some to serve)."""
-        self.trains = True
-        """False on a rank that only serves (a parameter server): it served in ``setup``; skip the loop."""
-        self.data_mesh: Mesh = self.mesh
-        """The mesh the training data is sharded over: the loop's mesh, unless the strategy's optional
-        ``data_mesh()`` says otherwise (asynchronous parameter-server workers take their slice of
-        each global batch, but log, evaluate and checkpoint alone)."""
+        self.parallel: Parallel | None = None
+        """The strategy applied to this process's model (``setup`` builds it, once per model)."""
+        self._runs: list[Parallel] = []
         self.writes_checkpoints = True
         """False on a training rank whose loop group lacks rank 0 (it loops alone, as an async
         parameter-server worker does): ``save`` writes nothing there, so it never races rank 0."""
@@ -98,6 +93,30 @@ class Engine:
             print(f"shardwise: {self.env.world_size} processes, backend {dist.get_backend()} on {self.device.type}, strategy {self.strategy.name}", flush=True)
 
     # -- where this process stands -------------------------------------------------
+    @property
+    def mesh(self) -> Mesh:
+        """The loop's mesh: the world's, unless the strategy's placement keeps ranks out of the loop."""
+        place = self.parallel.placement if self.parallel is not None else None
+        return place.mesh if place is not None and place.mesh is not None else self.world_mesh
+
+    @property
+    def group(self) -> Group:
+        """The ranks that run the loop (the world, unless the strategy's placement keeps some to serve)."""
+        return self.parallel.placement.group if self.parallel is not None else WORLD
+
+    @property
+    def trains(self) -> bool:
+        """False on a rank that only serves (a parameter server): it served in ``setup``; skip the loop."""
+        return self.parallel.placement.trains if self.parallel is not None else True
+
+    @property
+    def data_mesh(self) -> Mesh:
+        """The mesh the training data is sharded over: the loop's, unless the placement says otherwise
+        (asynchronous parameter-server workers take their slice of each global batch, but log,
+        evaluate and checkpoint alone)."""
+        place = self.parallel.placement if self.parallel is not None else None
+        return place.data_mesh if place is not None and place.data_mesh is not None else self.mesh
+
     @property
     def rank(self) -> int:
         return self.env.rank
@@ -133,16 +152,27 @@ class Engine:
             raise ConfigError(f"the model {type(model).__name__} has no parameters; there is nothing to train")
         model = self.precision.convert_module(model)
         self._batchnorm(model)
-        wrapped, optimizer = self.strategy.setup(model, make_optimizer, self.mesh, self.recorder)
-        self._model, self._optimizer = wrapped, optimizer
-        place = placement(self.strategy)
-        self.trains = place.trains
-        self.mesh = place.mesh or self.mesh
-        self.group = place.group or self.group
-        self.data_mesh = data_mesh(self.strategy) or self.mesh
-        if self.group.pg is not None and dist.is_initialized():
-            self.writes_checkpoints = 0 in dist.get_process_group_ranks(self.group.pg)
-        return wrapped, optimizer
+        self.parallel = self.strategy.apply(model, make_optimizer, self.world_mesh, self.recorder)
+        self._runs.append(self.parallel)
+        self.writes_checkpoints = self.group.contains(0)
+        return self.parallel.model, self.parallel.optimizer
+
+    def _run(self, model: nn.Module | None = None) -> Parallel:
+        """The run ``setup`` built for ``model`` (the wrapper it returned), else the latest."""
+        for run in reversed(self._runs):
+            if model is None or run.model is model:
+                return run
+        if self.parallel is None:
+            raise ConfigError("call engine.setup(model, make_optimizer) first")
+        return self.parallel
+
+    @property
+    def _model(self) -> nn.Module | None:
+        return self.parallel.model if self.parallel is not None else None
+
+    @property
+    def _optimizer(self) -> torch.optim.Optimizer | None:
+        return self.parallel.optimizer if self.parallel is not None else None
 
     def _batchnorm(self, model: nn.Module) -> None:
         """SyncBatchNorm over the dp group when asked; otherwise a warning, once, when BatchNorm trains data-parallel."""
@@ -155,7 +185,11 @@ class Engine:
                 print(warning, flush=True)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return self.strategy.unwrap(model)
+        """The user's module inside the wrapper ``setup`` returned (any other module as it is)."""
+        for run in self._runs:
+            if model is run.model:
+                return run.module()
+        return model
 
     def to_device(self, batch: Any) -> Any:
         """Move a batch to this rank's device (and to float64 under precision '64')."""
@@ -170,30 +204,38 @@ class Engine:
 
     def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn) -> torch.Tensor:
         """Forward and backward over one step's micro-batches (sync on the last only)."""
-        return self.strategy.forward_backward(model, microbatches, step_fn, self.precision)
+        return self._run(model).forward_backward(microbatches, step_fn, self.precision)
 
     def no_sync(self, model: nn.Module) -> ContextManager[None]:
         """Skip gradient synchronization inside the block (all but the last micro-batch)."""
-        return self.strategy.no_sync(model)
+        return self._run(model).no_sync()
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (unscaling fp16 gradients first); returns the norm."""
         if max_norm <= 0:
             raise ConfigError(f"max_norm must be > 0; got {max_norm}")
         self.precision.unscale(optimizer)
-        return self.strategy.clip_grad_norm(model, max_norm)
+        return self._run(model).clip_grad_norm(max_norm)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer (through the grad scaler under fp16); False if fp16 overflow skipped it.
 
-        Then the strategy's optional ``after_step`` hook runs (local SGD's averaging round),
-        on every rank, skipped step or not, so all ranks reach the same rounds.
+        Then the strategy's ``after_step`` runs (local SGD's averaging round), on every rank,
+        skipped step or not, so all ranks reach the same rounds.
         """
         stepped = self.precision.step(optimizer)
         self.steps_taken += 1
-        if self._model is not None:
-            after_step(self.strategy, self._model, optimizer, self.steps_taken)
+        run = next((r for r in reversed(self._runs) if r.optimizer is optimizer), self.parallel)
+        if run is not None:
+            run.after_step(self.steps_taken)
         return stepped
+
+    def finish(self) -> dict[str, Any]:
+        """End the strategy's run on this rank (collective reports, servers stop; call on every rank
+        once training is over) and return its section of summary.json."""
+        run = self._run()
+        run.finish()
+        return run.summary()
 
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -233,10 +275,10 @@ class Engine:
         for key, value in state.items():
             if isinstance(value, nn.Module) or isinstance(value, torch.optim.Optimizer):
                 if strat is None:
-                    model = self._model if self._model is not None else (value if isinstance(value, nn.Module) else None)
-                    if model is None:
-                        raise ConfigError("save/load of an optimizer needs engine.setup to have been called")
-                    strat = self.strategy.state_dict(model, self._optimizer)
+                    if self.parallel is None:
+                        raise ConfigError("save/load of a model or optimizer needs engine.setup to have been called")
+                    model = next((v for v in state.values() if isinstance(v, nn.Module)), None)
+                    strat = self._run(model).state_dict(optimizer=True)
                 part = strat["model"] if isinstance(value, nn.Module) else strat["optimizer"]
                 (sharded if _has_dtensor(strat["model"]) else shared)[key] = part
             elif hasattr(value, "state_dict"):
@@ -255,7 +297,7 @@ class Engine:
         with ``state_dict()`` (schedulers, the data loader), or to plain values.
         Every rank's RNG streams are saved with it. Under a sharded strategy the model
         and optimizer are written in shards by every rank (``dcp/``, see `shardwise.checkpoint`).
-        A strategy's optional ``save_extra_state(model, optimizer, directory)`` adds its own files
+        The strategy's ``save_extra_state(directory)`` adds its own files
         (each replica's state, the parameter servers' shards) before the manifest is written.
         """
         if not self.writes_checkpoints:
@@ -271,12 +313,7 @@ class Engine:
             model_state = (sharded or split)[models[0]] if models else None
             meta["model_fingerprint"] = ckpt.fingerprint(model_state) if model_state is not None else None
             meta["strategy"] = self.strategy.name
-        strategy, model, optimizer = self.strategy, self._model, self._optimizer
-        extra: Callable[[Path], None] | None = None
-        if model is not None and has_extra_state(strategy):
-            def write_extra(tmp: Path) -> None:
-                save_extra_state(strategy, model, optimizer, tmp)
-            extra = write_extra
+        extra: Callable[[Path], None] | None = self.parallel.save_extra_state if self.parallel is not None else None
         return ckpt.write(
             Path(path), rank=self.rank, world_size=self.world_size, shared=shared,
             own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta, sharded=sharded, extra=extra,
@@ -284,7 +321,7 @@ class Engine:
 
     def consolidated_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's whole parameters and buffers by name, on CPU; collective under sharded strategies (call on every rank)."""
-        full = self.strategy.state_dict(model, None)["model"]
+        full = self._run(model).state_dict(optimizer=False)["model"]
         return {k: (v.full_tensor() if _is_dtensor(v) else v).detach().cpu() for k, v in full.items()}
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any], *, restore_rng: bool = True) -> dict[str, Any]:
@@ -301,7 +338,8 @@ class Engine:
         if model_key is not None:
             model = state[model_key]
             optimizer = state[optim_key] if optim_key else None
-            template = self.strategy.state_dict(model, optimizer if "sharded" in manifest else None)
+            run = self._run(model)
+            template = run.state_dict(optimizer=optimizer is not None and "sharded" in manifest)
             if "sharded" in manifest:
                 ckpt.check_model_state(template["model"], ckpt.sharded_shapes(path, model_key), path)
                 sub = self._read_sharded(path, template, model, optimizer, model_key, optim_key)
@@ -310,8 +348,8 @@ class Engine:
                 sub = {"model": shared[model_key]}
                 if optim_key is not None:
                     sub["optimizer"] = shared[optim_key]
-            self.strategy.load_state_dict(model, optimizer, sub)
-            load_extra_state(self.strategy, model, optimizer, path)
+            run.load_state_dict(sub)
+            run.load_extra_state(path)
         for key, value in state.items():
             if key in (model_key, optim_key):
                 continue
@@ -348,7 +386,7 @@ class Engine:
         full = ckpt.read_sharded_full(path)
         sub: dict[str, Any] = {"model": full[model_key]}
         if optimizer is not None and optim_key is not None:
-            names = ckpt.parameter_names(self.strategy.unwrap(model), optimizer)
+            names = ckpt.parameter_names(self.unwrap(model), optimizer)
             sub["optimizer"] = ckpt.optimizer_state_by_number(full[optim_key], names)
         return sub
 

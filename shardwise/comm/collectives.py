@@ -42,6 +42,12 @@ class Group:
     def rank(self) -> int:
         return dist.get_rank(self.pg) if dist.is_initialized() else 0
 
+    def contains(self, global_rank: int) -> bool:
+        """Whether the process of global rank ``global_rank`` is in this group."""
+        if self.pg is None or not dist.is_initialized():
+            return True
+        return global_rank in dist.get_process_group_ranks(self.pg)
+
     def global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.pg, group_rank) if self.pg is not None else group_rank
 

@@ -12,7 +12,7 @@ import importlib
 from typing import Any, Callable
 
 from shardwise.errors import ConfigError
-from shardwise.strategies.protocol import OptimizerFactory, StepFn, Strategy
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, StepFn, Strategy
 
 _BUILTIN: dict[str, str] = {
     "single": "shardwise.strategies.single:Single",
@@ -31,7 +31,7 @@ _BUILTIN: dict[str, str] = {
     "tp": "shardwise.strategies.tensor_parallel:TensorParallel",
     "naive-mp": "shardwise.strategies.naive_mp:NaiveModelParallel",
 }
-_EXTRA: dict[str, Callable[..., Strategy]] = {}
+_EXTRA: dict[str, Callable[..., Any]] = {}
 
 
 def available() -> list[str]:
@@ -46,7 +46,7 @@ def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
     _EXTRA[name] = factory
 
 
-def _factory(name: str) -> Callable[..., Strategy]:
+def _factory(name: str) -> Callable[..., Any]:
     if name in _EXTRA:
         return _EXTRA[name]
     if name in _BUILTIN:
@@ -62,12 +62,20 @@ def get_strategy(spec: str | Strategy, **options: Any) -> Strategy:
     if not isinstance(spec, str):
         if options:
             raise ConfigError("strategy options go with a strategy name, not with a strategy object")
-        return spec
+        return _contract(spec)
     factory = _factory(spec)
     try:
-        return factory(**options)
+        return _contract(factory(**options))
     except TypeError as exc:
         raise ConfigError(f"bad options for strategy {spec!r}: {exc}") from None
 
 
-__all__ = ["OptimizerFactory", "StepFn", "Strategy", "available", "get_strategy", "register_strategy"]
+def _contract(strategy: Any) -> Strategy:
+    if isinstance(strategy, Strategy):
+        return strategy
+    from shardwise.strategies._legacy import LegacyStrategy  # transition: old-protocol strategies
+
+    return LegacyStrategy(strategy)
+
+
+__all__ = ["Batch", "Layout", "OptimizerFactory", "Parallel", "StepFn", "Strategy", "available", "get_strategy", "register_strategy"]

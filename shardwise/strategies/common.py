@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardwise.precision import Precision
-from shardwise.strategies.protocol import StepFn
+from shardwise.strategies.contract import Parallel, Placement, StepFn
 
 
 def accumulate_backward(
@@ -65,6 +65,38 @@ def load_plain_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer | 
         optimizer.load_state_dict(state["optimizer"])
 
 
+class LocalParallel(Parallel):
+    """A run whose every rank holds the whole model, unwrapped, and synchronizes nothing during
+    backward: `single`, local SGD / DiLoCo / gossip replicas (which average after the step),
+    parameter-server workers (which push gradients in the optimizer's step) and naive model
+    parallelism (one process). Each rank clips the gradient it steps or pushes with, and its
+    state is plain tensors under the module's own names. Subclasses add what they do after a
+    step, their extra state and their report."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, placement: Placement | None = None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.placement = placement or Placement()
+
+    def module(self) -> nn.Module:
+        return self.model
+
+    def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        return accumulate_backward(self.model, microbatches, step_fn, precision)
+
+    def no_sync(self) -> ContextManager[None]:
+        return contextlib.nullcontext()  # nothing synchronizes in backward
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_local(self.model, max_norm)
+
+    def state_dict(self, optimizer: bool) -> dict[str, Any]:
+        return plain_state_dict(self.model, self.optimizer if optimizer else None)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_plain_state_dict(self.model, self.optimizer, state)
+
+
+# Legacy (removed when every strategy is on the plan/apply contract).
 class LocalModel:
     """The Strategy methods of a strategy whose every rank holds the whole model, unwrapped, and
     synchronizes nothing during backward: `single`, local SGD / DiLoCo / gossip replicas (which

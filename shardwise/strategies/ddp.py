@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, ContextManager, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 
 
 @dataclass
@@ -107,70 +108,94 @@ def apply_ddp(
     return ddp
 
 
-class DDP:
+class DDPRun(Parallel):
+    """One rank's DDP replica: torch's DistributedDataParallel around the whole model."""
+
+    def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, strategy: DDP, world_size: int) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.placement = Placement()
+        self._strategy, self._world_size = strategy, world_size
+
+    def module(self) -> nn.Module:
+        return self.model.module  # type: ignore[no-any-return]
+
+    def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        return accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
+
+    def no_sync(self) -> ContextManager[None]:
+        return self.model.no_sync()  # type: ignore[no-any-return,operator]
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        # After the allreduce every rank holds the same full gradient: its local norm is global.
+        return clip_local(self.model, max_norm)
+
+    def state_dict(self, optimizer: bool) -> dict[str, Any]:
+        return plain_state_dict(self.module(), self.optimizer if optimizer else None)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_plain_state_dict(self.module(), self.optimizer, state)
+
+    def after_step(self, step: int) -> None:
+        return None  # gradients were averaged in backward
+
+    def save_extra_state(self, directory: Path) -> None:
+        return None  # replicas are identical: the model and optimizer hold everything
+
+    def load_extra_state(self, path: Path) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        s = self._strategy
+        return {"ddp": {"bucket_cap_mb": s.bucket_cap_mb, "world_size": self._world_size, "allreduce": s.allreduce, "compression": s.compression}}
+
+
+@dataclass(frozen=True)
+class DDP(Strategy):
     """Distributed data parallel: whole model per rank, gradients averaged each step."""
 
     name: ClassVar[str] = "ddp"
 
-    def __init__(
-        self,
-        *,
-        bucket_cap_mb: float = 25.0,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        broadcast_buffers: bool = True,
-        allreduce: str = "native",
-        compression: str | None = None,
-        record_buckets: bool = False,
-    ) -> None:
-        if bucket_cap_mb <= 0:
-            raise ConfigError(f"bucket_cap_mb must be > 0; got {bucket_cap_mb}")
-        parse_options(allreduce, compression)  # a bad name fails here, before any process starts
-        self.allreduce, self.compression, self.record_buckets = allreduce, compression, record_buckets
-        self.kwargs = dict(
-            bucket_cap_mb=bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=True,
+    bucket_cap_mb: float = 25.0
+    """Size of each gradient bucket DDP reduces while backward runs (MiB)."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in some steps (slower: DDP walks the graph each step)."""
+    static_graph: bool = False
+    """Declare that the set of used parameters never changes across steps (lets DDP skip checks)."""
+    broadcast_buffers: bool = True
+    """Copy rank 0's buffers (BatchNorm statistics) to every rank before each forward."""
+    allreduce: str = "native"
+    """Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms)."""
+    compression: str | None = None
+    """Gradient codec with error feedback: fp16, bf16, int8, topk:RATIO, powersgd:RANK, ... (shardwise.comm.codecs)."""
+    record_buckets: bool = False
+    """Route each native bucket through a Python hook that records it with its time (a little slower)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0:
+            raise ConfigError(f"bucket_cap_mb must be > 0; got {self.bucket_cap_mb}")
+        parse_options(self.allreduce, self.compression)  # a bad name fails here, before any process starts
+
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        return plan_layout(self.name, world_size, batch=batch, mesh=mesh)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of torch's DistributedDataParallel these options stand for."""
+        kwargs: dict[str, Any] = dict(
+            bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph, gradient_as_bucket_view=True,
         )
-        if not broadcast_buffers:  # passed only when changed: torch 2.13 deprecates the name
-            self.kwargs["broadcast_buffers"] = False
-        self.world_size = 1
+        if not self.broadcast_buffers:  # passed only when changed: torch 2.13 deprecates the name
+            kwargs["broadcast_buffers"] = False
+        return kwargs
 
-    def validate(self, world_size: int) -> None:
-        if world_size < 1:
-            raise ConfigError(f"ddp needs at least one process; got a world size of {world_size}")
-
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> DDPRun:
         if not dist.is_initialized():
             raise ConfigError("strategy 'ddp' needs a process group; start the run with nproc >= 1 through shardwise (Trainer, launch, or shardwise run)")
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(f"ddp got a model with no trainable parameters ({type(model).__name__}); nothing to synchronize")
-        self.world_size = mesh.size("dp")
-        wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, allreduce=self.allreduce, compression=self.compression, record_buckets=self.record_buckets, **self.kwargs)
-        return wrapped, make_optimizer(wrapped.parameters())
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        return accumulate_backward(model, microbatches, step_fn, precision, no_sync=lambda: self.no_sync(model))
-
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"no_sync needs the model returned by setup (a DistributedDataParallel); got {type(model).__name__}")
-        return model.no_sync()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # After the allreduce every rank holds the same full gradient: its local norm is global.
-        return clip_local(model, max_norm)
-
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return plain_state_dict(self.unwrap(model), optimizer)
-
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(self.unwrap(model), optimizer, state)
-
-    def summary(self) -> dict[str, Any]:
-        return {"ddp": {"bucket_cap_mb": self.kwargs["bucket_cap_mb"], "world_size": self.world_size,
-                        "allreduce": self.allreduce, "compression": self.compression}}
+        wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, allreduce=self.allreduce, compression=self.compression,
+                            record_buckets=self.record_buckets, **self.ddp_kwargs())
+        return DDPRun(wrapped, make_optimizer(wrapped.parameters()), self, mesh.size("dp"))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Mapping
 
 import torch
 from torch import nn
@@ -10,8 +12,8 @@ from torch import nn
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
-from shardwise.strategies.common import LocalModel
-from shardwise.strategies.protocol import OptimizerFactory
+from shardwise.strategies.common import LocalParallel
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strategy, plan_layout
 
 
 def apply_single(model: nn.Module, device: torch.device) -> nn.Module:
@@ -19,21 +21,39 @@ def apply_single(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-class Single(LocalModel):
-    """The single-process reference strategy."""
+class SingleRun(LocalParallel):
+    """The model on one device; nothing to synchronize, no state of its own."""
+
+    def after_step(self, step: int) -> None:
+        return None  # one process: nothing to average
+
+    def save_extra_state(self, directory: Path) -> None:
+        return None  # the model and optimizer hold everything
+
+    def load_extra_state(self, path: Path) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Single(Strategy):
+    """The single-process reference strategy (no options)."""
 
     name: ClassVar[str] = "single"
 
-    def validate(self, world_size: int) -> None:
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
         if world_size != 1:
             raise ConfigError(
                 f"strategy 'single' runs one process; got a world size of {world_size}. "
                 "Use strategy='ddp' (or another data-parallel strategy) for several processes"
             )
+        return plan_layout(self.name, world_size, batch=batch, mesh=mesh)
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> SingleRun:
         model = apply_single(model, mesh.device)
-        return model, make_optimizer(model.parameters())
-
-    def summary(self) -> dict[str, Any]:
-        return {}
+        return SingleRun(model, make_optimizer(model.parameters()))

@@ -11,14 +11,13 @@ from torch import nn
 
 from shardwise import checkpoint as ckpt
 from shardwise.batches import call_model, check_batch_fits, loss_from_output, model_inputs, returns_own_loss
-from shardwise.data import ShardedLoader, eval_batches, eval_shard, fetch, per_rank_batch, unpack_data
+from shardwise.data import ShardedLoader, eval_batches, eval_shard, fetch, unpack_data
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size, launch, stop_if_bootstrapping
-from shardwise.strategies import OptimizerFactory, StepFn, get_strategy
+from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
-from shardwise.strategies.protocol import check_batch, check_model, expendable_ranks, mesh_degrees, trainers
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.trainer.logging import Progress, RunFiles
@@ -103,6 +102,8 @@ class Trainer:
         self.engine: Engine | None = None
         self.step = 0
         self.should_stop = False
+        self._strategy: Strategy | None = None
+        self._layout: Layout | None = None
 
     # -- checks before anything runs ------------------------------------------------------
     def _world_size(self) -> int:
@@ -122,32 +123,24 @@ class Trainer:
                 f"or define a training_step(batch) method on {type(model).__name__} (a model whose forward "
                 "takes `labels`, as transformers' models do, trains on its own loss with no loss_fn)"
             )
-        world = self._world_size()
-        strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
-        strategy.validate(world)
-        check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
-        world = trainers(strategy, world)  # ranks kept for service (parameter servers) take no data
         dataset, collate, _, dl_batch = unpack_data(train_data)
         if dataset is None:
             raise ConfigError("fit needs training data: a Dataset or a DataLoader")
-        degrees = mesh_degrees(strategy, cfg.mesh)
-        if world % (degrees.get("pp", 1) * degrees.get("tp", 1)):
-            from shardwise.mesh import Mesh
-
-            Mesh.build(world_size=world, pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))  # raises with the valid shapes
-        dp = degrees.get("dp") or world // (degrees.get("pp", 1) * degrees.get("tp", 1))
-        micro = per_rank_batch(self._global_batch(dl_batch), dp, cfg.accumulate)
-        check_batch(strategy, micro, cfg.accumulate)
-        check_model(strategy, model)
+        # The strategy is built once, here, and planned once: the plan checks the world, the mesh,
+        # the batch split and the model before any process starts; workers receive both.
+        strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
+        self._strategy = strategy
+        self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
+        check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
         if detect_env().rank == 0:  # rank 0 writes the run directory (others may start after it has)
             check_out(cfg.out, cfg.resume, cfg.overwrite)
         if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
             check_batch_fits(model, fetch(dataset, [0], collate))
 
     def _expendable_ranks(self) -> list[int]:
-        """Ranks whose death the run survives: the strategy's optional ``expendable_ranks(world_size)``
-        (asynchronous parameter-server workers other than rank 0); none by default."""
-        return expendable_ranks(get_strategy(self.config.strategy, **self.config.strategy_options), self.config.nproc)
+        """Ranks whose death the run survives, as the plan said (asynchronous parameter-server
+        workers other than rank 0); none for most strategies."""
+        return list(self._layout.expendable) if self._layout is not None else []
 
     def _global_batch(self, dl_batch: int | None) -> int:
         return self.config.global_batch_size or dl_batch or 32
@@ -182,10 +175,11 @@ class Trainer:
     def _fit(self, model: nn.Module, train_data: Any, val_data: Any, *, return_state: bool) -> tuple[dict[str, Any], Any]:
         cfg = self.config
         wall_start = time.perf_counter()
+        strategy, layout = self._strategy, self._layout
         engine = Engine(
-            strategy=cfg.strategy, accelerator=cfg.accelerator, precision=cfg.precision,
-            strategy_options=cfg.strategy_options, mesh=cfg.mesh, seed=cfg.seed,
-            deterministic=cfg.deterministic, timeout_s=cfg.timeout_s, sync_batchnorm=cfg.sync_batchnorm,
+            strategy=strategy if strategy is not None else cfg.strategy, accelerator=cfg.accelerator, precision=cfg.precision,
+            strategy_options=None if strategy is not None else cfg.strategy_options, mesh=cfg.mesh, seed=cfg.seed,
+            deterministic=cfg.deterministic, timeout_s=cfg.timeout_s, sync_batchnorm=cfg.sync_batchnorm, layout=layout,
         )
         self.engine = engine
         try:
@@ -301,6 +295,8 @@ class Trainer:
         progress.close()
         steps_run = self.step - start_step
         wall = time.perf_counter() - wall_start
+        comm = engine.recorder.report(steps_run)
+        strategy_section = engine.finish()  # on every rank: the strategy's end of run (collective reports, servers stop)
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,
             "world_size": engine.world_size,
@@ -317,8 +313,8 @@ class Trainer:
             **val_metrics,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "last_checkpoint": str(last_ckpt) if last_ckpt else None,
-            "comm": engine.recorder.report(steps_run),
-            **engine.strategy.summary(),
+            "comm": comm,
+            **strategy_section,
         }
         files.summary(summary)
         files.close()
@@ -371,7 +367,7 @@ class Trainer:
             summary_path = self._save(engine, state, root)
         else:
             summary_path = Path(resumed_from)
-        strategy_section = engine.strategy.summary()  # also the strategy's end of run (parameter servers stop)
+        strategy_section = engine.finish()  # the strategy's end of run (parameter servers stop)
         summary: dict[str, Any] = {}
         if cfg.out and (Path(cfg.out) / "summary.json").exists():
             import json

@@ -53,7 +53,8 @@ def _train(options: dict, steps: int, dtype: torch.dtype, lr: float = 0.1) -> tu
     rank, world = dist.get_rank(), dist.get_world_size()
     strategy = DDP(**options)
     rec = Recorder()
-    model, opt = strategy.setup(_tiny_model(dtype), lambda ps: torch.optim.SGD(ps, lr=lr), Mesh.build(world_size=world, rank=rank), rec)
+    run = strategy.apply(_tiny_model(dtype), lambda ps: torch.optim.SGD(ps, lr=lr), Mesh.build(world_size=world, rank=rank), rec)
+    model, opt = run.model, run.optimizer
     losses = []
     for step in range(steps):
         x, y = _batch(step, rank, world, dtype)
@@ -124,7 +125,7 @@ def _powersgd_is_exact_on_low_rank_gradients() -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _Bilinear()
     rec = Recorder()
-    ddp, _ = DDP(compression="powersgd:2").setup(model, lambda ps: torch.optim.SGD(ps, lr=0.0), Mesh.build(world_size=world, rank=rank), rec)
+    ddp = DDP(compression="powersgd:2").apply(model, lambda ps: torch.optim.SGD(ps, lr=0.0), Mesh.build(world_size=world, rank=rank), rec).model
     fails = []
     for step in range(5):
         g = torch.Generator().manual_seed(step)
@@ -150,9 +151,10 @@ def _digits_accuracy(compression: str | None, train: Any, val: Any, steps: int =
     torch.manual_seed(0)
     model = DigitsMLP(hidden=128, dropout=0.0)
     rec = Recorder()
-    ddp, opt = DDP(compression=compression).setup(
+    run = DDP(compression=compression).apply(
         model, lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=1e-4), Mesh.build(world_size=world, rank=rank), rec
     )
+    ddp, opt = run.model, run.optimizer
     x, y = train.tensors
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):

@@ -33,7 +33,7 @@ def _train(strategy: str, options: dict[str, Any], steps: int = 10) -> dict[str,
         engine.forward_backward(model, micro, lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad(set_to_none=True)
-    return {"params": params(engine.unwrap(model)), "summary": engine.strategy.summary(), "comm": engine.recorder.report(steps)}
+    return {"params": params(engine.unwrap(model)), "summary": engine.finish(), "comm": engine.recorder.report(steps)}
 
 
 def _all_strategies() -> dict[str, Any]:
@@ -89,7 +89,7 @@ def _replica_rounds(strategy: str, options: dict[str, Any], steps: int) -> dict[
         diff = max((r - replicas[0]).abs().max().item() for r in replicas)
         identical.append(diff == 0.0)
         spread.append(diff)
-    return {"identical": identical, "spread": spread, "summary": engine.strategy.summary(), "comm": engine.recorder.report(steps)}
+    return {"identical": identical, "spread": spread, "summary": engine.finish(), "comm": engine.recorder.report(steps)}
 
 
 def _gossip_mix() -> dict[str, Any]:

@@ -90,7 +90,7 @@ def _run_central() -> list[torch.Tensor] | None:
         opt.zero_grad(set_to_none=True)
         sched.step()
         out.append(flat(model))
-    engine.strategy.summary()  # ends the session with the server
+    engine.finish()  # ends the session with the server
     return out
 
 

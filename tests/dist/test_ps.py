@@ -78,7 +78,7 @@ def _ps_run(strategy: str, options: dict[str, Any], steps: int, straggler: int |
         sched.step()
         if straggler == w:
             time.sleep(max(0.01, 3 * (time.perf_counter() - t)))
-    summary = engine.strategy.summary()
+    summary = engine.finish()
     engine.all_reduce(torch.zeros(1))  # the loop's collectives run over the workers only
     if w != 0:
         return None
@@ -142,7 +142,7 @@ def _ps_digits(mode: str, steps: int = 300) -> float | None:
         engine.forward_backward(model, [(x[idx], y[idx])], lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad(set_to_none=True)
-    engine.strategy.summary()  # ends the session; worker 0 receives the servers' final parameters
+    engine.finish()  # ends the session; worker 0 receives the servers' final parameters
     if w != 0:
         return None
     module = engine.unwrap(model).eval()
@@ -165,7 +165,7 @@ def _lost_worker() -> dict[str, Any] | None:
         opt.zero_grad(set_to_none=True)
     if w != 0:
         return None  # no DONE: to the server this worker just went silent, then its connection closed
-    return engine.strategy.summary()["ps"]
+    return engine.finish()["ps"]
 
 
 def _three_processes() -> dict[str, Any]:

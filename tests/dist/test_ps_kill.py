@@ -41,7 +41,7 @@ def _process(rank: int, port: int, conn: Any) -> None:
             engine.step(opt)
             opt.zero_grad(set_to_none=True)
         if w == 0:
-            conn.send(engine.strategy.summary()["ps"])
+            conn.send(engine.finish()["ps"])
     dist.destroy_process_group()
     conn.close()
 

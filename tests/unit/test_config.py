@@ -23,7 +23,9 @@ def test_unknown_strategy_lists_known_names_and_the_closest():
 
 
 def test_registering_a_strategy_by_name():
-    class Mine:
+    from shardwise.strategies.single import Single
+
+    class Mine(Single):
         name = "mine"
 
     register_strategy("mine-test", Mine)
@@ -34,7 +36,7 @@ def test_registering_a_strategy_by_name():
 
 def test_single_refuses_several_processes():
     with pytest.raises(ConfigError, match="strategy 'single' runs one process; got a world size of 2"):
-        get_strategy("single").validate(2)
+        get_strategy("single").plan(2)
 
 
 @pytest.mark.parametrize(
