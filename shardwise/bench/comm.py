@@ -72,6 +72,7 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
     import torch.distributed as dist
 
     from shardwise.comm.algorithms import allreduce
+    from shardwise.comm.collectives import all_reduce, barrier
     from shardwise.comm.codecs import Codec, CodecState, get_codec
     from shardwise.comm.compressed import compressed_allreduce
     from shardwise.comm.p2p import Workspace
@@ -109,14 +110,14 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
         for _ in range(reps):
             for name, run in runs.items():
                 buf.copy_(src)  # values stay bounded over the timed iterations
-                dist.barrier()
+                barrier()
                 start = time.perf_counter()
                 for _ in range(count):
                     run()
                 samples[name].append((time.perf_counter() - start) / count)
         names = list(runs)
         stats = torch.tensor([[statistics.median(samples[k]), *counted[k]] for k in names], dtype=torch.float64)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank, the busiest rank
+        all_reduce(stats, "max")  # the slowest rank, the busiest rank
         native_time = stats[names.index("native"), 0].item() if "native" in names else float("nan")
         ring_bytes = allreduce_traffic("ring", n, itemsize, p, 0).sent
         nbytes = n * itemsize

@@ -18,13 +18,11 @@ from types import TracebackType
 
 import torch
 
-import shardwise
-
 # Frames inside these directories are library code; the user's frame is the deepest outside them.
 _LIBRARY_DIRS = tuple(
     str(Path(p).resolve()) + os.sep
     for p in {
-        os.path.dirname(shardwise.__file__),
+        str(Path(__file__).resolve().parents[1]),  # the shardwise package (no upward import of it)
         os.path.dirname(torch.__file__),
         sysconfig.get_paths()["stdlib"],
         sysconfig.get_paths()["purelib"],
