@@ -17,6 +17,7 @@ from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Paral
 _BUILTIN: dict[str, str] = {
     "single": "shardwise.strategies.single:Single",
     "ddp": "shardwise.strategies.ddp:DDP",
+    "dp": "shardwise.strategies.data_parallel:DataParallel",
     "local-sgd": "shardwise.strategies.local_sgd:local_sgd",
     "diloco": "shardwise.strategies.diloco:diloco",
     "gossip": "shardwise.strategies.gossip:gossip",
