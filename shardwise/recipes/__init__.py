@@ -2,6 +2,25 @@
 
 A recipe is looked up by name like a strategy; its parts are built from a dict of
 options (``[recipe]`` in a TOML config, or ``--set recipe.hidden=256``).
+
+Design notes: Recipes
+=====================
+
+A recipe is a name, its options with defaults, the trainer settings it starts from, and a
+`build(options) -> RecipeParts` (model, train and validation data, loss, metrics, optimizer
+factory, optional scheduler, and an optional `after_fit(model) -> str` whose text the CLI
+prints on rank 0). Data comes from packages, never from the network:
+
+- `digits`: scikit-learn's bundled 8x8 digits, an MLP (the data-parallel demo).
+- `charlm`: a GPT-style decoder (`CharGPT`: `embed`, `blocks.{i}` of attention with separate
+  `q/k/v/proj` and an MLP `fc/proj`, `head`) over characters of the help topics that ship with
+  Python (`pydoc_data.topics`, ~465,000 characters, 103 distinct). The first 90% of the text
+  trains and the last 10% validates (split by position: no window in both). Its forward is its
+  top-level children applied in order, the contract pipeline parallelism splits on; attention
+  reads its head count from `q`'s output width at run time, so column-split heads (tensor
+  parallelism) need no model change. After fit it samples text from a seeded generator. With
+  the defaults (4 blocks, width 128, AdamW 1e-3, global batch 32) ddp on 2 CPU processes has
+  val loss 2.46 after 100 steps and 2.03 after 300 (ln 103 = 4.63 is a uniform guess), ~45 s.
 """
 
 from __future__ import annotations
