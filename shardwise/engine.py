@@ -264,31 +264,20 @@ class Engine:
 
     # -- checkpoints ----------------------------------------------------------------
     def _split_state(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """(shared state for ``state.pt``, sharded state for DCP or None).
+        """(shared state for ``state.pt``, sharded state for DCP or None): `shardwise.checkpoint.split_state`
+        with this run's strategy state, plus the engine's own counters."""
 
-        A strategy whose ``state_dict`` returns DTensors (zero2, zero3, hsdp) has its model and
-        optimizer written by every rank with torch.distributed.checkpoint; the rest is shared.
-        """
-        shared: dict[str, Any] = {}
-        sharded: dict[str, Any] = {}
-        strat = None
-        for key, value in state.items():
-            if isinstance(value, nn.Module) or isinstance(value, torch.optim.Optimizer):
-                if strat is None:
-                    if self.parallel is None:
-                        raise ConfigError("save/load of a model or optimizer needs engine.setup to have been called")
-                    model = next((v for v in state.values() if isinstance(v, nn.Module)), None)
-                    strat = self._run(model).state_dict(optimizer=True)
-                part = strat["model"] if isinstance(value, nn.Module) else strat["optimizer"]
-                (sharded if _has_dtensor(strat["model"]) else shared)[key] = part
-            elif hasattr(value, "state_dict"):
-                shared[key] = value.state_dict()
-            else:
-                shared[key] = value
+        def strategy_state() -> dict[str, Any]:
+            if self.parallel is None:
+                raise ConfigError("save/load of a model or optimizer needs engine.setup to have been called")
+            model = next((v for v in state.values() if isinstance(v, nn.Module)), None)
+            return self._run(model).state_dict(optimizer=True)
+
+        shared, sharded = ckpt.split_state(state, strategy_state)
         shared["__precision__"] = self.precision.state_dict()
         # The optimizer-step count drives after_step rounds (local SGD's every H): it must survive a resume.
         shared["__engine__"] = {"steps_taken": self.steps_taken}
-        return shared, (sharded or None)
+        return shared, sharded
 
     def save(self, path: str | os.PathLike[str], state: dict[str, Any], *, meta: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint directory atomically. Call on every rank.
@@ -322,7 +311,7 @@ class Engine:
     def consolidated_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The model's whole parameters and buffers by name, on CPU; collective under sharded strategies (call on every rank)."""
         full = self._run(model).state_dict(optimizer=False)["model"]
-        return {k: (v.full_tensor() if _is_dtensor(v) else v).detach().cpu() for k, v in full.items()}
+        return {k: ckpt.full_tensor(v).detach().cpu() for k, v in full.items()}
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any], *, restore_rng: bool = True) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint; returns the saved values that are not objects."""
@@ -342,7 +331,7 @@ class Engine:
             template = run.state_dict(optimizer=optimizer is not None and "sharded" in manifest)
             if "sharded" in manifest:
                 ckpt.check_model_state(template["model"], ckpt.sharded_shapes(path, model_key), path)
-                sub = self._read_sharded(path, template, model, optimizer, model_key, optim_key)
+                sub = ckpt.read_sharded(path, template, run.module(), optimizer, model_key, optim_key)
             else:
                 ckpt.check_model_state(template["model"], shared[model_key], path)
                 sub = {"model": shared[model_key]}
@@ -365,30 +354,6 @@ class Engine:
             elif self.is_rank_zero:
                 print(f"shardwise: {path} has no RNG state for rank {self.rank} (saved at another world size); RNG streams start fresh", flush=True)
         return plain
-
-    def _read_sharded(
-        self, path: Path, template: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None, model_key: str, optim_key: str | None
-    ) -> dict[str, Any]:
-        """Model (and optimizer) state from a sharded checkpoint, in the form this strategy loads.
-
-        A sharding strategy gets its own shards (DCP re-partitions to this world size); one that
-        keeps whole tensors gets them whole, with the optimizer renumbered the way
-        ``optimizer.state_dict()`` numbers parameters.
-        """
-        import torch.distributed.checkpoint as dcp
-
-        if _has_dtensor(template["model"]):
-            wanted = {model_key: template["model"]}
-            if optim_key is not None and optimizer is not None:
-                wanted[optim_key] = template["optimizer"]
-            dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(path / ckpt.SHARDED_DIR)))
-            return {"model": wanted[model_key], **({"optimizer": wanted[optim_key]} if optim_key in wanted else {})}
-        full = ckpt.read_sharded_full(path)
-        sub: dict[str, Any] = {"model": full[model_key]}
-        if optimizer is not None and optim_key is not None:
-            names = ckpt.parameter_names(self.unwrap(model), optimizer)
-            sub["optimizer"] = ckpt.optimizer_state_by_number(full[optim_key], names)
-        return sub
 
     def close(self) -> None:
         """Leave the process group if this engine created it."""
@@ -417,13 +382,3 @@ def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -
         return model(*args)
     finally:
         module.__dict__.pop("forward", None)
-
-
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def _has_dtensor(state: dict[str, Any]) -> bool:
-    return any(_is_dtensor(v) for v in state.values())

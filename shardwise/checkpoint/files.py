@@ -1,26 +1,5 @@
-"""Atomic, verifiable checkpoints and exact resume.
-
-A checkpoint is a directory ``step-00000100/`` holding:
-
-- ``state.pt``: the job's shared state (model, optimizer, scheduler, scaler,
-  data position, counters), written by rank 0;
-- ``rank-00000.pt`` ...: each rank's own state (its RNG streams);
-- ``manifest.json``: step, world size, a fingerprint of the model's parameter
-  names and shapes, and the sha256 and size of every file. Written last.
-
-Sharded strategies (zero2, zero3/fsdp, hsdp) add ``dcp/``: model and optimizer state
-written by every rank with ``torch.distributed.checkpoint`` (DCP), each its own shards,
-keyed by parameter name. The manifest then says ``"sharded": {"dir": "dcp", "keys": [...]}``
-and ``state.pt`` holds the rest. DCP re-partitions on load, so such a checkpoint resumes at
-another world size, and `read_sharded_full` reads it whole for strategies that do not shard.
-
-Writing goes to a hidden ``.tmp-step-...`` directory; every file is fsynced, then
-the directory is renamed into place and its parent fsynced. A crash at any point
-leaves either the complete new checkpoint or none, never a damaged one under a
-final name; ``latest_valid`` also re-checks the checksums and skips (with a
-warning) a checkpoint damaged afterwards. Files load with ``weights_only=True``:
-nothing but tensors and plain containers is unpickled.
-"""
+"""The checkpoint directory on disk: atomic write, manifest and checksums, RNG capture, pruning,
+``weights_only`` reads, and the check that a checkpoint fits the model it is loaded into."""
 
 from __future__ import annotations
 
@@ -39,7 +18,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch import nn
 
 from shardwise.errors import CheckpointError
 
@@ -292,116 +270,3 @@ def check_model_state(expected: dict[str, Any], found: dict[str, Any], path: Pat
             f"checkpoint {path} was saved from another model: " + "; ".join(parts)
             + ". Resume with the model it was saved from, or start a fresh run in another --out directory"
         )
-
-
-def sharded_shapes(path: Path, key: str) -> dict[str, torch.Tensor]:
-    """Shapes of the tensors stored under ``key`` in a sharded checkpoint, as meta tensors (no data read)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    meta = dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)).read_metadata()
-    prefix = f"{key}."
-    return {
-        k[len(prefix):]: torch.empty(tuple(v.size), device="meta")
-        for k, v in meta.state_dict_metadata.items()
-        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
-    }
-
-
-def read_sharded_full(path: Path) -> dict[str, Any]:
-    """Every value of a sharded checkpoint's ``dcp/`` whole, in this process alone (no collectives).
-
-    For strategies that keep whole tensors (single, ddp, zero1) and for export: DCP
-    assembles each tensor from all the ranks' files.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    # What torch's own dcp_to_torch_save does (format_utils), without the temporary file: the
-    # public dcp.load only fills keys the caller already has; this planner builds them all.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    try:
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    except Exception as exc:  # DCP wraps every reader failure in its own exception types
-        raise CheckpointError(f"cannot read the sharded state of {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
-    return state
-
-
-def parameter_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The names of the optimizer's parameters in its groups' order (the order its state_dict numbers them)."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    try:
-        return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-    except KeyError:
-        raise CheckpointError("the optimizer holds parameters that are not the model's; build it from the parameters engine.setup hands it") from None
-
-
-def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """A plain ``optimizer.state_dict()`` (parameters numbered 0, 1, ... in group order) keyed by parameter name.
-
-    The form ``torch.distributed.checkpoint.state_dict`` speaks, so state saved by a strategy
-    that keeps whole tensors loads into a sharded one.
-    """
-    numbers = [i for g in state["param_groups"] for i in g["params"]]
-    if len(numbers) != len(names):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(numbers)} parameters; this one has {len(names)}. Resume with the same model and optimizer factory")
-    to_name = dict(zip(numbers, names))
-    return {
-        "state": {to_name[i]: s for i, s in state["state"].items()},
-        "param_groups": [{**g, "params": [to_name[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def optimizer_state_by_number(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """Inverse of `optimizer_state_by_name`: named optimizer state numbered in this optimizer's order."""
-    saved = [n for g in state["param_groups"] for n in g["params"]]
-    if sorted(saved) != sorted(names):
-        missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
-        raise CheckpointError(f"the checkpoint's optimizer does not match this model's parameters (missing {missing[:3]}, unexpected {extra[:3]})")
-    to_number = {n: i for i, n in enumerate(names)}
-    return {
-        "state": {to_number[n]: s for n, s in state["state"].items()},
-        "param_groups": [{**g, "params": [to_number[n] for n in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str], *, key: str = "model") -> tuple[int, int]:
-    """Write a checkpoint's model weights, whole, to one safetensors file; returns (tensors, bytes).
-
-    Works for every strategy's checkpoint (sharded ones are assembled from all ranks' files
-    in this one process). The file holds plain tensors under the module's own parameter
-    names, loadable with ``safetensors.torch.load_file`` and ``model.load_state_dict``
-    without shardwise. Needs the safetensors package (``pip install safetensors``; in a clone of
-    shardwise, ``pip install -e '.[export]'``). The file's mode follows the umask, as any file
-    the user writes does.
-
-    >>> export_safetensors("runs/x/checkpoints/step-00000300", "model.safetensors")  # doctest: +SKIP
-    (6, 84520)
-    """
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        from shardwise.errors import ConfigError
-
-        raise ConfigError("exporting to safetensors needs the safetensors package; install it with: pip install safetensors") from None
-    path = Path(path)
-    manifest = verify(path)
-    if key in manifest.get("sharded", {}).get("keys", []):
-        weights = read_sharded_full(path)[key]
-    else:
-        state = load_file(path / "state.pt")
-        if key not in state or not isinstance(state[key], dict):
-            held = sorted(k for k, v in state.items() if isinstance(v, dict) and not k.startswith("__"))
-            raise CheckpointError(f"checkpoint {path} has no model state {key!r}; it holds {held} (choose one with --key)")
-        weights = state[key]
-    # Independent, contiguous tensors: safetensors refuses views that share storage (tied weights).
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in weights.items() if isinstance(v, torch.Tensor)}
-    meta = {"format": "pt", "source": str(path), "step": str(manifest.get("step")), "strategy": str(manifest.get("strategy"))}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata=meta)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(out, 0o666 & ~umask)  # safetensors creates its file 0600; a user's export is theirs to share
-    return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
