@@ -94,9 +94,9 @@ def _replica_rounds(strategy: str, options: dict[str, Any], steps: int) -> dict[
 
 def _gossip_mix() -> dict[str, Any]:
     """One gossip round on 4 ranks from known parameters: rank k gets the mean of k-1, k, k+1."""
-    from shardwise.comm.recorder import Recorder
-    from shardwise.strategies.gossip import gossip_round
     from shardwise.comm.collectives import WORLD
+    from shardwise.comm.recorder import Recorder
+    from shardwise.strategies.replicas.gossip import gossip_round
 
     k, p = dist.get_rank(), dist.get_world_size()
     model = torch.nn.Linear(3, 2).double()
