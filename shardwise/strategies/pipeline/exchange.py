@@ -51,7 +51,7 @@ def all_gather_tree(obj: Any, *, group: Group, recorder: Recorder | None, device
     text = torch.frombuffer(bytearray(shape.encode()), dtype=torch.uint8) if shape else torch.zeros(0, dtype=torch.uint8)
     shapes = all_gather_varlen(text, group=group, recorder=recorder, device=device)
     payloads = all_gather_varlen(payload, group=group, recorder=recorder, device=device)
-    return [_decode(bytes(s.cpu().tolist()).decode(), p.cpu()) for s, p in zip(shapes, payloads)]
+    return [_decode(s.cpu().numpy().tobytes().decode(), p.cpu()) for s, p in zip(shapes, payloads)]
 
 
 def _encode(obj: Any) -> tuple[str, torch.Tensor]:
