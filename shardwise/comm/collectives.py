@@ -145,3 +145,27 @@ class _NullRecorder(Recorder):
 
 
 _NULL = _NullRecorder()
+
+
+def send(tensor: torch.Tensor, dst: int, *, group: Group = WORLD, recorder: Recorder | None = None, tag: int = 0) -> None:
+    """Send ``tensor`` (contiguous) to group rank ``dst`` and wait until it is sent.
+
+    Recorded as op ``send``: ``sent_bytes`` is the tensor's size, ``received_bytes`` 0. The peer
+    calls `recv` with a tensor of the same shape and dtype (and the same ``tag``)."""
+    n = _nbytes(tensor)
+    sent, received = wire_bytes("send", n, group.size)
+    rec = recorder or _NULL
+    with rec.timed("send", group.name, group.size, n, sent, received):
+        _guard(f"send to group rank {dst}", group, lambda: dist.send(tensor, group=group.pg, tag=tag, group_dst=dst))
+
+
+def recv(tensor: torch.Tensor, src: int, *, group: Group = WORLD, recorder: Recorder | None = None, tag: int = 0) -> torch.Tensor:
+    """Receive into ``tensor`` (contiguous, the sender's shape and dtype) from group rank ``src``; returns it.
+
+    Recorded as op ``recv``: ``received_bytes`` is the tensor's size, ``sent_bytes`` 0."""
+    n = _nbytes(tensor)
+    sent, received = wire_bytes("recv", n, group.size)
+    rec = recorder or _NULL
+    with rec.timed("recv", group.name, group.size, n, sent, received):
+        _guard(f"recv from group rank {src}", group, lambda: dist.recv(tensor, group=group.pg, tag=tag, group_src=src))
+    return tensor

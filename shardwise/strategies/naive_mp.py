@@ -19,7 +19,9 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,9 +30,9 @@ from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import move
-from shardwise.strategies.common import LocalModel
+from shardwise.strategies.common import LocalParallel
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strategy, plan_layout
 from shardwise.strategies.pipeline.split import StageModule, _register, sequence_layers, split_layers
-from shardwise.strategies.protocol import OptimizerFactory
 
 
 class NaiveMP(nn.Module):
@@ -64,26 +66,56 @@ def apply_naive_mp(model: nn.Module, devices: Sequence[str | torch.device], spli
     return NaiveMP(stages, devs, torch.device(output_device) if output_device is not None else devs[0])
 
 
-class NaiveModelParallel(LocalModel):
+class NaiveMPRun(LocalParallel):
+    """The layers on their devices in one process: one optimizer, nothing to synchronize."""
+
+    model: NaiveMP
+
+    def after_step(self, step: int) -> None:
+        return None  # one process, one copy of each layer: nothing to average
+
+    def save_extra_state(self, directory: Path) -> None:
+        return None  # the model and optimizer hold everything, under the model's own names
+
+    def load_extra_state(self, path: Path) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None  # one process: nothing to gather
+
+    def summary(self) -> dict[str, Any]:
+        return {"naive_mp": {"devices": [str(d) for d in self.model.devices], "stage_layers": self.model.stage_layers}}
+
+
+@dataclass(frozen=True)
+class NaiveModelParallel(Strategy):
     """Layers placed across the visible CUDA devices of one process (or the ``devices`` given)."""
 
     name: ClassVar[str] = "naive-mp"
 
-    def __init__(self, *, devices: Sequence[str] | None = None, split_points: Sequence[str] | None = None) -> None:
-        if isinstance(devices, str):
-            devices = [d for d in devices.split(",") if d]
-        if isinstance(split_points, str):
-            split_points = [s for s in split_points.split(",") if s]
-        self.devices = list(devices) if devices is not None else None
-        self.split_points = list(split_points or [])
-        self.stage_layers: list[list[str]] = []
+    devices: tuple[str, ...] | None = None
+    """Devices the stages go to, one stage each, in order (default: every visible CUDA device)."""
+    split_points: tuple[str, ...] | None = None
+    """Layer names that start stages 1, 2, ... (default: stages balanced by parameter count)."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("devices", "split_points"):
+            value = getattr(self, field_name)
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            if value is not None and not all(isinstance(v, (str, torch.device)) for v in value):
+                raise ConfigError(f"naive-mp {field_name} must be names (a list, or one comma-separated string); got {getattr(self, field_name)!r}")
+            object.__setattr__(self, field_name, tuple(str(v) for v in value) if value is not None else None)
+        if self.split_points == ():
+            object.__setattr__(self, "split_points", None)
 
     def _devices(self) -> list[str]:
         if self.devices is not None:
-            return self.devices
+            return list(self.devices)
         return [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
-    def validate(self, world_size: int) -> None:
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        """One process, two devices or more; refuses a model `split_layers` cannot cut into as many stages. Pure."""
         if world_size != 1:
             raise ConfigError(f"naive-mp runs in one process that drives several devices; got a world size of {world_size}; use strategy 'pipeline' for one process per stage")
         devices = self._devices()
@@ -93,12 +125,11 @@ class NaiveModelParallel(LocalModel):
                 "CUDA device(s); it needs at least 2. Use strategy 'pipeline' (--strategy pipeline --pp N --nproc N), "
                 "which splits the model the same way across processes and also runs on CPUs"
             )
+        if model is not None:
+            split_layers(sequence_layers(model), len(devices), self.split_points)
+        return plan_layout(self.name, world_size, batch=batch, mesh=mesh)
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
-        self.validate(1)
+    def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> NaiveMPRun:
+        self.plan(1)  # the devices are there (an Engine plans without the model)
         wrapped = apply_naive_mp(model, self._devices(), self.split_points, output_device=mesh.device)
-        self.stage_layers = wrapped.stage_layers
-        return wrapped, make_optimizer(wrapped.parameters())
-
-    def summary(self) -> dict[str, Any]:
-        return {"naive_mp": {"devices": self._devices(), "stage_layers": self.stage_layers}}
+        return NaiveMPRun(wrapped, make_optimizer(wrapped.parameters()))

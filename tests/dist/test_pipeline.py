@@ -1,7 +1,8 @@
 """Pipeline parallelism equals the single-process reference (float64, a tiny CharGPT, AdamW,
 clipping on): every schedule at pp=2, pp=2 x dp=2 at world size 4, checkpoints that move
 between ``pipeline`` and ``single``, evaluation through the wrapped model, and the errors that
-must reach every rank instead of hanging the others.
+must reach every rank instead of hanging the others. The activations and gradients sent
+between stages are in the recorder, byte for byte as the formula gives them.
 
 One launch per world size runs every fit of that size (a process start costs ~2.5 s here).
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import TensorDataset
 
 from shardwise import Engine, Trainer, launch
@@ -20,6 +22,7 @@ from shardwise.errors import ConfigError
 import torch.nn.functional as F
 
 from shardwise.recipes.charlm import CharGPT
+from shardwise.strategies.pipeline import PipelineRun
 from tests.dist.models import max_diff
 
 COMMON = dict(precision="64", global_batch_size=8, max_steps=5, log_every=5, progress_bar=False, clip_grad_norm=0.5)
@@ -94,8 +97,37 @@ def _engine_checks() -> dict[str, Any]:
     except RuntimeError as exc:
         out["grad_forward"] = str(exc)
     out["names"] = sorted(k for k, _ in model.named_parameters())
-    out["stage_layers"] = engine.strategy.stage_layers  # type: ignore[attr-defined]
+    run = engine.parallel
+    assert isinstance(run, PipelineRun)
+    out["stage_layers"] = run.stage_layers
     return out
+
+
+WIDTH = 5  # every boundary of `chain` carries WIDTH features, wherever the stages are cut
+TRAFFIC_STEPS = 3
+
+
+def chain() -> nn.Module:
+    """Four Linear(WIDTH, WIDTH) layers with tanh between them, float64: four stages at most."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(4):
+        layers += [nn.Linear(WIDTH, WIDTH)] + ([nn.Tanh()] if i < 3 else [])
+    return nn.Sequential(*layers).double()
+
+
+def mse(output: torch.Tensor, batch: Any) -> torch.Tensor:
+    return F.mse_loss(output, batch[1])
+
+
+def _traffic(options: dict[str, Any]) -> dict[str, Any]:
+    """A run with no evaluation and no checkpoint: every pp/send and pp/recv is the schedule's."""
+    g = torch.Generator().manual_seed(2)
+    data = TensorDataset(torch.randn(32, WIDTH, generator=g, dtype=torch.float64), torch.randn(32, WIDTH, generator=g, dtype=torch.float64))
+    trainer = Trainer(strategy="pipeline", strategy_options=options, optimizer=adamw, loss_fn=mse, precision="64",
+                      global_batch_size=8, max_steps=TRAFFIC_STEPS, log_every=TRAFFIC_STEPS, progress_bar=False)
+    summary = trainer.fit(chain(), data)
+    return {"by_op": summary["comm"]["by_op"], "stage_layers": summary["pipeline"]["stage_layers"]}
 
 
 def _world_of_two(tmp: str) -> dict[str, Any]:
@@ -108,6 +140,7 @@ def _world_of_two(tmp: str) -> dict[str, Any]:
     # ... and a pipeline run that resumes single's step-3 checkpoint.
     out["resumed"] = fit("pipeline", PP2["1f1b"], max_steps=6, out=f"{tmp}/single", resume="auto")
     out["engine"] = _engine_checks()
+    out["traffic"] = {name: _traffic(options) for name, options in PP2.items()}
     return out
 
 
@@ -164,8 +197,10 @@ def test_each_schedule_equals_single(schedule, two, reference):
     assert section["bubble_predicted"] == pytest.approx(1 / (v * 4 + 1))
     assert 0.0 <= section["bubble_measured"] <= 1.0 and len(section["per_stage"]) == 2
     assert section["steps_measured"] == 4  # 5 steps, the first left out as warm-up
-    # The step's loss gathered from the last stage: one small all_gather over pp per step.
-    assert results[0][schedule][1]["comm"]["by_op"]["pp/all_gather"]["count"] == 5
+    assert section["tp"] == 1 and section["dp"] == 1 and section["dp_strategy"] == "ddp"
+    # The step's loss gathered from the last stage: one small all_gather over pp per step (and
+    # one at setup, when the stages align their clocks).
+    assert results[0][schedule][1]["comm"]["by_op"]["pp/all_gather"]["count"] == 5 + 1
 
 
 def test_accumulated_loader_micro_batches_are_one_pipeline_batch(two, reference):
@@ -219,5 +254,30 @@ def test_2d_compositions_at_world_size_four_equal_single(case, four, reference):
         _check_parity(four[rank][case], reference["5"])
     summary = four[0][case][1]
     assert summary["world_size"] == 4 and summary["pipeline"]["pp"] == 2
+    tp = FOUR[case].get("tp", 1)
+    assert summary["pipeline"]["tp"] == tp and summary["pipeline"]["dp"] == 4 // (2 * tp)
     if case.endswith("ddp"):  # pp2 x dp2: each stage's gradients averaged across dp in one allreduce per step
         assert summary["comm"]["by_op"]["dp/all_reduce"]["count"] == 5
+
+
+@pytest.mark.parametrize("schedule", list(PP2))
+def test_stage_to_stage_bytes_are_recorded_as_the_formula_gives_them(schedule, two):
+    """Per step and per stage boundary: microbatches x one micro-batch's activation forward, and
+    the same bytes of gradient backward. At pp=2 every boundary joins the two ranks, so each rank
+    sends one of the two over every boundary (interleaved: 4 stages, 3 boundaries) and receives the other."""
+    results, _ = two
+    options = PP2[schedule]
+    m, stages = options["microbatches"], 2 * options.get("virtual_stages", 1)
+    activation = (8 // m) * WIDTH * 8  # a micro-batch of 8 // m rows, WIDTH float64 features
+    boundaries = stages - 1
+    per_rank = TRAFFIC_STEPS * m * activation * boundaries
+    sent = []
+    for rank in range(2):
+        traffic = results[rank]["traffic"][schedule]
+        assert len(traffic["stage_layers"]) == stages
+        send, recv = traffic["by_op"]["pp/send"], traffic["by_op"]["pp/recv"]
+        assert send["sent_bytes"] == send["payload_bytes"] == per_rank and send["received_bytes"] == 0
+        assert recv["received_bytes"] == recv["payload_bytes"] == per_rank and recv["sent_bytes"] == 0
+        assert send["count"] == recv["count"] == TRAFFIC_STEPS * m * boundaries  # one message per micro-batch per boundary and direction
+        sent.append(send["sent_bytes"])
+    assert sum(sent) / TRAFFIC_STEPS / boundaries == 2 * m * activation  # forward and backward, per step, per boundary

@@ -136,11 +136,11 @@ def test_other_causal_lm_families_match_single(runs: tuple[dict[Any, Any], str],
 def test_what_cannot_be_split_is_refused_before_launch() -> None:
     llama = zoo.build("llama")
     with pytest.raises(ConfigError, match=r"layers='model.nope' is not a module of LlamaForCausalLM; its module lists are \['model.layers'\]"):
-        Pipeline(pp=2, layers="model.nope").check_model(llama)
+        Pipeline(pp=2, layers="model.nope").plan(2, model=llama)
     with pytest.raises(ConfigError, match=r"has 4 blocks in model.layers but the pipeline needs 8 stages"):
-        Pipeline(pp=2, schedule="interleaved", virtual_stages=4, microbatches=4).check_model(llama)
+        Pipeline(pp=2, schedule="interleaved", virtual_stages=4, microbatches=4).plan(2, model=llama)
     with pytest.raises(ConfigError, match=r"ties lm_head.weight to transformer.wte.weight.*dp_strategy='ddp'"):
-        Pipeline(pp=2, dp_strategy="fsdp").check_model(zoo.build("nanogpt"))
+        Pipeline(pp=2, dp_strategy="fsdp").plan(4, model=zoo.build("nanogpt"))
     with pytest.raises(ConfigError, match="pipeline needs 8 stages"):  # through the Trainer: in the parent, no process started
         harness.trainer("llama", "pipeline", {"pp": 2, "schedule": "interleaved", "virtual_stages": 4, "microbatches": 4}, nproc=2).fit(
             llama, zoo.dataset("llama", 16))

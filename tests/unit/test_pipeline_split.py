@@ -3,6 +3,8 @@ and the configurations refused before anything runs. No process group."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from shardwise import Trainer
 from shardwise.errors import ConfigError
 from shardwise.plan.bubble import idle_to_busy, measured_bubble, predicted_bubble, step_bubbles
 from shardwise.recipes.charlm import CharGPT
-from shardwise.strategies import get_strategy
+from shardwise.strategies import Batch, get_strategy
 from shardwise.strategies.naive_mp import NaiveModelParallel, apply_naive_mp
 from shardwise.strategies.pipeline import (
     Pipeline, StageModule, balance, check_rows, check_schedule, concat_batches, sequence_layers, split_batch, split_layers,
@@ -170,18 +172,96 @@ def test_schedule_validation():
     check_schedule("gpipe", 4, 2, 1)  # GPipe runs any m
     check_schedule("interleaved", 2, 4, 2)
     assert Pipeline(schedule="interleaved").virtual_stages == 2
-    assert get_strategy("pipeline", pp=2).mesh_degrees() == {"pp": 2, "tp": 1}
+    assert get_strategy("pipeline", pp=2).plan(2).degrees == {"dp": 1, "pp": 2, "tp": 1}
+    layout = Pipeline(pp=2, tp=2, schedule="gpipe").plan(8)
+    assert layout.degrees == {"dp": 2, "pp": 2, "tp": 2} and layout.data_parallel == 2 and layout.trainers == 8
+
+
+def test_options_are_a_frozen_dataclass_normalized_and_checked_when_built():
+    p = Pipeline(split_points="blocks.2,blocks.4", schedule="interleaved", timeline="", layers="")
+    assert (p.split_points, p.virtual_stages, p.microbatches, p.timeline, p.layers) == (("blocks.2", "blocks.4"), 2, 2, None, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.pp = 4  # type: ignore[misc]
+    assert dataclasses.replace(p, pp=4, microbatches=4).num_stages == 8
+    for bad, message in [
+        (dict(tp=0), "tp must be a whole number >= 1; got 0"), (dict(sequence_parallel=True), "sequence_parallel needs tp > 1"),
+        (dict(warmup_steps=-1), "warmup_steps must be a whole number >= 0; got -1"), (dict(split_points=[2]), "split_points must be layer names"),
+        (dict(tp_plan="blocks.*"), "tp_plan must map"), (dict(pp=0), "pp must be a whole number >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            Pipeline(**bad)
+    mp = NaiveModelParallel(devices="cpu,cpu", split_points="blocks.3")
+    assert mp.devices == ("cpu", "cpu") and mp.split_points == ("blocks.3",) and NaiveModelParallel(split_points="").split_points is None
+
+
+def test_every_option_has_a_docstring_that_becomes_its_help():
+    import ast
+    import inspect
+
+    for cls in (Pipeline, NaiveModelParallel):
+        body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+        documented = {
+            a.target.id for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)
+        }
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in documented]
+        assert not missing, f"{cls.__name__} options without a docstring: {missing}"
+
+
+def test_plan_splits_the_model_it_is_given_and_refuses_one_it_cannot_split():
+    assert Pipeline(pp=2).split(gpt()) == [["embed", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]
+    assert Pipeline(pp=2, split_points=["blocks.3"]).split(gpt()) == [["embed", "blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "head"]]
+    Pipeline(pp=2).plan(2, model=gpt())
+    with pytest.raises(ConfigError, match=r"but the pipeline needs 4 stages"):
+        Pipeline(pp=2, schedule="interleaved").plan(2, model=nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(ConfigError, match=r"needs 2 stages"):
+        NaiveModelParallel(devices=["cpu", "cpu"]).plan(1, model=nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_the_state_exchange_carries_tensors_and_plain_values_exactly():
+    """What a pipeline checkpoint gathers crosses as tensors (JSON text and raw bytes), and comes back the same."""
+    from shardwise.comm import WORLD
+    from shardwise.strategies.pipeline.exchange import all_gather_tree
+
+    state = (
+        {0: {"w": torch.randn(2, 3, dtype=torch.float64), "mask": torch.tensor([True, False])}, 3: {}},
+        {"state": {"w": {"step": torch.tensor(5.0), "exp_avg": torch.zeros(0, 4), "calls": 7}},
+         "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "eps": float("inf"), "fused": None, "tag": "déjà",
+                           "params": ["w", "mask"], "scale": torch.ones(2, dtype=torch.bfloat16)}]},
+    )
+    [back] = all_gather_tree(state, group=WORLD, recorder=None, device=torch.device("cpu"))
+
+    def same(a, b, where="state"):
+        assert type(a) is type(b), where
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and (a.numel() == 0 or a.data_ptr() != b.data_ptr()), where
+        elif isinstance(a, dict):
+            assert list(a) == list(b), where
+            for k in a:
+                same(a[k], b[k], f"{where}[{k!r}]")
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        else:
+            assert a == b, where
+
+    same(state, back)
+    with pytest.raises(ConfigError, match=r"got set at state\['x'\]"):
+        all_gather_tree({"x": {1}}, group=WORLD, recorder=None, device=torch.device("cpu"))
 
 
 def test_pp_that_does_not_divide_the_world_lists_valid_shapes():
     with pytest.raises(ConfigError, match=r"world size 3 is not divisible by pp 2 x tp 1; valid shapes: .*dp3xpp1xtp1"):
-        Pipeline(pp=2).validate(3)
+        Pipeline(pp=2).plan(3)
 
 
 def test_indivisible_batch_is_refused():
     with pytest.raises(ConfigError, match="per-rank batch of 6 samples does not split into 4 equal pipeline micro-batches"):
-        Pipeline(pp=2, microbatches=4, schedule="gpipe").check_batch(3, 2)
-    Pipeline(pp=2, microbatches=4).check_batch(4, 2)
+        Pipeline(pp=2, microbatches=4, schedule="gpipe").plan(2, batch=Batch(6, accumulate=2))  # 3 rows x 2
+    assert Pipeline(pp=2, microbatches=4).plan(2, batch=Batch(8, accumulate=2)).micro_batch == 4
+    with pytest.raises(ConfigError, match="per-rank batch of 6 samples"):  # 12 over dp 2: 6 per rank
+        Pipeline(pp=2, microbatches=4, schedule="gpipe").plan(4, batch=Batch(12))
     with pytest.raises(ConfigError):
         check_rows(2, 4, "x")
 
@@ -267,9 +347,9 @@ def test_naive_placement_trains_like_single():
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2 GPUs: naive-mp is allowed")
 def test_naive_mp_without_two_gpus_says_so_and_suggests_pipeline():
     with pytest.raises(ConfigError, match=r"needs at least 2. Use strategy 'pipeline'"):
-        get_strategy("naive-mp").validate(1)
+        get_strategy("naive-mp").plan(1)
     with pytest.raises(ConfigError, match="world size of 2"):
-        NaiveModelParallel(devices=["cpu", "cpu"]).validate(2)
+        NaiveModelParallel(devices=["cpu", "cpu"]).plan(2)
 
 
 # -- nested models (transformers, nanoGPT): stages from the block list ---------------------------
@@ -350,4 +430,4 @@ def test_encoder_decoder_models_are_refused_not_split_wrong(family):
         model = tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                                                               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16))
     with pytest.raises(ConfigError, match=r"runs a second stack of blocks before .*decoder.*\.(block|layers) .*encoder.*cross-attention"):
-        get_strategy("pipeline", pp=2).check_model(model)
+        get_strategy("pipeline", pp=2).plan(2, model=model)

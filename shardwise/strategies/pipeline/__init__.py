@@ -28,29 +28,41 @@ the mesh's ``dp`` dimension: with ``dp_strategy="ddp"`` the stage's gradients ar
 one flat allreduce after the schedule's backward (torch's DDP reducer fails to rebuild its
 buckets under the schedule), or FSDP2 with ``dp_strategy="fsdp"``.
 
+The strategy follows the plan/apply contract: `Pipeline` holds the options; its ``plan`` (pure,
+in the parent) sets ``pp`` and ``tp`` on the mesh and refuses, before any process starts, a
+batch per rank that does not cut into ``microbatches`` and a model it cannot split (`split`);
+``apply`` builds this rank's stages and returns a `PipelineRun`. Every byte our code sends
+goes through `shardwise.comm`, and the activations and gradients torch's schedule sends between
+stages are recorded as ``pp/send`` and ``pp/recv`` (`observe.record_stage_traffic`).
+
 The package, by concern: ``split`` (layers, balance, stage modules; shared with ``naive_mp``),
 ``schedule`` (what a schedule can run, micro-batches, the loss stand-in), ``evaluate`` (the
 no-grad forward over point-to-point), ``compose`` (tensor and data parallel, the gradient norm),
-``state`` (whole-model checkpoints), ``observe`` (timing, bubble, timeline); here, the strategy.
+``state`` (whole-model checkpoints), ``exchange`` (gathering each rank's part as tensors),
+``observe`` (timing, traffic, bubble, timeline); here, the strategy and its run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
-from typing import Any, ClassVar, ContextManager, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
+from shardwise.comm import Recorder, all_gather
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.pipeline.compose import _tensor_parallel, apply_data_parallel, average_grads, clip_grad_norm
 from shardwise.strategies.pipeline.evaluate import _DTYPES, PipelineModule
-from shardwise.strategies.pipeline.observe import _Clock, bubble_section, mean, write_timeline
+from shardwise.strategies.pipeline.observe import _Clock, bubble_section, gather_events, mean, record_stage_traffic, write_timeline
 from shardwise.strategies.pipeline.schedule import (
     _Replay, _schedule_class, batch_rows, check_rows, check_schedule, concat_batches, keep_buffers_through_inference, split_batch,
 )
@@ -59,30 +71,23 @@ from shardwise.strategies.pipeline.split import StageModule, balance, sequence_l
 from shardwise.strategies.pipeline.ties import Tie, _cross_stage_ties, _find_param, sync_tied
 from shardwise.strategies.pipeline.split import _register as _register  # importable from here, as before the split
 from shardwise.strategies.pipeline.state import gather_state, load_local_state
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
 
 __all__ = [
-    "Pipeline", "PipelineModule", "StageModule", "balance", "batch_rows", "check_rows", "check_schedule",
+    "Pipeline", "PipelineModule", "PipelineRun", "StageModule", "balance", "batch_rows", "check_rows", "check_schedule",
     "concat_batches", "mean", "sequence_layers", "split_batch", "split_layers", "write_timeline",
 ]
 
 
-# -- the strategy ---------------------------------------------------------------------------------
+# -- the strategy: options and plan ----------------------------------------------------------------
 
 
-class Pipeline:
+@dataclass(frozen=True)
+class Pipeline(Strategy):
     """Pipeline parallelism over the mesh's ``pp`` dimension (tensor parallel inside, data parallel outside).
 
-    Options: ``pp`` stages (ranks), ``microbatches`` per step (default ``pp``), ``schedule``
-    (``gpipe``, ``1f1b``, ``interleaved``), ``virtual_stages`` (model chunks per rank,
-    interleaved only, default 2), ``split_points`` (layer names that start stages 1..), ``tp``
-    (tensor-parallel degree inside each stage), ``dp_strategy`` (``ddp`` or ``fsdp`` over the
-    data-parallel dimension), ``timeline`` (a PNG path: the forward/backward actions of one step,
-    events as JSON next to it), ``warmup_steps`` (steps left out of the measured bubble).
-
-    Every stage's timing reaches every rank with the step's loss (one small all-gather per
-    step), so ``summary()`` is local, except with ``timeline`` set: then it gathers the last
-    step's events to rank 0, and every rank must call it (the Trainer does).
+    Every stage's timing reaches every rank with the step's loss (one small all-gather per step),
+    so the run's ``summary()`` is local; with ``timeline`` set, ``finish()`` gathers the last
+    step's events to rank 0 (every rank calls it; the Trainer does).
 
     >>> Pipeline(pp=4, microbatches=8, schedule="interleaved").num_stages
     8
@@ -90,95 +95,144 @@ class Pipeline:
 
     name: ClassVar[str] = "pipeline"
 
-    def __init__(
-        self, *, pp: int = 2, microbatches: int | None = None, schedule: str = "1f1b", virtual_stages: int | None = None,
-        split_points: Sequence[str] | None = None, tp: int = 1, dp_strategy: str = "ddp", timeline: str | None = None,
-        warmup_steps: int = 1, sequence_parallel: bool = False, tp_plan: dict[str, str] | None = None,
-        layers: str | None = None,
-    ) -> None:
-        if virtual_stages is None:
-            virtual_stages = 2 if schedule == "interleaved" else 1
-        microbatches = pp if microbatches is None else microbatches
-        check_schedule(schedule, pp, microbatches, virtual_stages)
-        if not isinstance(tp, int) or tp < 1:
-            raise ConfigError(f"tp must be a whole number >= 1; got {tp!r}")
-        if dp_strategy not in ("ddp", "fsdp"):
-            raise ConfigError(f"dp_strategy must be 'ddp' or 'fsdp'; got {dp_strategy!r}")
-        if isinstance(split_points, str):
-            split_points = [s for s in split_points.split(",") if s]
-        self.pp, self.microbatches, self.schedule_name = pp, microbatches, schedule
-        self.virtual_stages, self.split_points, self.tp = virtual_stages, list(split_points or []), tp
-        self.dp_strategy, self.timeline, self.warmup_steps = dp_strategy, timeline, warmup_steps
-        self.sequence_parallel, self.tp_plan = bool(sequence_parallel), tp_plan
-        self.layers = layers or None
-        """Dotted path of a nested model's block list (``model.layers``); found by itself when not given."""
-        self._nested = False
-        self._tied: list[Tie] = []  # weights tied across pipeline ranks
-        self._skip_norm: set[int] = set()
-        self._aliases: dict[str, str] = {}
-        if self.sequence_parallel and tp == 1:
+    pp: int = 2
+    """Pipeline stages, one per rank along the mesh's pp dimension."""
+    microbatches: int | None = None
+    """Micro-batches each rank's batch is cut into per step (default: pp)."""
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    """Order of the micro-batches' forwards and backwards: gpipe, 1f1b, or interleaved (1F1B over virtual stages)."""
+    virtual_stages: int | None = None
+    """Model chunks per rank, interleaved only (default 2 there, 1 otherwise)."""
+    split_points: tuple[str, ...] | None = None
+    """Layer (or block) names that start stages 1, 2, ... (default: stages balanced by parameter count)."""
+    tp: int = 1
+    """Tensor-parallel degree inside each stage."""
+    dp_strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How each stage's data-parallel replicas stay in sync: ddp (one gradient allreduce per step) or fsdp (FSDP2)."""
+    timeline: str | None = None
+    """A PNG path: the last step's forward and backward actions, one row per rank (events as JSON next to it)."""
+    warmup_steps: int = 1
+    """Steps left out of the measured bubble."""
+    sequence_parallel: bool = False
+    """With tp > 1: shard norms and dropout along the sequence."""
+    tp_plan: dict[str, str] | None = None
+    """With tp > 1: module-name pattern -> split style, instead of the model's own or the automatic plan."""
+    layers: str | None = None
+    """Dotted path of a nested model's block list (model.layers); found by itself when not given."""
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.virtual_stages is None:
+            put("virtual_stages", 2 if self.schedule == "interleaved" else 1)
+        if self.microbatches is None:
+            put("microbatches", self.pp)
+        check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)  # type: ignore[arg-type]
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ConfigError(f"tp must be a whole number >= 1; got {self.tp!r}")
+        if self.dp_strategy not in ("ddp", "fsdp"):
+            raise ConfigError(f"dp_strategy must be 'ddp' or 'fsdp'; got {self.dp_strategy!r}")
+        points = self.split_points
+        if isinstance(points, str):
+            points = [s for s in points.split(",") if s]
+        if points is not None and not all(isinstance(p, str) for p in points):
+            raise ConfigError(f"split_points must be layer names (e.g. ['blocks.2'] or 'blocks.2,blocks.4'); got {self.split_points!r}")
+        put("split_points", tuple(points) if points else None)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be true or false; got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel needs tp > 1 (it shards activations across the tensor-parallel ranks)")
-        self.num_stages = pp * virtual_stages
-        self._clock = _Clock()
-        self._steps: list[list[tuple[float, float, float]]] = []  # per step: each pp rank's (busy, start, end)
-        self._last_events: list[tuple[int, int, str, float, float]] = []
-        self._mesh: Mesh | None = None
-        self._recorder: Recorder | None = None
-        self._all_names: list[str] = []
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be a whole number >= 0; got {self.warmup_steps!r}")
+        if self.tp_plan is not None and not isinstance(self.tp_plan, Mapping):
+            raise ConfigError(f"tp_plan must map module-name patterns to split styles (e.g. {{'blocks.*.attn.q': 'colwise'}}); got {self.tp_plan!r}")
+        put("timeline", self.timeline or None)
+        put("layers", self.layers or None)
 
-    # -- before launch ------------------------------------------------------------------------
-    def validate(self, world_size: int) -> None:
+    @property
+    def num_stages(self) -> int:
+        """Stages over all ranks: ``pp x virtual_stages``."""
+        return self.pp * int(self.virtual_stages or 1)
+
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        """``pp`` and ``tp`` on the mesh (``dp``: what the world leaves); refuses a batch per rank that
+        does not cut into ``microbatches`` and a model `split` refuses. Pure."""
         if self.tp > 1:
-            _tensor_parallel()  # a clear error when the tensor-parallel block is not available
-        Mesh.build(world_size=world_size, pp=self.pp, tp=self.tp)  # raises with the valid shapes
+            _tensor_parallel()  # a clear error when the tensor-parallel package is not available
+        layout = plan_layout(self.name, world_size, batch=batch, mesh=mesh, own={"pp": self.pp, "tp": self.tp})
+        if batch is not None and layout.micro_batch is not None:
+            micro = layout.micro_batch
+            check_rows(micro * batch.accumulate, int(self.microbatches or 1), f"micro-batch {micro} x accumulate {batch.accumulate}")
+        if model is not None:
+            self.split(model)
+        return layout
 
-    def mesh_degrees(self) -> dict[str, int]:
-        return {"pp": self.pp, "tp": self.tp}
-
-    def check_batch(self, micro_batch: int, accumulate: int) -> None:
-        check_rows(micro_batch * accumulate, self.microbatches, f"micro-batch {micro_batch} x accumulate {accumulate}")
-
-    def check_model(self, model: nn.Module) -> None:
-        """Refuse, in the parent before any process starts, a model this pipeline cannot split: not
-        a sequence of layers, fewer layers with parameters than ``pp x virtual_stages`` stages, or
-        ``split_points`` that do not name its layers in order (``setup``'s checks, no process group)."""
+    def split(self, model: nn.Module) -> list[list[str]]:
+        """The layer (or block) names of each of the ``pp x virtual_stages`` stages, as ``apply`` will
+        cut ``model``; a `ConfigError` for a model this pipeline cannot split: not a sequence of
+        layers nor a nested model with a block list, fewer layers (blocks) than stages,
+        ``split_points`` that do not name them in order, an encoder-decoder model, BatchNorm with
+        more than one micro-batch, weights tied across stages under ``dp_strategy="fsdp"``. Pure."""
         if is_nested(model, self.layers):
             layout = nested_layout(model, self.layers)
-            check_nested(model, layout, self.num_stages, self.microbatches)
-            split_blocks(model, layout, self.num_stages, self.split_points)
+            check_nested(model, layout, self.num_stages, int(self.microbatches or 1))
+            runs = split_blocks(model, layout, self.num_stages, self.split_points)
             if layout.aliases and self.dp_strategy == "fsdp":
                 raise ConfigError(
                     f"{type(model).__name__} ties {', '.join(f'{a} to {c}' for a, c in layout.aliases.items())}; with the "
                     "tied ends on different pipeline stages shardwise sums their gradients itself, which it does for "
                     "dp_strategy='ddp' but not under FSDP's sharded gradients; use dp_strategy='ddp'"
                 )
-            return
-        split_layers(sequence_layers(model), self.num_stages, self.split_points)
+            return [[f"{layout.blocks}.{k}" for k in run] for run in runs]
+        return [[n for n, _ in run] for run in split_layers(sequence_layers(model), self.num_stages, self.split_points)]
 
-    # -- setup --------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
-        from torch.distributed.pipelining import PipelineStage
-
+    def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> PipelineRun:
         if not dist.is_initialized():
             raise ConfigError("strategy 'pipeline' needs a process group; start the run with nproc >= pp through shardwise (Trainer, launch, or shardwise run)")
-        if mesh.size("pp") != self.pp:
-            raise ConfigError(f"the mesh has pp={mesh.size('pp')} but the pipeline was asked for pp={self.pp}")
-        self._mesh, self._recorder = mesh, recorder
+        if mesh.size("pp") != self.pp or mesh.size("tp") != self.tp:
+            raise ConfigError(f"the mesh has pp={mesh.size('pp')} x tp={mesh.size('tp')} but the pipeline was asked for pp={self.pp} x tp={self.tp}")
+        return PipelineRun(self, model, make_optimizer, mesh, recorder)
+
+
+# -- one run: the stages on this rank, the schedule, the step ----------------------------------------
+
+
+class PipelineRun(Parallel):
+    """This rank's stages (``stage_index % pp == pp coordinate``), their schedule, and the reports.
+
+    ``model`` is a `PipelineModule`: this rank's share of the model under the original names,
+    whose no-grad forward runs every stage over point-to-point (evaluation); training goes through
+    the schedule in ``forward_backward``."""
+
+    def __init__(self, options: Pipeline, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        self.options, self.mesh, self.recorder = options, mesh, recorder
+        self.placement = Placement()
+        self.pp, self.tp, self.dp = mesh.size("pp"), mesh.size("tp"), mesh.size("dp")
+        self.num_stages = options.num_stages
+        self._clock = _Clock()
+        self._steps: list[list[tuple[float, float, float]]] = []  # per step: each pp rank's (busy, start, end)
+        self._last_events: list[tuple[int, int, str, float, float]] = []
+        self._timeline: str | None = None
+        self._finished = False
         self._all_names = [n for n, _ in model.named_parameters()]
-        self._nested = is_nested(model, self.layers)
+        self._nested = is_nested(model, options.layers)
+        self._aliases: dict[str, str] = {}
+        self._tied: list[Tie] = []  # weights tied across pipeline ranks
+        self.stage_layers = options.split(model)  # the checks of plan(), again: an Engine may not have been given the model
+        """The layer (block) names of each stage, over all ranks."""
         if self._nested:
-            self.check_model(model)
-            layout = nested_layout(model, self.layers)
-            block_runs = split_blocks(model, layout, self.num_stages, self.split_points)
-            self.stage_layers = [[f"{layout.blocks}.{k}" for k in run] for run in block_runs]
+            layout = nested_layout(model, options.layers)
+            block_runs = split_blocks(model, layout, self.num_stages, options.split_points)
             self._aliases = layout.aliases
             make_stage: Any = lambda s: NestedStage(model, layout, block_runs[s], s == 0, s == self.num_stages - 1)  # noqa: E731
             self._tied = _cross_stage_ties(model, layout, block_runs, self.pp)
         else:
-            runs = split_layers(sequence_layers(model), self.num_stages, self.split_points)
-            self.stage_layers = [[n for n, _ in run] for run in runs]
+            runs = split_layers(sequence_layers(model), self.num_stages, options.split_points)
             make_stage = lambda s: StageModule(runs[s])  # noqa: E731
-        group = mesh.group("pp")
+        self._group = group = mesh.group("pp")
         me = mesh.coordinate("pp")
         stages: dict[int, nn.Module] = {}
         runners: dict[int, nn.Module] = {}
@@ -187,37 +241,37 @@ class Pipeline:
             stage_mod = make_stage(s).to(mesh.device)
             if self.tp > 1:
                 # Tensor parallel first, inside the stage (original names: the plan matches as on the whole model).
-                _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
+                _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=options.tp_plan, sequence_parallel=options.sequence_parallel)
                 if isinstance(stage_mod, NestedStage):
                     stage_mod.stop_after_other_hooks()  # the stage ends on the gathered sequence
             stages[s] = stage_mod
-            runners[s] = apply_data_parallel(stage_mod, mesh, self.dp_strategy, self.tp)
+            runners[s] = apply_data_parallel(stage_mod, mesh, options.dp_strategy, self.tp)
             stage = PipelineStage(runners[s], s, self.num_stages, mesh.device, group=group.pg)
             self._clock.instrument(stage)
+            record_stage_traffic(stage, group, recorder)
             keep_buffers_through_inference(stage, stage_mod)
             self.stages.append(stage)
-        self._group = group
         self._tie_params = {t.name: _find_param(stages, t.name, self._aliases) for t in self._tied}
         self._skip_norm = {id(p) for t in self._tied if (p := self._tie_params[t.name]) is not None and me != t.first}
-        sync_tied(self._tied, self._tie_params, group, me, grads=False, device=mesh.device)  # one logical weight: start equal
-        self._clock.align(group)
-        cls = _schedule_class(self.schedule_name)
-        target = self.stages if self.schedule_name == "interleaved" else self.stages[0]
-        self.schedule = cls(target, n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=True)
-        import inspect
-
+        sync_tied(self._tied, self._tie_params, group, me, grads=False, device=mesh.device, recorder=recorder)  # one logical weight: start equal
+        self._clock.align(group, recorder, mesh.device)
+        cls = _schedule_class(options.schedule)
+        target = self.stages if options.schedule == "interleaved" else self.stages[0]
+        self.schedule = cls(target, n_microbatches=options.microbatches, loss_fn=self._loss, scale_grads=True)
         self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
         self.holds_first = 0 in stages
         self.holds_last = (self.num_stages - 1) in stages
-        wrapped = PipelineModule(stages, runners, self.num_stages, group, mesh.device)
-        self._module = wrapped
-        self._local_names = [n for n, _ in wrapped.named_parameters()]
+        self.model = PipelineModule(stages, runners, self.num_stages, group, mesh.device, recorder)
         params = list({id(p): p for s in sorted(stages) for p in stages[s].parameters()}.values())  # a tie on one rank: once
         self._last_stage = stages.get(self.num_stages - 1)
-        return wrapped, make_optimizer(params)
+        self.optimizer = make_optimizer(params)
+        self._chunks: list[Any] = []
+        self._losses: dict[int, torch.Tensor] = {}
+        self._step_fn: StepFn | None = None
+        self._precision: Precision | None = None
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
+    def module(self) -> nn.Module:
+        return self.model  # this rank's share of the model, under the original names
 
     # -- one step -----------------------------------------------------------------------------
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
@@ -225,6 +279,7 @@ class Pipeline:
         i = int(target.reshape(-1)[0])
         batch = self._chunks[i]
         full = getattr(self._last_stage, "output", None) if self._nested else None
+        assert self._step_fn is not None
         loss = self._step_fn(_Replay(output, batch, full), batch)  # type: ignore[arg-type]
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ConfigError(f"the pipeline's step function must return a scalar loss tensor; got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
@@ -232,16 +287,17 @@ class Pipeline:
         scaler = self._precision.scaler if self._precision is not None else None
         return scaler.scale(loss) if scaler is not None else loss
 
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+    def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
         if len(microbatches) == 0:
             raise ValueError("a step needs at least one micro-batch")
+        m = int(self.options.microbatches or 1)
         batch = concat_batches(microbatches)
-        check_rows(batch_rows(batch), self.microbatches, "pipeline forward_backward")  # every rank, before any send
+        check_rows(batch_rows(batch), m, "pipeline forward_backward")  # every rank, before any send
         from shardwise.batches import model_args
 
-        self._chunks = split_batch(batch, self.microbatches)
+        self._chunks = split_batch(batch, m)
         self._step_fn, self._precision = step_fn, precision
-        self._losses: dict[int, torch.Tensor] = {}
+        self._losses = {}
         self._clock.events = []
         call_args, call_kwargs = model_args(batch)
         if self._nested:
@@ -255,62 +311,75 @@ class Pipeline:
                     "layers='path.to.blocks'); this model is split by its top-level children, which take one tensor"
                 )
             args, kwargs = (call_args if self.holds_first else ()), {}
-        target = torch.arange(self.microbatches) if self.holds_last else None
+        target = torch.arange(m) if self.holds_last else None
         start = time.perf_counter()
         with precision.autocast():
             self.schedule.step(*args, target=target, **kwargs, **self._step_kwargs)
         end = time.perf_counter()
         self._chunks = []
-        assert self._mesh is not None
-        sync_tied(self._tied, self._tie_params, self._group, self._mesh.coordinate("pp"), grads=True, device=self._mesh.device, recorder=self._recorder)
-        average_grads(self._module, self._mesh, dp_strategy=self.dp_strategy, tp=self.tp, sequence_parallel=self.sequence_parallel, recorder=self._recorder)
+        sync_tied(self._tied, self._tie_params, self._group, self.mesh.coordinate("pp"), grads=True, device=self.mesh.device, recorder=self.recorder)
+        average_grads(self.model, self.mesh, dp_strategy=self.options.dp_strategy, tp=self.tp, sequence_parallel=self.options.sequence_parallel,
+                      recorder=self.recorder)
         busy = sum(e - s for _, _, _, s, e in self._clock.events)
         loss = torch.stack([self._losses[i] for i in sorted(self._losses)]).double().mean() if self.holds_last else torch.zeros((), dtype=torch.float64)
         # One small all_gather per step: the loss (from the last stage) and every stage's timing.
         dtype_code = _DTYPES.index(next(iter(self._losses.values())).dtype) if self._losses else -1
-        mine = torch.tensor([float(loss), busy, start - self._clock.offset, end - self._clock.offset, dtype_code], dtype=torch.float64)
-        rows = [torch.zeros(5, dtype=torch.float64) for _ in range(self.pp)]
-        t0 = time.perf_counter()
-        dist.all_gather(rows, mine, group=self._group.pg)
-        if self._recorder is not None and self.pp > 1:
-            sent, recv = wire_bytes("all_gather", 40, self.pp)
-            self._recorder.add(CommEvent("all_gather", "pp", self.pp, 40, sent, recv, time.perf_counter() - t0))
+        mine = torch.tensor([float(loss), busy, start - self._clock.offset, end - self._clock.offset, dtype_code], dtype=torch.float64, device=self.mesh.device)
+        rows = [r.cpu() for r in all_gather(mine, group=self._group, recorder=self.recorder)]
         self._steps.append([(float(r[1]), float(r[2]), float(r[3])) for r in rows])
         self._last_events = [(st, mb, kind, s - self._clock.offset, e - self._clock.offset) for st, mb, kind, s, e in self._clock.events]
         last_rank = (self.num_stages - 1) % self.pp
         dtype = _DTYPES[int(rows[last_rank][4])]  # the last stage's loss dtype, on every rank
-        return rows[last_rank][0].to(device=self._mesh.device if self._mesh else "cpu", dtype=dtype)
+        return rows[last_rank][0].to(device=self.mesh.device, dtype=dtype)
 
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        # The schedule accumulates over micro-batches and synchronizes once, on the last backward.
-        return contextlib.nullcontext()
+    def no_sync(self) -> ContextManager[None]:
+        return contextlib.nullcontext()  # the schedule accumulates over micro-batches; gradients sync once, after it
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm, each gradient's square counted once (see `compose.clip_grad_norm`)."""
-        device = self._mesh.device if self._mesh else torch.device("cpu")
-        return clip_grad_norm(model, max_norm, device, self._group if self.pp > 1 else None, skip=self._skip_norm)
+        return clip_grad_norm(self.model, max_norm, self.mesh.device, self._group if self.pp > 1 else None, skip=self._skip_norm, recorder=self.recorder)
+
+    def after_step(self, step: int) -> None:
+        return None  # gradients were synchronized in forward_backward, before the step
 
     # -- checkpoints --------------------------------------------------------------------------
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def state_dict(self, optimizer: bool) -> dict[str, Any]:
         """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
         parameters), gathered from every pipeline rank to every rank of the group."""
-        return gather_state(model, optimizer, self._group, self.pp, self._all_names, self._aliases)
+        return gather_state(self.model, self.optimizer if optimizer else None, self._group, self._all_names, self._aliases,
+                            device=self.mesh.device, recorder=self.recorder)
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``)."""
-        load_local_state(model, optimizer, state, self._all_names, self._aliases)
+        load_local_state(self.model, self.optimizer, state, self._all_names, self._aliases)
+
+    def save_extra_state(self, directory: Path) -> None:
+        return None  # the gathered state_dict holds every stage's model and optimizer
+
+    def load_extra_state(self, path: Path) -> None:
+        return None
 
     # -- observability ------------------------------------------------------------------------
+    def finish(self) -> None:
+        """With ``timeline`` set, the last step's events of every pipeline rank gathered (tensors, over
+        the pp group) and drawn by global rank 0. Every rank calls it once; again, it does nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.options.timeline:
+            events = gather_events(self._last_events, self._group, self.recorder, self.mesh.device)
+            if self.mesh.rank == 0:
+                self._timeline = write_timeline(self.options.timeline, events, self.pp, self.options.schedule)
+
     def summary(self) -> dict[str, Any]:
-        """The ``pipeline`` section (collective over the pipeline group when ``timeline`` is set)."""
+        """The ``pipeline`` section: the schedule, the mesh (pp, tp, dp), the split, the bubble measured and predicted."""
+        o = self.options
         section = bubble_section(
-            self._steps, schedule=self.schedule_name, pp=self.pp, microbatches=self.microbatches,
-            virtual_stages=self.virtual_stages, num_stages=self.num_stages,
-            stage_layers=getattr(self, "stage_layers", None), warmup_steps=self.warmup_steps,
+            self._steps, schedule=o.schedule, pp=self.pp, microbatches=int(o.microbatches or 1),
+            virtual_stages=int(o.virtual_stages or 1), num_stages=self.num_stages,
+            stage_layers=self.stage_layers, warmup_steps=o.warmup_steps,
         )
-        if self.timeline and dist.is_initialized() and getattr(self, "_group", None) is not None:
-            events: list[Any] = [None] * self.pp
-            dist.all_gather_object(events, self._last_events, group=self._group.pg)
-            if self._mesh is not None and self._mesh.rank == 0:
-                section["timeline"] = write_timeline(self.timeline, [e for ev in events for e in ev], self.pp, self.schedule_name)
+        section.update({"tp": self.tp, "dp": self.dp, "dp_strategy": o.dp_strategy, "sequence_parallel": o.sequence_parallel})
+        if self._timeline is not None:
+            section["timeline"] = self._timeline
         return {"pipeline": section}

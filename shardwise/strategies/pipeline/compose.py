@@ -1,5 +1,5 @@
 """How a pipeline composes with the other parallelisms, in torchtitan's order: tensor parallel
-inside each stage (``_tensor_parallel``, applied in ``Pipeline.setup``), then the pipeline, then
+inside each stage (``_tensor_parallel``, applied in ``Pipeline.apply``), then the pipeline, then
 data parallel over the mesh's ``dp`` dimension (``apply_data_parallel`` before the schedule,
 ``average_grads`` after it), and the global gradient norm over all of them (``clip_grad_norm``).
 """
@@ -9,11 +9,9 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.collectives import Group, all_reduce
-from shardwise.comm.recorder import Recorder
+from shardwise.comm import Group, Recorder, all_reduce
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 
@@ -69,14 +67,16 @@ def average_grads(module: nn.Module, mesh: Mesh, *, dp_strategy: str, tp: int, s
         offset += g.numel()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device, pp_group: Group | None, skip: set[int] = frozenset()) -> torch.Tensor:  # type: ignore[assignment]
+def clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device, pp_group: Group | None, skip: set[int] = frozenset(),  # type: ignore[assignment]
+                   recorder: Recorder | None = None) -> torch.Tensor:
     """Clip by the global norm: a gradient's squared norm counts once, summed over the tp ranks
     that hold shards of it and over the pp ranks (each parameter lives on one stage), never
     over replicas (dp, or tp for replicated tensors). Same coefficient as torch's
     ``clip_grad_norm_``: ``max_norm / (norm + 1e-6)``, at most 1.
 
     ``pp_group``: the pipeline group, None with one pipeline rank. ``skip``: ids of parameters whose
-    gradient is scaled but not counted (the second copy of a weight tied across stages)."""
+    gradient is scaled but not counted (the second copy of a weight tied across stages). The sums go
+    through `shardwise.comm` (recorded under the mesh dimension's name: ``tp``, ``dp``, ``pp``)."""
     params = [p for p in model.parameters() if p.grad is not None]
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     sharded: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}  # (mesh, sharded dims) -> (mesh, sum of squares)
@@ -98,12 +98,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device, pp_g
         else:
             replicated = replicated + sq
     for (_, dims), (mesh_, acc) in sharded.items():
+        names = mesh_.mesh_dim_names or ()
         for d in dims:  # tp shards, fsdp's dp shards: each piece counted once
-            dist.all_reduce(acc, group=mesh_.get_group(d))
+            all_reduce(acc, "sum", group=Group(names[d] if d < len(names) else f"mesh{d}", mesh_.get_group(d)), recorder=recorder)
         replicated = replicated + acc
     total_sq = replicated.reshape(1)
     if pp_group is not None:
-        dist.all_reduce(total_sq, group=pp_group.pg)
+        all_reduce(total_sq, "sum", group=pp_group, recorder=recorder)
     norm = total_sq.sqrt()[0]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     if locals_:

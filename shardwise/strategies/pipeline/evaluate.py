@@ -5,6 +5,7 @@ The owner of stage ``s`` receives the activation from the owner of ``s - 1`` (a 
 ``_HEADER`` numbers: dtype code, ndim, sizes; then the tensor), runs it, sends it on, and the
 last stage's output is broadcast over the pipeline group, so ``module(x)`` returns the whole
 output on every pipeline rank for any batch size. Training goes through the schedule instead.
+Every message goes through `shardwise.comm` (``pp/send``, ``pp/recv``, ``pp/broadcast`` in the recorder).
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.collectives import Group
+from shardwise.comm import Group, Recorder, broadcast, recv, send
 from shardwise.errors import ConfigError
 from shardwise.strategies.pipeline.split import _register
 
@@ -30,7 +30,8 @@ class PipelineModule(nn.Module):
     (``Engine.forward_backward``), not through this forward.
     """
 
-    def __init__(self, stages: dict[int, nn.Module], runners: dict[int, nn.Module], num_stages: int, group: Group, device: torch.device) -> None:
+    def __init__(self, stages: dict[int, nn.Module], runners: dict[int, nn.Module], num_stages: int, group: Group, device: torch.device,
+                 recorder: Recorder | None = None) -> None:
         super().__init__()
         for idx in sorted(stages):
             for name in stages[idx].layer_names:  # type: ignore[union-attr]
@@ -38,6 +39,7 @@ class PipelineModule(nn.Module):
         self._stage_mods = dict(stages)
         self._runners = dict(runners)  # what runs each stage (the stage module, or its DDP/FSDP wrapper)
         self.num_stages, self._group, self._device = num_stages, group, device
+        self._recorder = recorder
         self.pp = group.size
 
     def owner(self, stage: int) -> int:
@@ -64,13 +66,13 @@ class PipelineModule(nn.Module):
             if owner != me:
                 continue
             if s > 0 and self.owner(s - 1) != me:
-                x = (_recv_tensor(self._group, self.owner(s - 1), self._device),)
+                x = (_recv_tensor(self._group, self.owner(s - 1), self._device, self._recorder),)
             out = self._runners[s](*x, **side)
             if s < self.num_stages - 1 and self.owner(s + 1) != me:
-                _send_tensor(out, self._group, self.owner(s + 1))
+                _send_tensor(out, self._group, self.owner(s + 1), self._recorder)
             x = (out,)
         last = self.owner(self.num_stages - 1)
-        result = _broadcast_tensor(out, self._group, last, self._device)
+        result = _broadcast_tensor(out, self._group, last, self._device, self._recorder)
         if not kwargs:
             return result
         # a dict batch: the model's own output has a loss too (labels given); every rank gets both
@@ -78,11 +80,10 @@ class PipelineModule(nn.Module):
 
         loss = output_loss(self._stage_mods[self.num_stages - 1].output) if me == last else None
         has = torch.tensor([1 if loss is not None else 0], device=self._device)
-        if self.pp > 1:
-            dist.broadcast(has, src=self._group.global_rank(last), group=self._group.pg)
+        broadcast(has, last, group=self._group, recorder=self._recorder)
         output = PipelineOutput(logits=result)
         if int(has.item()):
-            output["loss"] = _broadcast_tensor(loss.detach().reshape(1) if loss is not None else None, self._group, last, self._device)[0]
+            output["loss"] = _broadcast_tensor(loss.detach().reshape(1) if loss is not None else None, self._group, last, self._device, self._recorder)[0]
         return output
 
 
@@ -128,28 +129,25 @@ def _empty_from(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty([int(s) for s in h[2:2 + ndim]], dtype=_DTYPES[int(h[0])], device=device)
 
 
-def _send_tensor(t: torch.Tensor, group: Group, dst: int) -> None:
-    dst_global = group.global_rank(dst)
-    dist.send(_header(t).to(t.device), dst=dst_global, group=group.pg)
-    dist.send(t.contiguous(), dst=dst_global, group=group.pg)
+def _send_tensor(t: torch.Tensor, group: Group, dst: int, recorder: Recorder | None = None) -> None:
+    """The header, then the tensor, to group rank ``dst``."""
+    send(_header(t).to(t.device), dst, group=group, recorder=recorder)
+    send(t.contiguous(), dst, group=group, recorder=recorder)
 
 
-def _recv_tensor(group: Group, src: int, device: torch.device) -> torch.Tensor:
-    src_global = group.global_rank(src)
-    h = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(h, src=src_global, group=group.pg)
-    out = _empty_from(h.cpu(), device)
-    dist.recv(out, src=src_global, group=group.pg)
-    return out
+def _recv_tensor(group: Group, src: int, device: torch.device, recorder: Recorder | None = None) -> torch.Tensor:
+    """A tensor from group rank ``src``, shaped by the header received first."""
+    h = recv(torch.empty(_HEADER, dtype=torch.int64, device=device), src, group=group, recorder=recorder)
+    return recv(_empty_from(h.cpu(), device), src, group=group, recorder=recorder)
 
 
-def _broadcast_tensor(t: torch.Tensor | None, group: Group, src: int, device: torch.device) -> torch.Tensor:
+def _broadcast_tensor(t: torch.Tensor | None, group: Group, src: int, device: torch.device, recorder: Recorder | None = None) -> torch.Tensor:
+    """``t`` from group rank ``src`` to every rank of the group (its header first)."""
     if group.size == 1:
         assert t is not None
         return t
-    src_global = group.global_rank(src)
     h = _header(t).to(device) if group.rank == src and t is not None else torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.broadcast(h, src=src_global, group=group.pg)
+    broadcast(h, src, group=group, recorder=recorder)
     buf = t.contiguous() if group.rank == src and t is not None else _empty_from(h.cpu(), device)
-    dist.broadcast(buf, src=src_global, group=group.pg)
+    broadcast(buf, src, group=group, recorder=recorder)
     return buf

@@ -7,6 +7,16 @@ A stage's bubble is ``1 - busy / wall``: busy is the time inside ``forward_one_c
 from the earliest rank's start to the latest rank's end, on ``perf_counter`` clocks aligned at
 setup. Predicted: ``shardwise.plan.bubble`` (Narayanan et al. 2021, section 2.2).
 
+The activations and gradients a stage sends to its neighbours are posted by
+``torch.distributed.pipelining`` itself (its schedule batches them as ``isend``/``irecv``), so
+``record_stage_traffic`` counts them where the stage builds them: every ``P2POp`` its
+``get_fwd_send_ops``, ``get_bwd_send_ops``, ``get_fwd_recv_ops`` and ``get_bwd_recv_ops`` return
+becomes one ``pp/send`` or ``pp/recv`` event of that tensor's bytes (the local shard of a
+DTensor, the dtype autocast gave it, the zeros sent for an input without a gradient: what goes
+on the wire, not what a formula expects). Untimed: the schedule waits on them later, among
+other work. torch's own one-time shape exchange on the first step (pickled metadata, a few
+hundred bytes) is not counted.
+
 >>> round(bubble_section([[(4.0, 10.0, 16.0), (4.0, 10.0, 15.0)]], schedule="gpipe", pp=2, microbatches=2,
 ...                virtual_stages=1, num_stages=2, stage_layers=None, warmup_steps=0)["bubble_measured"], 3)
 0.333
@@ -21,9 +31,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
-from shardwise.comm.collectives import Group
+from shardwise.comm import CommEvent, Group, Recorder, all_gather, barrier, wire_bytes
 from shardwise.errors import ConfigError
 from shardwise.plan.bubble import predicted_bubble, step_bubbles
 
@@ -57,15 +66,50 @@ class _Clock:
 
         stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
 
-    def align(self, group: Group) -> None:
+    def align(self, group: Group, recorder: Recorder | None = None, device: torch.device | None = None) -> None:
         """Offset of this rank's ``perf_counter`` from the group's first rank (everyone leaves a barrier together)."""
         if group.size == 1:
             return
-        dist.barrier(group=group.pg)
-        now = torch.tensor([time.perf_counter()], dtype=torch.float64)
-        got = [torch.zeros(1, dtype=torch.float64) for _ in range(group.size)]
-        dist.all_gather(got, now, group=group.pg)
-        self.offset = float(now) - float(got[0])
+        barrier(group=group, recorder=recorder)
+        now = time.perf_counter()
+        got = all_gather(torch.tensor([now], dtype=torch.float64, device=device), group=group, recorder=recorder)
+        self.offset = now - float(got[0])
+
+
+def record_stage_traffic(stage: Any, group: Group, recorder: Recorder) -> None:
+    """Record every activation and gradient ``stage`` sends or receives across ranks (see the module's docstring)."""
+
+    def counted(build: Any, op: str) -> Any:
+        def ops(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            built = build(chunk, *args, **kwargs)
+            for p2p in built:
+                n = p2p.tensor.numel() * p2p.tensor.element_size()
+                sent, received = wire_bytes(op, n, group.size)
+                recorder.add(CommEvent(op, group.name, group.size, n, sent, received, None))  # waited on later, by the schedule
+            return built
+
+        return ops
+
+    stage.get_fwd_send_ops = counted(stage.get_fwd_send_ops, "send")
+    stage.get_bwd_send_ops = counted(stage.get_bwd_send_ops, "send")
+    stage.get_fwd_recv_ops = counted(stage.get_fwd_recv_ops, "recv")
+    stage.get_bwd_recv_ops = counted(stage.get_bwd_recv_ops, "recv")
+
+
+_KINDS = ("F", "B")
+
+
+def gather_events(events: Sequence[tuple[int, int, str, float, float]], group: Group, recorder: Recorder | None,
+                  device: torch.device) -> list[tuple[int, int, str, float, float]]:
+    """Every rank's timeline events (stage, micro-batch, F|B, start, end), as float64 rows (collective over ``group``)."""
+    from shardwise.strategies.pipeline.exchange import all_gather_varlen
+
+    rows = torch.tensor([[st, mb, _KINDS.index(k), s, e] for st, mb, k, s, e in events], dtype=torch.float64).reshape(-1)
+    out = []
+    for part in all_gather_varlen(rows, group=group, recorder=recorder, device=device):
+        for st, mb, k, s, e in part.cpu().reshape(-1, 5).tolist():
+            out.append((int(st), int(mb), _KINDS[int(k)], s, e))
+    return out
 
 
 def bubble_section(

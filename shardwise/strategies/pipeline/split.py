@@ -3,7 +3,7 @@ count or started at named ``split_points``, and stage modules that keep the orig
 
 Used by ``pipeline`` (one group of stages per rank) and ``naive_mp`` (every stage in one process,
 on its own device). No process group here: the Trainer runs these checks in the parent
-(``Pipeline.check_model``) before any process starts.
+(``Pipeline.plan``) before any process starts.
 
 >>> from torch import nn
 >>> runs = split_layers(sequence_layers(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))), 2)

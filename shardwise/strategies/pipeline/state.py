@@ -4,6 +4,8 @@ model's (``gather_state``), and this rank's part kept from a whole state (``load
 The whole state is exactly what ``single`` writes: model keys in the model's own order (stage
 order), optimizer state by parameter number in the whole model's parameter order. So a pipeline
 checkpoint resumes under any strategy, and any plain checkpoint resumes under ``pipeline``.
+Each rank's part crosses the pipeline group as tensors (`exchange.all_gather_tree`), never as a
+pickled object, and the recorder counts it (``pp/all_gather``).
 """
 
 from __future__ import annotations
@@ -11,22 +13,23 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise import checkpoint as ckpt
-from shardwise.comm.collectives import Group
+from shardwise.comm import Group, Recorder
 from shardwise.strategies.pipeline.evaluate import PipelineModule
+from shardwise.strategies.pipeline.exchange import all_gather_tree
 
 
-def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Group, pp: int, all_names: list[str],
-                 aliases: dict[str, str] | None = None) -> dict[str, Any]:
+def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Group, all_names: list[str],
+                 aliases: dict[str, str] | None = None, *, device: torch.device, recorder: Recorder | None = None) -> dict[str, Any]:
     """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
     parameters), gathered from every pipeline rank to every rank of the group.
 
     ``aliases``: tied names -> first name. A weight tied across stages is in the model state
     under every name (as ``single``'s state dict has it) and in the optimizer state once, under
-    its first name (the first owner's copy; every copy took the same steps)."""
+    its first name (the first owner's copy; every copy took the same steps). ``device``: where the
+    exchange's tensors go on the wire (the group's backend's device)."""
     aliases = aliases or {}
     stage_mods = model._stage_mods if isinstance(model, PipelineModule) else {0: model}
     local_model = {s: {k: _full(v).detach().cpu() for k, v in m.state_dict().items()} for s, m in stage_mods.items()}
@@ -40,8 +43,7 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grou
     _relayout(stage_mods, {}, local_opt, invert=True)
     if local_opt is not None:
         local_opt = _canonical(local_opt, aliases)
-    parts: list[Any] = [None] * pp
-    dist.all_gather_object(parts, (local_model, local_opt), group=group.pg)
+    parts = all_gather_tree((local_model, local_opt), group=group, recorder=recorder, device=device)
     by_stage = {s: sd for stage_states, _ in parts for s, sd in stage_states.items()}
     full_model: dict[str, Any] = {}
     for s in sorted(by_stage):  # stage order is the model's order: its state_dict order
