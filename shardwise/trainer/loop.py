@@ -300,6 +300,7 @@ class Trainer:
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,
             "world_size": engine.world_size,
+            "mesh": dict(engine.layout.degrees),  # dp x pp x tp of the training ranks, as the strategy planned it
             "precision": cfg.precision,
             "global_batch_size": global_batch,
             "accumulate": cfg.accumulate,
