@@ -44,7 +44,21 @@ _TRAINER_FLAGS = {
 
 
 def _train_parser(sub: Any, strategy_flags: bool = True) -> None:
-    p = sub.add_parser("train", help="train a built-in recipe", description="Train a built-in recipe with any strategy.")
+    train_arguments(sub.add_parser("train", help="train a built-in recipe", description=_TRAIN_DESCRIPTION), strategy_flags)
+
+
+_TRAIN_DESCRIPTION = "Train a built-in recipe with any strategy."
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """``shardwise train``'s parser on its own, every generated strategy flag included."""
+    p = argparse.ArgumentParser(prog="shardwise train", description=_TRAIN_DESCRIPTION)
+    train_arguments(p, strategy_flags=True)
+    return p
+
+
+def train_arguments(p: argparse.ArgumentParser, strategy_flags: bool) -> None:
+    """The trainer's flags, then (``strategy_flags``) one per strategy option."""
     p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
     p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
     p.add_argument("--nproc", type=int, help="local worker processes (default 1); under torchrun/srun the job's processes are used, and a different N > 1 is an error")

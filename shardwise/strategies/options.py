@@ -471,9 +471,11 @@ class Flag:
         return metavars.pop() if len(metavars) == 1 else "VALUE"
 
     def help(self) -> str:
-        """The field docstring, with the strategies and defaults when several strategies share it."""
+        """The field docstring, with the strategies and defaults when several strategies share it
+        (each strategy's own docstring when theirs differ)."""
         options = _distinct(o for _, o in self.holders)
-        text = options[0].help or "(no description)"
+        texts = _distinct_values((", ".join(n for n, o in self.holders if o is opt), opt.help or "(no description)") for opt in options)
+        text = texts[0][1] if len(texts) == 1 else " ".join(f"{names}: {doc}" for names, doc in texts)
         defaults = _distinct_values(
             (", ".join(n for n, o in self.holders if o is opt), format_value(opt.default)) for opt in options
         )
@@ -481,8 +483,8 @@ class Flag:
             default = defaults[0][1]
         else:
             default = "; ".join(f"{names} {value}" for names, value in defaults)
-        prefix = f"[{', '.join(self.strategies)}] " if self.shared else ""
-        suffix = "" if "(default" in text.lower() and len(defaults) == 1 else f" (default: {default})"  # the docstring says it better
+        prefix = f"[{', '.join(self.strategies)}] " if self.shared and len(texts) == 1 else ""
+        suffix = "" if "(default" in text.lower() and len(texts) == 1 else f" (default: {default})"  # the docstring says it better
         return f"{prefix}{text}{suffix}"
 
 
@@ -574,10 +576,10 @@ def resolve(strategy: str, values: Mapping[str, Any], *, flags: Collection[str] 
     own = {o.name: o for o in target.options} if target is not None else {}
     for name in [n for n in values if n in flags and n not in own]:
         holders = (known or catalog()).flags.get(name)
-        owners = ", ".join(holders.strategies) if holders else "another strategy"
+        owners = (f"strateg{'ies' if len(holders.strategies) > 1 else 'y'} {', '.join(holders.strategies)}") if holders else "another strategy"
         takes = ", ".join(o.flag for o in own.values()) if own else "no options of its own" if target is not None else "its options through --set trainer.strategy_options.KEY=VALUE"
         raise ConfigError(
-            f"{name_to_flag(name)} is an option of strategy {owners}; strategy {strategy!r} does not take it "
+            f"{name_to_flag(name)} is an option of {owners}; strategy {strategy!r} does not take it "
             f"(it takes {takes}). Drop the flag or choose a strategy that has it"
         )
     if target is None:
