@@ -30,9 +30,9 @@ import sys
 import textwrap
 import types
 import typing
-from collections.abc import Mapping as AbcMapping, Sequence as AbcSequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Literal, Mapping, Union
+from typing import Any, Literal, TypeGuard, Union
 
 from shardwise.errors import ConfigError
 from shardwise.strategies.contract import Strategy
@@ -73,7 +73,7 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     rest = tuple(a for a in args if a is not type(None))
     if len(rest) == 1:
         return rest[0], True
-    return Union[rest], True  # type: ignore[return-value]
+    return Union.__getitem__(rest), True
 
 
 def _sequence_item(tp: Any) -> Any | None:
@@ -82,7 +82,7 @@ def _sequence_item(tp: Any) -> Any | None:
     args = typing.get_args(tp)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return args[0]
-    if origin in (list, AbcSequence, set, frozenset) and len(args) == 1:
+    if origin in (list, Sequence, set, frozenset) and len(args) == 1:
         return args[0]
     if tp in (list, tuple):
         return Any
@@ -90,7 +90,7 @@ def _sequence_item(tp: Any) -> Any | None:
 
 
 def _is_mapping(tp: Any) -> bool:
-    return typing.get_origin(tp) in (dict, AbcMapping) or tp is dict
+    return typing.get_origin(tp) in (dict, Mapping) or tp is dict
 
 
 def type_name(tp: Any) -> str:
@@ -300,7 +300,7 @@ def _convert_inner(value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             try:
                 return tp(value)
-            except Exception:
+            except (TypeError, ValueError):
                 raise _Bad from None
     raise _Bad
 
@@ -363,7 +363,7 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _own_field_docs(klass: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(klass))
@@ -381,23 +381,23 @@ def _own_field_docs(klass: type) -> dict[str, str]:
     return docs
 
 
-def is_options_class(obj: Any) -> bool:
+def is_options_class(obj: Any) -> TypeGuard[type[Strategy]]:
     """A strategy class whose options this module can read: a dataclass subclass of `Strategy`."""
     return isinstance(obj, type) and issubclass(obj, Strategy) and dataclasses.is_dataclass(obj)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def options_of(cls: type) -> tuple[Option, ...]:
     """Every option of a dataclass strategy class, in field order."""
     if not is_options_class(cls):
         raise ConfigError(f"{cls!r} is not a dataclass subclass of shardwise.strategies.contract.Strategy; its options cannot be read")
     try:
         hints = typing.get_type_hints(cls)
-    except Exception:  # an annotation that does not resolve: that field takes its value as given
+    except (NameError, TypeError, AttributeError):  # an annotation that does not resolve: its field takes values as given
         hints = {}
     docs = field_docs(cls)
     out = []
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # a dataclass: is_options_class said so
         if not f.init or f.name.startswith("_"):
             continue
         if f.default is not dataclasses.MISSING:
@@ -539,12 +539,12 @@ def catalog() -> Catalog:
     """Read every registered strategy's options (importing each strategy module)."""
     from shardwise.strategies import _factory, available
 
-    by_class: dict[type, list[str]] = {}
+    by_class: dict[type[Strategy], list[str]] = {}
     unlisted = []
     for name in available():
         try:
             factory = _factory(name)
-        except Exception as exc:  # a strategy whose module does not import: its options are not listed
+        except Exception as exc:  # noqa: BLE001 - a strategy whose module does not import must not stop the others' flags
             unlisted.append((name, f"its module did not import: {exc}"))
             continue
         if is_options_class(factory):

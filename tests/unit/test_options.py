@@ -21,7 +21,15 @@ from shardwise.errors import ConfigError
 from shardwise.strategies import available, get_strategy, register_strategy
 from shardwise.strategies.ddp import DDP
 from shardwise.strategies.options import (
-    REQUIRED, catalog, field_docs, format_value, is_options_class, options_of, resolve, strategy_options, type_name,
+    REQUIRED,
+    catalog,
+    field_docs,
+    format_value,
+    is_options_class,
+    options_of,
+    resolve,
+    strategy_options,
+    type_name,
 )
 from shardwise.strategies.single import Single
 
@@ -49,11 +57,11 @@ class Knobs(Single):
     """Which flavour to cook."""
     names: tuple[str, ...] = ()
     """Layer names to touch."""
-    ratio: float | None = None
+    portion: float | None = None
     """A fraction, or none for the default."""
-    verbose: bool = False
+    chatty: bool = False
     """Say more."""
-    table: dict[str, str] = field(default_factory=dict)
+    lookup: dict[str, str] = field(default_factory=dict)
     """Layer name to plan."""
     slots: tuple[int, ...] | None = None
     """Slot indices."""
@@ -61,27 +69,27 @@ class Knobs(Single):
 
 @dataclass(frozen=True)
 class PipeLike(Single):
-    """A test strategy sharing ``tp`` and ``dp_strategy`` with `TensorLike`, with another default."""
+    """A test strategy sharing ``width`` and ``merge_rule`` with `TensorLike`, with another default."""
 
     name: ClassVar[str] = "pipe-like"
 
-    tp: int = 1
+    width: int = 1
     """Tensor-parallel degree inside each stage."""
-    dp_strategy: Literal["ddp", "fsdp"] = "ddp"
+    merge_rule: Literal["ddp", "fsdp"] = "ddp"
     """How the data-parallel dimension is kept in sync."""
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    pace: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule."""
 
 
 @dataclass(frozen=True)
 class TensorLike(Single):
-    """A test strategy sharing ``tp`` (optional here) and ``dp_strategy``."""
+    """A test strategy sharing ``width`` (optional here) and ``merge_rule``."""
 
     name: ClassVar[str] = "tensor-like"
 
-    tp: int | None = None
+    width: int | None = None
     """Tensor-parallel degree (default: the whole world)."""
-    dp_strategy: Literal["ddp", "fsdp"] = "ddp"
+    merge_rule: Literal["ddp", "fsdp"] = "ddp"
     """How the data-parallel dimension is kept in sync."""
 
 
@@ -91,9 +99,9 @@ class ClashA(Single):
 
     name: ClassVar[str] = "clash-a"
 
-    size: int = 1
+    girth: int = 1
     """A size."""
-    hot: bool = False
+    heat: bool = False
     """A switch here."""
 
 
@@ -103,9 +111,9 @@ class ClashB(Single):
 
     name: ClassVar[str] = "clash-b"
 
-    size: tuple[str, ...] = ()
+    girth: tuple[str, ...] = ()
     """Names, here."""
-    hot: int = 0
+    heat: int = 0
     """A number there."""
 
 
@@ -145,12 +153,14 @@ def test_ddp_options_are_its_fields_with_their_docstrings():
 def test_ddp_flags_are_generated_from_its_fields():
     parser = cli.train_parser()
     actions = train_actions(parser)
+    flags = catalog().flags
     for option in options_of(DDP):
         action = actions[option.flag]
         assert action.dest == f"strategy_option__{option.name}" and action.default is None  # not given: TOML stands
         assert DDP_DOCS[option.name] in action.help
-        assert f"(default: {format_value(option.default)})" in action.help
-        assert group_of(parser, option.flag) == "strategy ddp"
+        assert "(default: " in action.help and format_value(option.default) in action.help.rsplit("(default: ", 1)[1]
+        # Its own group, or the shared one when another strategy has the option too (compression: diloco, ps).
+        assert group_of(parser, option.flag) == ("options of several strategies" if flags[option.name].shared else "strategy ddp")
         if option.switch:
             assert actions["--no-" + option.flag[2:]] is action
     # Nothing given: no strategy option set. Given: converted to the field's type and reaching the strategy.
@@ -162,7 +172,8 @@ def test_ddp_flags_are_generated_from_its_fields():
     assert (strategy.bucket_cap_mb, strategy.broadcast_buffers, strategy.allreduce, strategy.static_graph) == (1.5, False, "ring", True)
     assert strategy.ddp_kwargs()["broadcast_buffers"] is False
     help_text = " ".join(parser.format_help().split())  # argparse wraps to the terminal's width
-    assert "strategy ddp: Distributed data parallel: whole model per rank, gradients averaged each step. --bucket-cap-mb X Size of each" in help_text
+    assert "strategy ddp: Distributed data parallel: whole model per rank, gradients averaged each step." in help_text
+    assert "--bucket-cap-mb X Size of each gradient bucket DDP reduces while backward runs (MiB). (default: 25.0)" in help_text
 
 
 def test_the_flags_that_existed_before_generation_keep_their_spelling_and_meaning():
@@ -199,18 +210,18 @@ def test_a_registered_strategy_dataclass_gets_its_flags_help_and_listing_with_no
         assert option.help and option.help in actions[option.flag].help
         assert group_of(parser, option.flag) == "strategy knobs"
     assert actions["--flavour"].metavar == "{plain,spicy}" and actions["--names"].metavar == "A,B,..."
-    given = parse(parser, "--strategy", "knobs", "--knob", "7", "--flavour", "spicy", "--names", "fc1,fc2", "--ratio", "0.25",
-                  "--verbose", "--table", '{fc1 = "colwise"}', "--slots", "0,1")
+    given = parse(parser, "--strategy", "knobs", "--knob", "7", "--flavour", "spicy", "--names", "fc1,fc2", "--portion", "0.25",
+                  "--chatty", "--lookup", '{fc1 = "colwise"}', "--slots", "0,1")
     options = resolve("knobs", given, flags=given)
-    assert options == {"knob": 7, "flavour": "spicy", "names": ("fc1", "fc2"), "ratio": 0.25, "verbose": True,
-                       "table": {"fc1": "colwise"}, "slots": (0, 1)}
+    assert options == {"knob": 7, "flavour": "spicy", "names": ("fc1", "fc2"), "portion": 0.25, "chatty": True,
+                       "lookup": {"fc1": "colwise"}, "slots": (0, 1)}
     strategy = get_strategy("knobs", **options)
     assert isinstance(strategy, Knobs) and strategy.options() == options
     assert cli.cmd_strategies("knobs") == 0
     out = capsys.readouterr().out
     assert "knobs: A test strategy: single's plan and apply" in out
     assert "--knob N   (knob = 3)\n      How many knobs to turn." in out
-    assert "--verbose / --no-verbose   (verbose = false)" in out and "--flavour {plain,spicy}   (flavour = plain)" in out
+    assert "--chatty / --no-chatty   (chatty = false)" in out and "--flavour {plain,spicy}   (flavour = plain)" in out
     # A strategy the user did not choose does not take the new flags.
     with pytest.raises(ConfigError, match=r"--knob is an option of strategy knobs; strategy 'ddp' does not take it \(it takes --bucket-cap-mb, "):
         resolve("ddp", {"knob": "3"}, flags={"knob"})
@@ -220,40 +231,40 @@ def test_an_option_several_strategies_have_is_one_flag_naming_them(extra):
     extra("pipe-like", PipeLike)
     extra("tensor-like", TensorLike)
     known = catalog()
-    assert known.disagreements() == []  # int and int | None agree; two Literals of strings agree
-    tp = known.flags["tp"]
-    assert tp.shared and set(tp.strategies) == {"pipe-like", "tensor-like"} and not tp.switch
+    assert [line for line in known.disagreements() if "-like" in line] == []  # int and int | None agree; two Literals of strings agree
+    width = known.flags["width"]
+    assert width.shared and set(width.strategies) == {"pipe-like", "tensor-like"} and not width.switch
     parser = cli.train_parser()
     actions = train_actions(parser)
-    assert actions["--dp-strategy"].help == "[pipe-like, tensor-like] How the data-parallel dimension is kept in sync. (default: ddp)"
-    assert actions["--tp"].help == (  # docstrings that differ: each strategy's own
+    assert actions["--merge-rule"].help == "[pipe-like, tensor-like] How the data-parallel dimension is kept in sync. (default: ddp)"
+    assert actions["--width"].help == (  # docstrings that differ: each strategy's own
         "pipe-like: Tensor-parallel degree inside each stage. tensor-like: Tensor-parallel degree (default: the whole world). "
         "(default: pipe-like 1; tensor-like none)"
     )
-    assert group_of(parser, "--tp") == group_of(parser, "--dp-strategy") == "options of several strategies"
-    assert group_of(parser, "--schedule") == "strategy pipe-like"
-    assert "Also takes --tp, --dp-strategy (above)." in " ".join(parser.format_help().split())
+    assert group_of(parser, "--width") == group_of(parser, "--merge-rule") == "options of several strategies"
+    assert group_of(parser, "--pace") == "strategy pipe-like"
+    assert "Also takes --width, --merge-rule (above)." in " ".join(parser.format_help().split())
     # One flag, each strategy's own type: "none" is None for tensor-like, an error for pipe-like.
-    assert resolve("tensor-like", {"tp": "none"}, flags={"tp"}) == {"tp": None}
-    assert resolve("pipe-like", {"tp": "2"}, flags={"tp"}) == {"tp": 2}
-    with pytest.raises(ConfigError, match=r"strategy 'pipe-like': option tp \(--tp\) must be a whole number; got 'none'"):
-        resolve("pipe-like", {"tp": "none"}, flags={"tp"})
-    with pytest.raises(ConfigError, match=r"--schedule is an option of strategy pipe-like; strategy 'tensor-like' does not take it \(it takes --tp, --dp-strategy\)"):
-        resolve("tensor-like", {"schedule": "1f1b"}, flags={"schedule"})
+    assert resolve("tensor-like", {"width": "none"}, flags={"width"}) == {"width": None}
+    assert resolve("pipe-like", {"width": "2"}, flags={"width"}) == {"width": 2}
+    with pytest.raises(ConfigError, match=r"strategy 'pipe-like': option width \(--width\) must be a whole number; got 'none'"):
+        resolve("pipe-like", {"width": "none"}, flags={"width"})
+    with pytest.raises(ConfigError, match=r"--pace is an option of strategy pipe-like; strategy 'tensor-like' does not take it \(it takes --width, --merge-rule\)"):
+        resolve("tensor-like", {"pace": "1f1b"}, flags={"pace"})
 
 
 def test_options_whose_types_disagree_are_reported_and_the_parser_still_builds(extra):
     extra("clash-a", ClashA)
     extra("clash-b", ClashB)
-    lines = catalog().disagreements()
+    lines = [line for line in catalog().disagreements() if "clash-" in line]
     assert lines == [
-        "option size (--size) has types that disagree: clash-a: int; clash-b: tuple[str, ...]",
-        "option hot (--hot) has types that disagree: clash-a: bool; clash-b: int",
+        "option girth (--girth) has types that disagree: clash-a: int; clash-b: tuple[str, ...]",
+        "option heat (--heat) has types that disagree: clash-a: bool; clash-b: int",
     ]
     parser = cli.train_parser()
-    assert train_actions(parser)["--hot"].nargs is None  # a bool in one, a number in the other: it takes a value
-    assert resolve("clash-a", parse(parser, "--hot", "true"), flags={"hot"}) == {"hot": True}
-    assert resolve("clash-b", parse(parser, "--hot", "3", "--size", "a,b"), flags={"hot", "size"}) == {"hot": 3, "size": ("a", "b")}
+    assert train_actions(parser)["--heat"].nargs is None  # a bool in one, a number in the other: it takes a value
+    assert resolve("clash-a", parse(parser, "--heat", "true"), flags={"heat"}) == {"heat": True}
+    assert resolve("clash-b", parse(parser, "--heat", "3", "--girth", "a,b"), flags={"heat", "girth"}) == {"heat": 3, "girth": ("a", "b")}
 
 
 def test_the_registered_strategies_options_agree_in_type_and_no_flag_collides_with_a_trainer_flag():
@@ -271,21 +282,21 @@ def test_the_registered_strategies_options_agree_in_type_and_no_flag_collides_wi
     ("option", "value", "expected"),
     [
         ("knob", "7", 7), ("knob", 7, 7), ("knob", " -1 ", -1),
-        ("ratio", "0.5", 0.5), ("ratio", 2, 2.0), ("ratio", "none", None), ("ratio", None, None), ("ratio", "1e-3", 0.001),
-        ("verbose", "true", True), ("verbose", "no", False), ("verbose", True, True), ("verbose", "1", True),
+        ("portion", "0.5", 0.5), ("portion", 2, 2.0), ("portion", "none", None), ("portion", None, None), ("portion", "1e-3", 0.001),
+        ("chatty", "true", True), ("chatty", "no", False), ("chatty", True, True), ("chatty", "1", True),
         ("flavour", "spicy", "spicy"), ("flavour", "plain", "plain"),
         ("names", "a, b,,c", ("a", "b", "c")), ("names", ["a"], ("a",)), ("names", "", ()),
         ("slots", "0,1", (0, 1)), ("slots", [2, 3], (2, 3)), ("slots", "none", None),
-        ("table", '{fc1 = "colwise", "fc*2" = "rowwise"}', {"fc1": "colwise", "fc*2": "rowwise"}), ("table", {"a": "b"}, {"a": "b"}),
+        ("lookup", '{fc1 = "colwise", "fc*2" = "rowwise"}', {"fc1": "colwise", "fc*2": "rowwise"}), ("lookup", {"a": "b"}, {"a": "b"}),
     ],
 )
 def test_command_line_text_and_toml_values_convert_to_the_field_type(option, value, expected):
-    converted = dict((o.name, o) for o in options_of(Knobs))[option].convert(value, "knobs")
+    converted = {o.name: o for o in options_of(Knobs)}[option].convert(value, "knobs")
     assert converted == expected and type(converted) is type(expected)
 
 
 def test_strings_stay_strings_and_unions_keep_the_member_the_value_fits():
-    compression = dict((o.name, o) for o in options_of(DDP))["compression"]
+    compression = {o.name: o for o in options_of(DDP)}["compression"]
     assert compression.convert("none", "ddp") == "none"  # a str | None field keeps the word: ddp reads it as no codec
     assert compression.convert("topk:0.01", "ddp") == "topk:0.01"
 
@@ -307,18 +318,18 @@ def test_strings_stay_strings_and_unions_keep_the_member_the_value_fits():
         ("knob", "seven", r"strategy 'knobs': option knob \(--knob\) must be a whole number; got 'seven'"),
         ("knob", 1.5, r"option knob \(--knob\) must be a whole number; got 1.5"),
         ("knob", True, r"option knob \(--knob\) must be a whole number; got True"),
-        ("ratio", "half", r"option ratio \(--ratio\) must be a number or none; got 'half'"),
-        ("verbose", "maybe", r"option verbose \(--verbose\) must be true or false; got 'maybe'"),
-        ("verbose", 2, r"must be true or false; got 2"),
+        ("portion", "half", r"option portion \(--portion\) must be a number or none; got 'half'"),
+        ("chatty", "maybe", r"option chatty \(--chatty\) must be true or false; got 'maybe'"),
+        ("chatty", 2, r"must be true or false; got 2"),
         ("flavour", "spicey", r"option flavour \(--flavour\) must be one of: plain, spicy; got 'spicey' \(did you mean 'spicy'\?\)"),
         ("slots", "0,x", r"option slots \(--slots\) must be a comma-separated list \(each a whole number\) or none; got '0,x'"),
-        ("table", "fc1=colwise", r"option table \(--table\) must be a TOML table such as \{key = \"value\"\}; got 'fc1=colwise'"),
+        ("lookup", "fc1=colwise", r"option lookup \(--lookup\) must be a TOML table such as \{key = \"value\"\}; got 'fc1=colwise'"),
         ("names", 3, r"option names \(--names\) must be a comma-separated list \(each a string\); got 3"),
     ],
 )
 def test_a_bad_value_names_the_option_the_strategy_and_the_valid_values(option, value, message):
     with pytest.raises(ConfigError, match=message):
-        dict((o.name, o) for o in options_of(Knobs))[option].convert(value, "knobs")
+        {o.name: o for o in options_of(Knobs)}[option].convert(value, "knobs")
 
 
 def test_toml_keys_are_checked_against_the_chosen_strategys_fields():
