@@ -4,11 +4,12 @@
 
     shardwise train --recipe NAME [--strategy NAME] [--nproc N] [--max-steps N] [--out DIR]
                     [--resume auto|PATH] [--overwrite] [--config FILE.toml] [--set section.key=value ...]
-                    [--allreduce ALGO] [--compression CODEC] [--offload]
+                    [--STRATEGY-OPTION VALUE ...]   # one flag per strategy option (`shardwise train --help`)
     shardwise export CHECKPOINT_DIR OUT.safetensors      # consolidated weights, any strategy's checkpoint
     shardwise run [torchrun flags] script.py [args ...]
     shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
-    shardwise strategies | recipes
+    shardwise strategies [NAME]                          # each strategy's options: flag, TOML key, default, help
+    shardwise recipes
     shardwise --version
 """
 
@@ -19,7 +20,7 @@ import json
 import sys
 from typing import Any, Sequence
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError
 
 # Command-line flags that map onto trainer settings (flag dest -> TrainerConfig field).
 _TRAINER_FLAGS = {
@@ -42,8 +43,22 @@ _TRAINER_FLAGS = {
 }
 
 
-def _train_parser(sub: Any) -> None:
-    p = sub.add_parser("train", help="train a built-in recipe", description="Train a built-in recipe with any strategy.")
+def _train_parser(sub: Any, strategy_flags: bool = True) -> None:
+    train_arguments(sub.add_parser("train", help="train a built-in recipe", description=_TRAIN_DESCRIPTION), strategy_flags)
+
+
+_TRAIN_DESCRIPTION = "Train a built-in recipe with any strategy."
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """``shardwise train``'s parser on its own, every generated strategy flag included."""
+    p = argparse.ArgumentParser(prog="shardwise train", description=_TRAIN_DESCRIPTION)
+    train_arguments(p, strategy_flags=True)
+    return p
+
+
+def train_arguments(p: argparse.ArgumentParser, strategy_flags: bool) -> None:
+    """The trainer's flags, then (``strategy_flags``) one per strategy option."""
     p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
     p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
     p.add_argument("--nproc", type=int, help="local worker processes (default 1); under torchrun/srun the job's processes are used, and a different N > 1 is an error")
@@ -61,25 +76,65 @@ def _train_parser(sub: Any) -> None:
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--log-every", type=int)
     p.add_argument("--val-every", type=int)
-    p.add_argument("--allreduce", metavar="ALGO", help="ddp: allreduce algorithm for gradient buckets: ring, recursive-doubling, rabenseifner, tree, master-worker, all-to-all, native (sets strategy_options.allreduce)")
-    p.add_argument("--compression", metavar="CODEC", help="ddp: gradient compression: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign, powersgd:RANK (sets strategy_options.compression)")
-    p.add_argument("--offload", action="store_true", default=None, help="zero2/zero3/fsdp/hsdp: keep parameter, gradient and optimizer shards in CPU memory (sets strategy_options.offload)")
-    p.add_argument("--sync-every", type=int, metavar="H", help="local-sgd/diloco/gossip: average the replicas every H steps (sets strategy_options.sync_every)")
-    p.add_argument("--servers", type=int, metavar="K", help="ps: parameter-server processes among --nproc (sets strategy_options.servers)")
-    p.add_argument("--mode", choices=["sync", "async", "ssp"], help="ps: sync (equals ddp without clipping: with --clip-grad-norm each worker clips its own gradient), async, or ssp with --staleness (sets strategy_options.mode)")
-    p.add_argument("--staleness", type=int, metavar="S", help="ps --mode ssp: no worker runs more than S steps ahead of the slowest (sets strategy_options.staleness)")
-    p.add_argument("--pp", type=int, metavar="N", help="pipeline: number of pipeline stages (sets strategy_options.pp)")
-    p.add_argument("--tp", type=int, metavar="N", help="tp/pipeline: tensor-parallel degree (sets strategy_options.tp)")
-    p.add_argument("--microbatches", type=int, metavar="M", help="pipeline: micro-batches per step (sets strategy_options.microbatches)")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], help="pipeline: schedule (sets strategy_options.schedule)")
-    p.add_argument("--layers", metavar="PATH", help="pipeline: dotted path of the model's list of blocks to cut into stages, e.g. model.layers (sets strategy_options.layers; found by itself when not given)")
-    p.add_argument("--split-points", metavar="NAMES", help="pipeline: comma-separated layer names that start stages 1.. (sets strategy_options.split_points)")
-    p.add_argument("--sequence-parallel", action="store_true", default=None, help="tp: shard norms and dropout along the sequence (sets strategy_options.sequence_parallel)")
-    p.add_argument("--dp-strategy", choices=["ddp", "fsdp"], help="tp/pipeline: how the data-parallel dimension is kept in sync (sets strategy_options.dp_strategy)")
     p.add_argument("--straggler", metavar="RANK:FACTOR", help="slow rank RANK down FACTOR times on purpose (demonstrations, benchmarks)")
     p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
     p.add_argument("--print-summary", action="store_true", help="print summary.json to stdout at the end")
+    if strategy_flags:
+        add_strategy_flags(p)
+
+
+_OPTION_DEST = "strategy_option__"  # argparse dest prefix of the generated strategy flags
+
+
+def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per strategy option, generated from the strategy dataclasses (`shardwise.strategies.options`).
+
+    An option several strategies have is one flag in a group of its own, its help naming them;
+    the others are grouped per strategy under the strategy's one-line description. Each flag
+    defaults to None (not given), so a value from the TOML file or ``--set`` stands unless the
+    flag is given; the value is converted to the chosen strategy's field type in ``cmd_train``.
+    """
+    from shardwise.strategies.options import catalog, summary_line
+
+    known = catalog()
+    flags = known.flags
+    taken = {s for action in parser._actions for s in action.option_strings}
+
+    def add(group: Any, flag: Any) -> None:
+        if flag.flag in taken:  # an option named like a trainer flag keeps only its TOML key (a test keeps this empty)
+            return
+        text = flag.help().replace("%", "%%")  # argparse %-formats help strings
+        if flag.switch:
+            group.add_argument(flag.flag, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            group.add_argument(flag.flag, dest=flag.dest, metavar=flag.metavar, default=None, help=text)
+
+    shared = [f for f in flags.values() if f.shared]
+    if shared:
+        group = parser.add_argument_group(
+            "options of several strategies",
+            "Each sets trainer.strategy_options.NAME for the chosen strategy; the strategies that take it are in brackets.",
+        )
+        for flag in shared:
+            add(group, flag)
+    for strategy in known.strategies:
+        also = [flags[o.name].flag for o in strategy.options if flags[o.name].shared]
+        text = summary_line(strategy.cls) + (f" Also takes {', '.join(also)} (above)." if also else "")
+        group = parser.add_argument_group(f"strategy {strategy.label}", text.replace("%", "%%"))
+        for option in strategy.options:
+            if not flags[option.name].shared:
+                add(group, flags[option.name])
+    if known.unlisted:
+        parser.epilog = (
+            "Strategies whose options are not listed here (set them with --set trainer.strategy_options.KEY=VALUE): "
+            + ", ".join(name for name, _ in known.unlisted)
+        )
+
+
+def strategy_flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy options given as flags: ``{option name: value}``, flags left out omitted."""
+    return {k[len(_OPTION_DEST):]: v for k, v in vars(args).items() if k.startswith(_OPTION_DEST) and v is not None}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -93,17 +148,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     sections = apply_overrides(sections, args.set)
     unknown = sorted(set(sections) - {"trainer", "recipe"})
     if unknown:
-        raise ShardwiseError(f"unknown config sections {unknown}; use [trainer] and [recipe]")
+        hint = " (strategy options go under [trainer.strategy_options])" if "strategy_options" in unknown else ""
+        raise ShardwiseError(f"unknown config sections {unknown}; use [trainer] and [recipe]{hint}")
     settings: dict[str, Any] = {**recipe.trainer_defaults, **sections.get("trainer", {})}
     for dest, name in _TRAINER_FLAGS.items():
         value = getattr(args, dest)
         if value is not None:
             settings[name] = value
-    for option in ("allreduce", "compression", "offload", "sync_every", "servers", "mode", "staleness",
-                   "pp", "tp", "microbatches", "schedule", "sequence_parallel", "dp_strategy", "layers", "split_points"):  # strategy options with flags of their own
-        value = getattr(args, option)
-        if value is not None:
-            settings["strategy_options"] = {**settings.get("strategy_options", {}), option: value}
+    settings = _resolve_strategy_options(settings, strategy_flag_values(args))
     config = from_mapping(settings)  # validates before anything is built or started
     seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
     parts = recipe.parts(sections.get("recipe"))
@@ -118,6 +170,57 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(parts.after_fit(parts.model), flush=True)
     if args.print_summary:
         print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _resolve_strategy_options(settings: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The strategy options from TOML, ``--set`` and flags (flags win), checked against the chosen
+    strategy's fields and converted to their types, before anything is built."""
+    from shardwise.strategies.options import resolve
+    from shardwise.trainer.config import TrainerConfig
+
+    from_config = settings.get("strategy_options", {})
+    if not isinstance(from_config, dict):
+        raise ConfigError(f"trainer.strategy_options must be a table of option = value (e.g. [trainer.strategy_options]); got {from_config!r}")
+    values = {**from_config, **given}
+    strategy = settings.get("strategy", TrainerConfig.strategy)
+    if not values or not isinstance(strategy, str):
+        return settings  # nothing to check here (a strategy that is not a name is refused by the config)
+    return {**settings, "strategy_options": resolve(strategy, values, flags=set(given))}
+
+
+def cmd_strategies(name: str | None) -> int:
+    """List each strategy with its options: flag, TOML key, default and help."""
+    import textwrap
+
+    from shardwise.strategies import available
+    from shardwise.strategies.options import catalog, format_value, metavar, strategy_options, summary_line
+
+    if name is not None:
+        strategy_options(name)  # an unknown name: the registry's error, with the closest name
+    known = catalog()
+    print("Each option is a flag of `shardwise train` and a key of [trainer.strategy_options] in a --config file.\n")
+    listed = {n: s for s in known.strategies for n in s.names}
+    unlisted = dict(known.unlisted)
+    done: set[str] = set()
+    for n in available() if name is None else [name]:
+        if n in done:
+            continue
+        if n in unlisted:
+            print(f"{n}: options not listed ({unlisted[n]}); pass them with --set trainer.strategy_options.KEY=VALUE\n")
+            done.add(n)
+            continue
+        s = listed[n]
+        done.update(s.names)
+        print(f"{s.label}: {summary_line(s.cls)}")
+        if not s.options:
+            print("  (no options)")
+        for o in s.options:
+            flag = f"{o.flag} / --no-{o.flag[2:]}" if o.switch else f"{o.flag} {metavar(o.type, o.name)}"
+            print(f"  {flag}   ({o.name} = {format_value(o.default)})")
+            for line in textwrap.wrap(o.help or "(no description)", width=92):
+                print(f"      {line}")
+        print()
     return 0
 
 
@@ -161,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
+    _train_parser(sub, strategy_flags=argv[:1] == ["train"])  # the flags import every strategy module: only for train
     sub.add_parser("run", help="run a script under torchrun with working defaults")
     sub.add_parser("bench", help="benchmarks shipped with the package (`shardwise bench comm --help`)")
     ex = sub.add_parser("export", help="write a checkpoint's consolidated model weights to one safetensors file",
@@ -170,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/checkpoints/step-00000300)")
     ex.add_argument("out", help="the .safetensors file to write")
     ex.add_argument("--key", default="model", help="which saved model to export (default: model)")
-    sub.add_parser("strategies", help="list the strategies")
+    st = sub.add_parser("strategies", help="list the strategies and their options", description="List each strategy with its options: flag, TOML key, default and help.")
+    st.add_argument("name", nargs="?", help="one strategy only")
     sub.add_parser("recipes", help="list the built-in recipes")
     args = parser.parse_args(argv)
     if args.command == "train":
@@ -178,10 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "export":
         return _guard(lambda: cmd_export(args))
     if args.command == "strategies":
-        from shardwise.strategies import available
-
-        print("\n".join(available()))
-        return 0
+        return _guard(lambda: cmd_strategies(args.name))
     if args.command == "recipes":
         from shardwise.recipes import available as recipes, get_recipe
 

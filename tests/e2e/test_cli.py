@@ -42,7 +42,9 @@ def test_digits_with_ddp_on_two_processes_reaches_95_percent(tmp_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--strategy", "dpp"], "unknown strategy 'dpp'. Did you mean 'ddp'?"),
+        (["--strategy", "ddpp"], "unknown strategy 'ddpp'. Did you mean 'ddp'?"),
+        (["--strategy", "ddp", "--bucket-cap-mb", "big"], "strategy 'ddp': option bucket_cap_mb (--bucket-cap-mb) must be a number; got 'big'"),
+        (["--allreduce", "ring"], "--allreduce is an option of strategy ddp; strategy 'single' does not take it"),
         (["--nproc", "0"], "nproc must be a whole number >= 1; got 0"),
         (["--strategy", "ddp", "--nproc", "2", "--global-batch-size", "15"], "global batch 15 is not divisible by world size 2 x accumulate 1"),
         (["--set", "trainer.max_step=3"], "did you mean max_steps?"),
@@ -56,8 +58,22 @@ def test_bad_input_is_one_clear_line_and_exit_code_2(args, message):
 
 
 def test_lists():
-    assert "ddp" in shardwise("strategies").stdout
+    strategies = shardwise("strategies").stdout
+    assert "ddp: Distributed data parallel" in strategies
+    assert "  --allreduce ALLREDUCE   (allreduce = native)\n      Gradient allreduce algorithm: native, ring," in strategies
     assert "digits" in shardwise("recipes").stdout
+
+
+def test_generated_strategy_flags_reach_the_strategy_and_the_help_is_the_field_docstring(tmp_path):
+    # --bucket-cap-mb and --no-broadcast-buffers had no hand-written flag: they come from DDP's fields.
+    proc = shardwise("train", "--recipe", "digits", "--strategy", "ddp", "--nproc", "2", "--max-steps", "2", "--allreduce", "ring",
+                     "--bucket-cap-mb", "1.5", "--no-broadcast-buffers", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ddp"] == {"bucket_cap_mb": 1.5, "world_size": 2, "allreduce": "ring", "compression": None}
+    text = " ".join(shardwise("train", "--help").stdout.split())  # argparse wraps to the terminal's width
+    assert "strategy ddp: Distributed data parallel: whole model per rank, gradients averaged each step." in text
+    assert "--allreduce ALLREDUCE Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms). (default: native)" in text
 
 
 def test_shardwise_run_restarts_a_crashed_job_and_resumes_from_its_checkpoint(tmp_path):

@@ -15,8 +15,8 @@ from shardwise.trainer.config import TrainerConfig, apply_overrides, from_mappin
 
 
 def test_unknown_strategy_lists_known_names_and_the_closest():
-    with pytest.raises(ConfigError, match=r"unknown strategy 'dpp'. Did you mean 'ddp'\? Known strategies: .*ddp.*single"):
-        get_strategy("dpp")
+    with pytest.raises(ConfigError, match=r"unknown strategy 'ddpp'. Did you mean 'ddp'\? Known strategies: .*ddp.*single"):
+        get_strategy("ddpp")
     with pytest.raises(ConfigError, match="bad options for strategy 'ddp'"):
         get_strategy("ddp", bucket_size=3)
     assert {"single", "ddp"} <= set(available())
@@ -88,6 +88,35 @@ def test_toml_and_overrides(tmp_path):
         get_recipe("digits").parts({"hiden": 3})
     with pytest.raises(ConfigError, match="unknown recipe 'digit'. Did you mean 'digits'"):
         get_recipe("digit")
+
+
+def test_toml_strategy_options_are_checked_and_typed_against_the_chosen_strategy(tmp_path, capsys):
+    from shardwise import cli
+
+    f = tmp_path / "run.toml"
+    f.write_text('[trainer]\nstrategy = "ddp"\n[trainer.strategy_options]\nbucket_cap_mb = 2\nallreduce = "ring"\nbroadcast_buffers = "false"\n')
+    settings = cli._resolve_strategy_options(load_toml(f)["trainer"], {})
+    cfg = from_mapping(settings)
+    assert cfg.strategy_options == {"bucket_cap_mb": 2.0, "allreduce": "ring", "broadcast_buffers": False}
+    assert type(cfg.strategy_options["bucket_cap_mb"]) is float  # the field's type, not TOML's integer
+    # A flag wins over the file; --set values are read the same way as the file's.
+    sections = apply_overrides(load_toml(f), ["trainer.strategy_options.compression=int8"])
+    assert cli._resolve_strategy_options(sections["trainer"], {"allreduce": "tree"})["strategy_options"] == {
+        "bucket_cap_mb": 2.0, "allreduce": "tree", "broadcast_buffers": False, "compression": "int8"}
+    # Through the command: an unknown key, a bad value, a misplaced section: one line, exit code 2, nothing run.
+    cases = [
+        ('[trainer]\nstrategy = "ddp"\n[trainer.strategy_options]\nbucket_cap = 2\n',
+         "strategy 'ddp' has no option 'bucket_cap' (did you mean 'bucket_cap_mb'?) (in trainer.strategy_options); its options are: bucket_cap_mb, "),
+        ('[trainer]\nstrategy = "ddp"\n[trainer.strategy_options]\nstatic_graph = 3\n',
+         "strategy 'ddp': option static_graph (--static-graph) must be true or false; got 3"),
+        ('[trainer]\nstrategy = "ddp"\nstrategy_options = 5\n', "trainer.strategy_options must be a table of option = value"),
+        ('[trainer]\nstrategy = "ddp"\n[strategy_options]\nbucket_cap_mb = 2\n', "unknown config sections ['strategy_options']; use [trainer] and [recipe] (strategy options go under [trainer.strategy_options])"),
+    ]
+    for text, message in cases:
+        f.write_text(text)
+        assert cli.main(["train", "--recipe", "digits", "--config", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_config_is_frozen():
