@@ -7,6 +7,7 @@ when it is chosen. ``register_strategy`` adds one from outside the package.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 from typing import Any, Callable
@@ -65,6 +66,12 @@ def get_strategy(spec: str | Strategy, **options: Any) -> Strategy:
             raise ConfigError("strategy options go with a strategy name, not with a strategy object")
         return _contract(spec)
     factory = _factory(spec)
+    if dataclasses.is_dataclass(factory):
+        fields = [f.name for f in dataclasses.fields(factory) if f.init]
+        unknown = [k for k in options if k not in fields]
+        if unknown:
+            hints = [f"{k!r}" + (f" (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(k, fields, n=1)) else "") for k in unknown]
+            raise ConfigError(f"strategy {spec!r} has no option {', '.join(hints)}; its options are: {', '.join(fields) or 'none'}")
     try:
         return _contract(factory(**options))
     except TypeError as exc:

@@ -58,7 +58,7 @@ class DataParallel(Strategy):
 
     name: ClassVar[str] = "dp"
 
-    devices: tuple[int, ...] | None = None
+    device_ids: tuple[int, ...] | None = None
     """CUDA device indices to split each batch over (default: every visible GPU)."""
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
@@ -69,12 +69,12 @@ class DataParallel(Strategy):
         if count < 2:
             raise ConfigError(f"strategy 'dp' splits each batch across the GPUs of one process and needs at least 2 CUDA devices; "
                               f"this machine has {count}. Use strategy='single' for one device, or 'ddp' with nproc=N")
-        wanted = list(self.devices or range(count))
+        wanted = list(self.device_ids or range(count))
         if len(wanted) < 2 or any(not 0 <= d < count for d in wanted):
-            raise ConfigError(f"dp devices must be 2 or more of 0..{count - 1}; got {wanted}")
+            raise ConfigError(f"dp device_ids must be 2 or more of 0..{count - 1}; got {wanted}")
         return plan_layout(self.name, world_size, batch=batch, mesh=mesh)
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> DataParallelRun:
-        ids = list(self.devices or range(torch.cuda.device_count()))
+        ids = list(self.device_ids or range(torch.cuda.device_count()))
         wrapped = nn.DataParallel(model.to(torch.device("cuda", ids[0])), device_ids=ids)
         return DataParallelRun(wrapped, make_optimizer(wrapped.parameters()))
