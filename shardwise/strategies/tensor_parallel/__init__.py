@@ -92,11 +92,6 @@ DP_STRATEGIES = ("ddp", "fsdp")
 """How the data-parallel dimension of a dp x tp mesh may stay in sync (the choices of ``dp_strategy``)."""
 
 
-def _dim_mesh(mesh: Mesh, dim: str) -> Any:
-    """The DeviceMesh of one dimension of the run's mesh (dp-major, tp fastest)."""
-    return mesh.device_mesh(dim)
-
-
 def check_model_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, sequence_parallel: bool, dp_strategy: str) -> None:
     """Refuse a model ``plan`` does not fit at degree ``tp``, with the `ConfigError` a user reads:
     the plan itself (styles, names, linears), widths and heads (key/value heads included) divisible
@@ -199,12 +194,12 @@ class TensorParallel(Strategy):
         degree, dp = mesh.size("tp"), mesh.size("dp")
         check_model_fits(model, self.tp_plan, degree, self.sequence_parallel, self.dp_strategy)  # on every rank, before any group is built
         model = model.to(mesh.device)
-        tp_mesh = _dim_mesh(mesh, "tp")
+        tp_mesh = mesh.device_mesh("tp")  # the run's mesh is dp-major, tp fastest
         parallelize(model, tp_mesh, self.tp_plan, self.sequence_parallel, recorder=recorder)
         names = group_names(tp=tp_mesh.get_group())
         dp_group: Group | None = None
         if dp > 1:
-            dp_mesh = _dim_mesh(mesh, "dp")
+            dp_mesh = mesh.device_mesh("dp")
             names.update(group_names(dp=dp_mesh.get_group()))
             dp_group = Group("dp", dp_mesh.get_group())
             if self.dp_strategy == "fsdp":
