@@ -184,8 +184,27 @@ def _uneven_sequence() -> tuple[float, float, str | None]:
     return (out - want).abs().max().item(), grads, None
 
 
+LLAMA_LAYERS, LLAMA_BATCH, LLAMA_STEPS = 2, 4, 2
+
+
+def _fit_llama(**options: Any) -> dict[str, Any] | None:
+    """tests/models/zoo.py's Hugging Face Llama (float64, hidden 32, 4 heads, 2 key/value heads,
+    sequence 16) under tp=2, through its declared plan and its own loss; the summary."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    from tests.models import zoo
+
+    trainer = Trainer(strategy="tp", optimizer=adamw, strategy_options={"tp": 2, **options}, precision="64", global_batch_size=LLAMA_BATCH,
+                      max_steps=LLAMA_STEPS, log_every=LLAMA_STEPS, progress_bar=False, clip_grad_norm=0.05)
+    return trainer.fit(zoo.build("llama", layers=LLAMA_LAYERS), zoo.dataset("llama", LLAMA_BATCH * LLAMA_STEPS))  # type: ignore[no-any-return]
+
+
 def _world_of_two(root: Path) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
+    for sp in (False, True):
+        out[("llama", sp)] = _fit_llama(sequence_parallel=sp)
     out["tp"] = _fit("tp", tp=2)
     out["tp_sp"] = _fit("tp", tp=2, sequence_parallel=True)
     out["dp2_tp1"] = _fit("tp", tp=1)  # degenerate: tp of one, data parallel over two
@@ -357,6 +376,85 @@ def test_summary_reports_the_collectives_per_step(two, four):
     assert sp["tp/reduce_scatter"] == {"forward": 2 * 2 * LAYERS, "backward": 2 * 2 * LAYERS}
     ddp = four[0]["ddp"][1]["comm"]["by_op"]
     assert ddp["dp/all_reduce"]["count"] == 5  # one coalesced gradient allreduce per step (one dtype)
+
+
+def megatron(*, batch: int, passes: int, seq: int, hidden: int, layers: int, itemsize: int, p: int, sequence_parallel: bool) -> dict[str, tuple[int, int]]:
+    """Megatron's tp collectives per step, ``{op: (count, bytes sent by one rank)}``, for ``passes``
+    forward/backward passes of ``batch`` samples each (accumulation) and library collectives'
+    bandwidth-optimal bytes (an allreduce of n bytes sends 2(p-1)/p n, an all-gather or
+    reduce-scatter of a buffer of n bytes (p-1)/p n).
+
+    Per transformer block, each pass: 2 allreduces of the activation (batch x seq x hidden) in
+    forward (after the row-split attention output and MLP output: Megatron's g) and 2 in backward
+    (the input gradients of the column-split sublayers: f). Sequence parallelism replaces each
+    allreduce by an all-gather and a reduce-scatter of the same activation (the same bytes), plus
+    one all-gather leaving the sequence-sharded region in forward and its mirror in backward.
+    """
+    act = batch * seq * hidden * itemsize
+    if not sequence_parallel:
+        return {"all_reduce": (passes * 4 * layers, passes * 4 * layers * 2 * (p - 1) * act // p)}
+    piece = (p - 1) * act // p
+    return {"all_gather": (passes * (4 * layers + 2), passes * (4 * layers + 2) * piece),
+            "reduce_scatter": (passes * 4 * layers, passes * 4 * layers * piece)}
+
+
+def _tp_traffic(summary: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """What the recorder saw on the tp group per step: ``{op: (count, bytes sent)}`` (received is the same)."""
+    steps = summary["steps"]
+    out = {}
+    for key, t in summary["comm"]["by_op"].items():
+        if key.startswith("tp/"):
+            assert t["received_bytes"] == t["sent_bytes"], key
+            out[key.split("/")[1]] = (t["count"] / steps, t["sent_bytes"] / steps)
+    return out
+
+
+def _extras(norm_bytes: int, p: int = 2) -> dict[str, tuple[int, int]]:
+    """The allreduces beside Megatron's, per step: the clip's squared norm (one float64 scalar over tp)
+    and, under sequence parallelism, the norm weights' partial gradients (one coalesced allreduce)."""
+    clip = (1, 2 * (p - 1) * 8 // p)
+    if not norm_bytes:
+        return {"all_reduce": clip}
+    return {"all_reduce": (clip[0] + 1, clip[1] + 2 * (p - 1) * norm_bytes // p)}
+
+
+def _plus(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    return {k: (a.get(k, (0, 0))[0] + b.get(k, (0, 0))[0], a.get(k, (0, 0))[1] + b.get(k, (0, 0))[1]) for k in {*a, *b}}
+
+
+def test_recorded_tp_bytes_per_step_are_megatrons_formula_on_charlm(two):
+    # charlm's CharGPT, float64: 8 samples per step on each rank in 2 passes of 4 (accumulate=2), sequence 8, width 16.
+    shape = dict(batch=COMMON["global_batch_size"] // COMMON["accumulate"], passes=COMMON["accumulate"], seq=BLOCK, hidden=D, layers=LAYERS,
+                 itemsize=8, p=2)
+    norms = LAYERS * 2 * 2 * D * 8  # per block ln1 and ln2, weight and bias
+    for rank in range(2):
+        plain = _tp_traffic(two[rank]["tp"][1])
+        assert plain == _plus(megatron(**shape, sequence_parallel=False), _extras(0))
+        # By hand: 2 passes x 2 blocks x 4 allreduces x (4 x 8 x 16 x 8 = 4096 bytes), plus the clip's 8: 65544 bytes a step.
+        assert plain["all_reduce"][1] == 2 * 2 * 4 * 4096 + 8 == 65544
+        sp = _tp_traffic(two[rank]["tp_sp"][1])
+        assert sp == _plus(megatron(**shape, sequence_parallel=True), _extras(norms))
+        # The same bytes as the allreduces, plus the region's edges (half an activation each way, each pass).
+        assert sp["all_gather"][1] + sp["reduce_scatter"][1] == plain["all_reduce"][1] - 8 + 2 * 4096
+
+
+def test_recorded_tp_bytes_per_step_are_megatrons_formula_on_hf_llama(two):
+    if two[0][("llama", False)] is None:
+        pytest.skip("transformers is not installed")
+    from tests.models import zoo
+
+    # Grouped-query attention shrinks k and v, not the activations between the pairs: the same formula.
+    shape = dict(batch=LLAMA_BATCH, passes=1, seq=zoo.SEQ, hidden=32, layers=LLAMA_LAYERS, itemsize=8, p=2)
+    norms = LLAMA_LAYERS * 2 * 32 * 8  # per block input_layernorm and post_attention_layernorm (RMSNorm: weight only)
+    for rank in range(2):
+        plain, sp = two[rank][("llama", False)], two[rank][("llama", True)]
+        assert plain["steps"] == sp["steps"] == LLAMA_STEPS
+        assert sorted(sp["tp"]["grad_summed"]) == sorted(f"model.layers.{i}.{n}.weight" for i in range(LLAMA_LAYERS)
+                                                         for n in ("input_layernorm", "post_attention_layernorm"))
+        assert _tp_traffic(plain) == _plus(megatron(**shape, sequence_parallel=False), _extras(0))
+        # By hand: 1 pass x 2 blocks x 4 allreduces x (4 x 16 x 32 x 8 = 16384 bytes), plus the clip's 8.
+        assert _tp_traffic(plain)["all_reduce"][1] == 2 * 4 * 16384 + 8 == 131080
+        assert _tp_traffic(sp) == _plus(megatron(**shape, sequence_parallel=True), _extras(norms))
 
 
 def test_a_tp_checkpoint_resumes_under_single_and_single_resumes_under_tp(two, root, reference):

@@ -131,7 +131,7 @@ def test_resnet_under_tp_is_refused_before_launch_with_a_true_reason() -> None:
     model = zoo.build("resnet")
     for sp in (False, True):
         with pytest.raises(ConfigError, match=r"ResNetForImageClassification is a convolutional network .* tensor parallelism splits linear layers, not convolutions"):
-            TensorParallel(tp=2, sequence_parallel=sp).check_model(model)
+            TensorParallel(tp=2, sequence_parallel=sp).plan(2, model=model)
     t = harness.trainer("resnet", "tp", {"tp": 2}, nproc=2)
     with pytest.raises(ConfigError, match="convolutional network"):
         t.fit(model, zoo.dataset("resnet", harness.SAMPLES))

@@ -189,20 +189,94 @@ def test_options_are_checked_in_the_constructor():
     with pytest.raises(ConfigError, match="dp_strategy must be 'ddp' or 'fsdp'; got 'fsd'. Did you mean 'fsdp'"):
         TensorParallel(dp_strategy="fsd")
     with pytest.raises(ConfigError, match=r"tp 4 does not divide the world size 6; valid shapes: dp6 x tp1, dp3 x tp2, dp2 x tp3, dp1 x tp6 \(set --tp"):
-        TensorParallel(tp=4).validate(6)
-    tp = TensorParallel()
-    tp.validate(4)
-    assert tp.mesh_degrees() == {"tp": 4}  # the default degree is the world size
-    assert TensorParallel(tp=2, sequence_parallel=True).mesh_degrees() == {"tp": 2}
+        TensorParallel(tp=4).plan(6)
+    assert TensorParallel().plan(4).degrees == {"dp": 1, "pp": 1, "tp": 4}  # the default degree is the world size
+    assert TensorParallel(tp=2, sequence_parallel=True).plan(4).degrees == {"dp": 2, "pp": 1, "tp": 2}
+
+
+def test_the_options_are_a_frozen_dataclass_with_help_and_fixed_choices():
+    import dataclasses
+    import typing
+
+    from shardwise.strategies import get_strategy
+    from shardwise.strategies.contract import Strategy
+    from shardwise.strategies.tensor_parallel import DP_STRATEGIES
+
+    strategy = get_strategy("tp", tp=2, dp_strategy="fsdp")
+    assert isinstance(strategy, TensorParallel) and isinstance(strategy, Strategy)
+    assert [f.name for f in dataclasses.fields(TensorParallel)] == [
+        "tp", "sequence_parallel", "tp_plan", "dp_strategy", "count_collectives", "check_replicas"]
+    assert strategy.options() == {"tp": 2, "sequence_parallel": False, "tp_plan": None, "dp_strategy": "fsdp",
+                                  "count_collectives": True, "check_replicas": False}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        strategy.tp = 4  # type: ignore[misc]
+    hints = typing.get_type_hints(TensorParallel)
+    assert typing.get_origin(hints["dp_strategy"]) is typing.Literal and typing.get_args(hints["dp_strategy"]) == DP_STRATEGIES
+    # Every option has a docstring (its help); the source is the only place it lives.
+    import inspect
+
+    source = inspect.getsource(TensorParallel)
+    for f in dataclasses.fields(TensorParallel):
+        line = next(i for i, text in enumerate(source.splitlines()) if text.strip().startswith(f"{f.name}:"))
+        assert source.splitlines()[line + 1].strip().startswith('"""'), f.name
+    assert dataclasses.replace(strategy, tp=1).tp == 1  # the generated replace goes through the constructor's checks
+    with pytest.raises(ConfigError, match="tp must be a whole number"):
+        dataclasses.replace(strategy, tp=-1)
+
+
+def test_plan_is_the_contract_method_and_the_plan_option_keeps_its_old_name():
+    # The option is tp_plan (``plan`` is the contract's method); plan= still names it, as before.
+    old, new = TensorParallel(plan={"fc1": "colwise"}), TensorParallel(tp_plan={"fc1": "colwise"})
+    assert old == new and old.tp_plan == {"fc1": "colwise"} and callable(old.plan)
+    with pytest.raises(ConfigError, match="given twice, as tp_plan and as plan"):
+        TensorParallel(plan={"fc1": "colwise"}, tp_plan={"fc1": "colwise"})
+
+
+def test_plan_settles_the_mesh_and_the_batch_before_launch():
+    from shardwise.strategies.contract import Batch
+
+    layout = TensorParallel(tp=2).plan(4, batch=Batch(8, accumulate=2))
+    assert (layout.strategy, layout.trainers, layout.data_parallel, layout.micro_batch) == ("tp", 4, 2, 2)
+    assert "tp on 4 processes: dp2 x pp1 x tp2 (micro-batch 2)" == layout.describe()
+    # tp defaults to the mesh settings' tp, and a conflict with them is refused.
+    assert TensorParallel().plan(4, mesh={"tp": 2}).degrees["tp"] == 2
+    with pytest.raises(ConfigError, match="strategy 'tp' asks for tp=2 but the mesh settings say tp=4"):
+        TensorParallel(tp=2).plan(4, mesh={"tp": 4})
+    with pytest.raises(ConfigError, match="strategy 'tp' runs on a dp x tp mesh; got pp=2. Use strategy 'pipeline' with --tp"):
+        TensorParallel(tp=2).plan(4, mesh={"pp": 2})
+    with pytest.raises(ConfigError, match="global batch"):
+        TensorParallel(tp=2).plan(4, batch=Batch(3))  # 3 samples do not split over dp=2
+
+
+def test_plan_is_pure_no_process_group_and_the_model_untouched():
+    import torch.distributed as dist
+
+    model = CharGPT(11, 8, 16, 2, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    TensorParallel(tp=2, sequence_parallel=True).plan(2, model=model)
+    assert not dist.is_initialized()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == hooks
+    assert not hasattr(model, "_shardwise_tp") and not any(hasattr(p, "_shardwise_tp_sum") for p in model.parameters())
+
+
+def test_apply_without_a_process_group_is_a_config_error():
+    from shardwise.comm.recorder import Recorder
+    from shardwise.mesh import Mesh
+
+    with pytest.raises(ConfigError, match="strategy 'tp' needs a process group"):
+        TensorParallel().apply(CharGPT(11, 8, 16, 2, 1), lambda p: torch.optim.SGD(p, lr=0.1), Mesh.build(world_size=1), Recorder())
 
 
 def test_a_plan_from_the_command_line():
     from shardwise.trainer.config import apply_overrides
 
-    sections = apply_overrides({}, ['trainer.strategy_options.plan={"fc1" = "colwise", "fc*2" = "rowwise"}'])
-    strategy = TensorParallel(**sections["trainer"]["strategy_options"])
-    assert resolve_plan(TwoLayer(), strategy.plan) == {"fc1": "colwise", "fc2": "rowwise"}
-    assert TensorParallel(plan='{"fc1": "colwise"}').plan == {"fc1": "colwise"}  # JSON text
+    for key in ("plan", "tp_plan"):  # the old name and the field's
+        sections = apply_overrides({}, [f'trainer.strategy_options.{key}={{"fc1" = "colwise", "fc*2" = "rowwise"}}'])
+        strategy = TensorParallel(**sections["trainer"]["strategy_options"])
+        assert resolve_plan(TwoLayer(), strategy.tp_plan) == {"fc1": "colwise", "fc2": "rowwise"}
+    assert TensorParallel(plan='{"fc1": "colwise"}').tp_plan == {"fc1": "colwise"}  # JSON text
     with pytest.raises(ConfigError, match="or its JSON text; got 'fc1=colwise'"):
         TensorParallel(plan="fc1=colwise")
 
@@ -222,7 +296,7 @@ def test_a_model_the_plan_does_not_fit_is_refused_in_the_parent_before_launch(mo
     from shardwise.trainer import loop
 
     def no_launch(*args, **kwargs):
-        raise AssertionError("launched processes for a model check_model should have refused")
+        raise AssertionError("launched processes for a model the plan should have refused")
 
     monkeypatch.setattr(loop, "launch", no_launch)
     ids = torch.randint(0, 11, (16, 9), generator=torch.Generator().manual_seed(0))
@@ -233,15 +307,29 @@ def test_a_model_the_plan_does_not_fit_is_refused_in_the_parent_before_launch(mo
         trainer.fit(CharGPT(11, 8, 12, 3, 1), data)
 
 
-def test_check_model_uses_the_world_size_as_the_default_degree_and_checks_sequence_parallel_blocks():
+def test_the_plan_checks_the_model_at_the_world_size_as_the_default_degree_and_sequence_parallel_blocks():
     strategy = TensorParallel()
-    strategy.check_model(TwoLayer())  # no degree known yet: the plan alone
-    strategy.validate(3)
+    strategy.plan(1, model=TwoLayer())  # tp=1: the plan alone
     with pytest.raises(ConfigError, match=r"fc1 \(colwise\) has 32 output features, not divisible by tp=3"):
-        strategy.check_model(TwoLayer())
+        strategy.plan(3, model=TwoLayer())
     with pytest.raises(ConfigError, match="sequence_parallel needs transformer blocks"):
-        TensorParallel(tp=2, sequence_parallel=True).check_model(TwoLayer())
-    TensorParallel(tp=2, sequence_parallel=True).check_model(CharGPT(11, 8, 16, 2, 1))
+        TensorParallel(tp=2, sequence_parallel=True).plan(2, model=TwoLayer())
+    TensorParallel(tp=2, sequence_parallel=True).plan(2, model=CharGPT(11, 8, 16, 2, 1))
+    # A stacked q|k|v split by heads is permuted per rank: with FSDP over dp it is refused before launch.
+    stacked = nn.Sequential(nn.ModuleList([nn.Module()]))
+    stacked[0][0].attn = StackedAttention()
+    TensorParallel(tp=2).plan(4, model=stacked)
+    with pytest.raises(ConfigError, match="runs with dp_strategy 'ddp' only; got dp_strategy 'fsdp'. Use dp_strategy='ddp'"):
+        TensorParallel(tp=2, dp_strategy="fsdp").plan(4, model=stacked)
+
+
+class StackedAttention(nn.Module):
+    """GPT-2's layout: q|k|v stacked in one c_attn, a fixed head width."""
+
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, d // heads
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
 
 
 # -- real models: declared plans, Conv1D, fused q|k|v, roles and the backstop ---------------------
@@ -339,12 +427,12 @@ def test_the_backstop_names_a_module_no_rule_covers():
     with pytest.raises(ConfigError, match=r"0.0.attn \(ScaledAttention\) holds parameters \['temperature'\] of its own next to its split linears"):
         roles(model, plan, [], False)
     with pytest.raises(ConfigError, match=r"0.0.attn \(ScaledAttention\) holds parameters"):
-        TensorParallel(tp=2).check_model(model)
+        TensorParallel(tp=2).plan(2, model=model)
     blocks = nn.Sequential(nn.ModuleList([PositionBlock()]))
     plan = resolve_plan(blocks, tp=2)
     roles(blocks, plan, [], False)  # without sequence parallelism a block's buffer sees the whole sequence
     with pytest.raises(ConfigError, match=r"0.0 \(PositionBlock\) holds buffers \['positions'\] inside block 0.0.*Turn sequence_parallel off"):
-        TensorParallel(tp=2, sequence_parallel=True).check_model(blocks)
+        TensorParallel(tp=2, sequence_parallel=True).plan(2, model=blocks)
 
 
 def test_a_fused_projection_of_unknown_layout_is_still_refused():
@@ -369,4 +457,4 @@ def test_other_families_get_a_plan_or_a_true_refusal():
         resolve(falcon, None, 2)
     t5 = tf.T5EncoderModel(tf.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
     with pytest.raises(ConfigError, match=r"SelfAttention.relative_attention_bias \(Embedding\) holds parameters"):
-        TensorParallel(tp=2).check_model(t5)
+        TensorParallel(tp=2).plan(2, model=t5)

@@ -23,8 +23,11 @@ The package, by concern:
 - ``apply``: `parallelize`, the sequence-parallel region, `synchronize_dropout`.
 - ``grads``: `reduce_partial_grads`, `replicate_grads`, `shard_data_parallel`, `clip_grad_norm_`.
 - ``counting``: `count_collectives` and the dispatch mode behind it.
-- here: the `TensorParallel` strategy, which calls them in a fixed order (tensor first, then data
-  parallel).
+- here: the `TensorParallel` strategy. ``plan`` (in the parent, no process group) settles the tp
+  degree, refuses a world size it does not divide and a model the plan does not fit (plan,
+  widths and heads, key/value heads included, divisible by tp; blocks for sequence parallelism;
+  every module covered by a role). ``apply`` (per process) calls the blocks below in a fixed order
+  (tensor first, then data parallel) and returns a `TensorParallelRun`.
 
 Building blocks, for compositions with pipeline parallelism (stable signatures):
 
@@ -49,8 +52,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 from collections import Counter
-from typing import Any, ClassVar, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,7 +68,7 @@ from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout
 from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
@@ -74,47 +80,79 @@ from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
 
 __all__ = [
-    "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "auto_plan",
-    "check_divisible", "check_replicas", "clip_grad_norm_", "count_collectives", "declared_plan", "group_names", "ns_is_input_shard", "parallelize",
+    "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "TensorParallelRun", "auto_plan",
+    "check_divisible", "check_model_fits", "check_replicas", "clip_grad_norm_", "count_collectives", "declared_plan", "group_names", "ns_is_input_shard", "parallelize",
     "reduce_partial_grads", "replicate_grads", "resolve", "resolve_plan", "roles", "shard_data_parallel", "synchronize_dropout",
 ]
 
 
 # -- the strategy ------------------------------------------------------------------------------
 
-
-def _dim_mesh(mesh: Mesh, dim: str) -> Any:
-    """The DeviceMesh of one dimension of the run's mesh (dp-major, tp fastest)."""
-    public = getattr(mesh, "device_mesh", None)
-    if callable(public):
-        return public(dim)
-    return mesh._device_mesh()[dim]
+DP_STRATEGIES = ("ddp", "fsdp")
+"""How the data-parallel dimension of a dp x tp mesh may stay in sync (the choices of ``dp_strategy``)."""
 
 
-class TensorParallel:
+def check_model_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, sequence_parallel: bool, dp_strategy: str) -> None:
+    """Refuse a model ``plan`` does not fit at degree ``tp``, with the `ConfigError` a user reads:
+    the plan itself (styles, names, linears), widths and heads (key/value heads included) divisible
+    by ``tp``, blocks for sequence parallelism, a role for every module (the backstop), and a fused
+    q|k|v split by heads only with ``dp_strategy`` ``"ddp"``. Needs no process group: `TensorParallel.plan`
+    runs it in the parent, `TensorParallel.apply` again on each rank at the mesh's degree."""
+    resolved, grad_sum, _ = resolve(model, plan, tp)
+    if sequence_parallel:
+        _sequence_blocks(model, resolved)
+    roles(model, resolved, grad_sum, sequence_parallel)  # the backstop: a module no rule covers
+    if dp_strategy == "fsdp" and any(fused_parts(model, n) for n, st in resolved.items() if st == "colwise"):
+        raise ConfigError("a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; "
+                          "got dp_strategy 'fsdp'. Use dp_strategy='ddp'")
+
+
+@dataclass(frozen=True, init=False)
+class TensorParallel(Strategy):
     """Megatron tensor parallelism over ``tp`` ranks, data parallel (ddp or fsdp) over the rest.
 
-    Options: ``tp`` (degree; default the world size), ``sequence_parallel``, ``plan`` (module
-    name or pattern -> ``"colwise"``/``"rowwise"``; default automatic), ``dp_strategy``
-    (``"ddp"``: one allreduce of the gradients per step over the dp group; ``"fsdp"``: FSDP2
-    over the dp dimension of the 2D mesh), ``count_collectives`` (record DTensor's collectives
-    each step through a dispatch mode; costs a little Python per operator).
+    The plan option is ``tp_plan`` (the pipeline strategy's name for the same thing): ``plan`` is
+    the contract's method. The constructor still takes ``plan=`` (its name before the contract),
+    so ``TensorParallel(plan={...})`` and ``strategy_options.plan`` keep working.
     """
 
     name: ClassVar[str] = "tp"
 
+    tp: int | None = None
+    """Tensor-parallel degree: how many ranks split each linear pair (default: the mesh's tp, else the world size)."""
+    sequence_parallel: bool = False
+    """Shard the activations between the split pairs (norms, dropout, residual) along the sequence."""
+    tp_plan: dict[str, str] | None = None
+    """Module name or pattern -> 'colwise' | 'rowwise', or its JSON text (default: the model's declared plan, else automatic)."""
+    dp_strategy: Literal["ddp", "fsdp"] = "ddp"
+    """Data parallel over the rest: ddp (one gradient allreduce per step) or fsdp (FSDP2 over the dp dimension)."""
+    count_collectives: bool = True
+    """Count and record DTensor's collectives each step through a dispatch mode (a little Python per operator)."""
+    check_replicas: bool = False
+    """After every step, compare the replicated parameters across the tp ranks bit for bit (a debug check)."""
+
     def __init__(
-        self, *, tp: int | None = None, sequence_parallel: bool = False, plan: dict[str, str] | None = None,
-        dp_strategy: str = "ddp", count_collectives: bool = True, check_replicas: bool = False,
+        self, tp: int | None = None, sequence_parallel: bool = False, tp_plan: dict[str, str] | str | None = None,
+        dp_strategy: Literal["ddp", "fsdp"] = "ddp", count_collectives: bool = True, check_replicas: bool = False, *,
+        plan: dict[str, str] | str | None = None,
     ) -> None:
+        if plan is not None and tp_plan is not None:
+            raise ConfigError("the tensor-parallel plan was given twice, as tp_plan and as plan (its old name); give tp_plan only")
+        values = dict(tp=tp, sequence_parallel=sequence_parallel, tp_plan=tp_plan if plan is None else plan, dp_strategy=dp_strategy,
+                      count_collectives=count_collectives, check_replicas=check_replicas)
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        tp = self.tp
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ConfigError(f"tp must be a whole number >= 1; got {tp!r}")
-        if dp_strategy not in ("ddp", "fsdp"):
-            close = difflib.get_close_matches(str(dp_strategy), ["ddp", "fsdp"], n=1)
-            raise ConfigError(f"dp_strategy must be 'ddp' or 'fsdp'; got {dp_strategy!r}" + (f". Did you mean {close[0]!r}?" if close else ""))
+        if self.dp_strategy not in DP_STRATEGIES:
+            close = difflib.get_close_matches(str(self.dp_strategy), DP_STRATEGIES, n=1)
+            raise ConfigError(f"dp_strategy must be 'ddp' or 'fsdp'; got {self.dp_strategy!r}" + (f". Did you mean {close[0]!r}?" if close else ""))
+        plan: Any = self.tp_plan
         if isinstance(plan, str):  # JSON text (a TOML inline table from --set arrives as a dict already)
-            import json
-
             try:
                 plan = json.loads(plan)
             except ValueError:
@@ -126,87 +164,89 @@ class TensorParallel:
                 if style not in STYLES:
                     close = difflib.get_close_matches(str(style), STYLES, n=1)
                     raise ConfigError(f"plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'")
-        self.tp, self.sequence_parallel, self.plan, self.dp_strategy = tp, bool(sequence_parallel), plan, dp_strategy
-        self.count = count_collectives
-        self.check_replicas = bool(check_replicas)
-        self.tp_group: Any = None
-        self.degree, self.dp = tp or 1, 1
-        self.applied: dict[str, str] = {}
-        self.recorder: Recorder | None = None
-        self.dp_group: Group | None = None
-        self.names: dict[str, tuple[str, int]] = {}
-        self.counts: Counter[tuple[str, str, str]] = Counter()
-        self.steps = 0
-        self._world_tp: int | None = None
-        self._model: nn.Module | None = None
-        self.roles: dict[str, Any] = {}
-        self._dirty = False
+            plan = dict(plan)
+        object.__setattr__(self, "tp_plan", plan)
+        object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel))
+        object.__setattr__(self, "check_replicas", bool(self.check_replicas))
 
-    def mesh_degrees(self) -> dict[str, int]:
-        tp = self.tp or self._world_tp
-        return {"tp": tp} if tp is not None else {}
+    def tp_degree(self, world_size: int, mesh: Mapping[str, int] | None = None) -> int:
+        """The tp degree for ``world_size`` processes: ``tp``, else the mesh settings' ``tp``, else the world size."""
+        return self.tp or int((mesh or {}).get("tp") or 0) or world_size
 
-    def validate(self, world_size: int) -> None:
-        tp = self.tp or world_size
-        self._world_tp = world_size  # tp defaults to the world size (validate runs before the mesh is built)
-        if world_size % tp:
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        pp = int((mesh or {}).get("pp", 1))
+        if pp != 1:
+            raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={pp}. Use strategy 'pipeline' with --tp for pp x tp")
+        tp = self.tp_degree(world_size, mesh)
+        if isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1 and world_size % tp:
             shapes = ", ".join(f"dp{world_size // d} x tp{d}" for d in range(1, world_size + 1) if world_size % d == 0)
             raise ConfigError(f"tp {tp} does not divide the world size {world_size}; valid shapes: {shapes} (set --tp to one of the tp degrees)")
+        layout = plan_layout(self.name, world_size, batch=batch, mesh=mesh, own={"tp": tp})
+        if model is not None:
+            check_model_fits(model, self.tp_plan, tp, self.sequence_parallel, self.dp_strategy)
+        return layout
 
-    def check_model(self, model: nn.Module) -> None:
-        """Refuse, before any process starts, a model the plan does not fit: the checks `setup`
-        and `parallelize` make that need no process group (plan, widths and heads divisible by
-        the tp degree, blocks for sequence parallelism), with the same `ConfigError`.
-
-        The degree is ``tp``, else the world size `validate` saw; without either only the plan
-        itself is checked.
-        """
-        resolved, grad_sum, _ = resolve(model, self.plan, self.tp or self._world_tp)
-        if self.sequence_parallel:
-            _sequence_blocks(model, resolved)
-        roles(model, resolved, grad_sum, self.sequence_parallel)  # the backstop: a module no rule covers
-        if self.dp_strategy == "fsdp" and any(fused_parts(model, n) for n, st in resolved.items() if st == "colwise"):
-            raise ConfigError("a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; "
-                              "got dp_strategy 'fsdp'. Use dp_strategy='ddp'")
-
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> TensorParallelRun:
         if not dist.is_initialized():
             raise ConfigError("strategy 'tp' needs a process group; start the run through shardwise (Trainer, launch, or shardwise run)")
         if mesh.size("pp") != 1:
             raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={mesh.size('pp')}. Use strategy 'pipeline' with --tp for pp x tp")
-        self.degree, self.dp = mesh.size("tp"), mesh.size("dp")
-        self.recorder = recorder
-        self.check_model(model)  # a bad plan or head count fails here, before any group is built
+        degree, dp = mesh.size("tp"), mesh.size("dp")
+        check_model_fits(model, self.tp_plan, degree, self.sequence_parallel, self.dp_strategy)  # on every rank, before any group is built
         model = model.to(mesh.device)
-        tp_mesh = _dim_mesh(mesh, "tp")
-        parallelize(model, tp_mesh, self.plan, self.sequence_parallel)
-        info = model._shardwise_tp  # type: ignore[attr-defined]
-        self.applied = dict(info["plan"])
-        self.roles = {"plan_source": info["source"], "grad_summed": list(info["sum"]), "whole": list(info["whole"]),
-                      "fused": sorted(info["fused"])}
-        self.names = group_names(tp=tp_mesh.get_group())
-        self.tp_group = tp_mesh.get_group()
-        if self.dp > 1:
-            dp_mesh = _dim_mesh(mesh, "dp")
-            self.names.update(group_names(dp=dp_mesh.get_group()))
-            self.dp_group = Group("dp", dp_mesh.get_group())
+        tp_mesh = mesh.device_mesh("tp")  # the run's mesh is dp-major, tp fastest
+        parallelize(model, tp_mesh, self.tp_plan, self.sequence_parallel, recorder=recorder)
+        names = group_names(tp=tp_mesh.get_group())
+        dp_group: Group | None = None
+        if dp > 1:
+            dp_mesh = mesh.device_mesh("dp")
+            names.update(group_names(dp=dp_mesh.get_group()))
+            dp_group = Group("dp", dp_mesh.get_group())
             if self.dp_strategy == "fsdp":
                 shard_data_parallel(model, dp_mesh)
-        self.model_params = list(model.parameters())
-        self._model = model
-        optimizer = make_optimizer(self.model_params)
-        # Gradients are finished (sequence-parallel partial sums reduced, dp replicas averaged)
-        # before clipping and before the optimizer step, however backward was called: through
-        # forward_backward, or engine.backward in a loop of the user's own.
+        params = list(model.parameters())
+        return TensorParallelRun(model, make_optimizer(params), self, Group("tp", tp_mesh.get_group()), dp_group, names, recorder)
+
+
+class TensorParallelRun(Parallel):
+    """One rank's share of a dp x tp run: the model split in place by `parallelize` (its module
+    names are the user's), FSDP2 over dp or the dp gradient allreduce, and the step's collective counts.
+
+    Gradients are finished (sequence-parallel partial sums reduced, dp replicas averaged) before
+    clipping and before the optimizer step, however backward was called: through
+    `forward_backward`, or ``engine.backward`` in a loop of the user's own (a forward hook marks a
+    backward round; an optimizer step pre-hook finishes it).
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: TensorParallel, tp_group: Group,
+        dp_group: Group | None, names: dict[str, tuple[str, int]], recorder: Recorder,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.placement = Placement()  # every rank trains; tp ranks of one dp coordinate read the same data shard
+        self._strategy, self._recorder = strategy, recorder
+        self._tp_group, self._dp_group, self._names = tp_group, dp_group, names
+        self.degree, self.dp = tp_group.size, dp_group.size if dp_group is not None else 1
+        info = model._shardwise_tp  # type: ignore[attr-defined]
+        self.applied: dict[str, str] = dict(info["plan"])
+        self.roles: dict[str, Any] = {"plan_source": info["source"], "grad_summed": list(info["sum"]), "whole": list(info["whole"]),
+                                      "fused": sorted(info["fused"])}
+        self.params = list(model.parameters())
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        self.steps = 0
+        self._dirty = False
+        self._report: dict[str, Any] | None = None
         model.register_forward_pre_hook(self._mark_dirty)
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.finish_grads(model))
-        return model, optimizer
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.finish_grads())
 
     def _mark_dirty(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             self._dirty = True
 
-    def finish_grads(self, model: nn.Module) -> None:
+    def _fsdp(self) -> bool:
+        return self.dp > 1 and self._strategy.dp_strategy == "fsdp"
+
+    def finish_grads(self) -> None:
         """Reduce sequence-parallel partial gradients and (ddp) average over dp, once per backward round.
 
         Called after forward_backward, by clip_grad_norm and before every optimizer step; a no-op
@@ -216,23 +256,20 @@ class TensorParallel:
         if not self._dirty:
             return
         self._dirty = False
-        reduce_partial_grads(model, self.recorder)  # sequence-parallel norms, declared per-head norms
-        if self.dp > 1 and self.dp_strategy == "ddp" and self.dp_group is not None:
-            replicate_grads(model, self.dp_group, self.recorder)
+        reduce_partial_grads(self.model, self._recorder)  # sequence-parallel norms, declared per-head norms
+        if self.dp > 1 and self._strategy.dp_strategy == "ddp" and self._dp_group is not None:
+            replicate_grads(self.model, self._dp_group, self._recorder)
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model  # parallelize_module and fully_shard change the module in place; names stay the user's
+    def module(self) -> nn.Module:
+        return self.model  # parallelize_module and fully_shard change the module in place; names stay the user's
 
-    def _fsdp(self) -> bool:
-        return self.dp > 1 and self.dp_strategy == "fsdp"
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        if getattr(precision, "mode", None) == "16-mixed" and not self._fsdp():
+    def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        if precision.mode == "16-mixed" and not self._fsdp():
             # torch's GradScaler unscales all gradients in one foreach call, which refuses a mix of
             # DTensor (split linears) and plain tensors (embedding, head): fail before the first step.
             raise ConfigError("strategy 'tp' does not run with precision '16-mixed' (torch's GradScaler cannot unscale a mix of "
                               "DTensor and plain gradients); use precision 'bf16-mixed', which needs no scaler, or '32'")
-        mode = _collective_counter_mode()(self.recorder, self.names) if self.count else None
+        mode = _collective_counter_mode()(self._recorder, self._names) if self._strategy.count_collectives else None
         if mode is not None:
             inner = step_fn
 
@@ -243,64 +280,76 @@ class TensorParallel:
                 finally:
                     mode.phase = "backward"
         with mode if mode is not None else contextlib.nullcontext():
-            loss = accumulate_backward(model, microbatches, step_fn, precision, no_sync=lambda: self.no_sync(model))
+            loss = accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
         if mode is not None:
             self.counts.update(mode.counts)
         self.steps += 1
-        self.finish_grads(model)
+        self.finish_grads()
         return loss
 
-    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        """With ``check_replicas``: after every step, the replicated parameters must be equal bit for
-        bit across the tp ranks (`relayout.check_replicas` names the first that differs)."""
-        if self.check_replicas and self.tp_group is not None:
-            check_replicas(model, self.tp_group)
-
     @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
+    def no_sync(self) -> Iterator[None]:
         # ddp: nothing to skip (the dp allreduce runs once, in finish_grads); fsdp: accumulate
         # unsharded gradients and reduce-scatter their sum on the last micro-batch.
-        if self._fsdp():
-            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        fsdp = self._fsdp()
+        if fsdp:
+            self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
         finally:
-            if self._fsdp():
-                model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            if fsdp:
+                self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        self.finish_grads(model)
-        return clip_grad_norm_(self.model_params, max_norm, self.recorder)
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        self.finish_grads()
+        return clip_grad_norm_(self.params, max_norm, self._recorder)
 
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def state_dict(self, optimizer: bool) -> dict[str, Any]:
         from shardwise.strategies.fsdp import dtensor_state_dict
 
-        return to_original(model, dtensor_state_dict(model, optimizer))
+        return to_original(self.model, dtensor_state_dict(self.model, self.optimizer if optimizer else None))
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        """Sharded state (DTensors, from a tp/fsdp checkpoint) or whole tensors (from single/ddp)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Sharded state (DTensors, from a tp/fsdp checkpoint) or whole tensors (from single/ddp);
+        the optimizer loads when ``state`` holds one."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         from shardwise.checkpoint import optimizer_state_by_name, parameter_names
         from shardwise.strategies.fsdp import is_sharded_state
 
         full = not is_sharded_state(state["model"])
-        state = to_run(model, state)
+        state = to_run(self.model, state)
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=False)
-        set_model_state_dict(model, state["model"], options=options)
-        if optimizer is not None and "optimizer" in state:
+        set_model_state_dict(self.model, state["model"], options=options)
+        if "optimizer" in state:
             osd = state["optimizer"]
             if any(isinstance(k, int) for k in osd.get("state", {})) or any(isinstance(i, int) for g in osd["param_groups"] for i in g["params"]):
-                osd = optimizer_state_by_name(osd, parameter_names(model, optimizer))
-            set_optimizer_state_dict(model, optimizer, osd, options=options)
+                osd = optimizer_state_by_name(osd, parameter_names(self.model, self.optimizer))
+            set_optimizer_state_dict(self.model, self.optimizer, osd, options=options)
+
+    def after_step(self, step: int) -> None:
+        """With ``check_replicas``: the replicated parameters must be equal bit for bit across the tp
+        ranks after every step (`relayout.check_replicas` names the first that differs)."""
+        if self._strategy.check_replicas:
+            check_replicas(self.model, self._tp_group, recorder=self._recorder)
+
+    def save_extra_state(self, directory: Path) -> None:
+        return None  # the model's and optimizer's DTensors hold everything (fused weights saved in the original layout)
+
+    def load_extra_state(self, path: Path) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None  # nothing to gather or stop: each rank counted its own collectives as they ran
 
     def summary(self) -> dict[str, Any]:
+        s = self._strategy
         steps = max(self.steps, 1)
         per_step: dict[str, dict[str, float]] = {}
         for (group, kind, phase), n in sorted(self.counts.items()):
             per_step.setdefault(f"{group}/{kind}", {})[phase] = n / steps
         return {"tp": {
-            "degree": self.degree, "dp": self.dp, "dp_strategy": self.dp_strategy if self.dp > 1 else None,
-            "sequence_parallel": self.sequence_parallel, "plan": self.applied, **self.roles,
-            "collectives_per_step": per_step if self.count else None, "counted_steps": self.steps if self.count else 0,
+            "degree": self.degree, "dp": self.dp, "dp_strategy": s.dp_strategy if self.dp > 1 else None,
+            "sequence_parallel": s.sequence_parallel, "plan": self.applied, **self.roles,
+            "collectives_per_step": per_step if s.count_collectives else None, "counted_steps": self.steps if s.count_collectives else 0,
         }}

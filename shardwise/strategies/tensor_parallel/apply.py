@@ -23,13 +23,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.comm.collectives import Group, broadcast
+from shardwise.comm.recorder import Recorder
 from shardwise.strategies.tensor_parallel.plan import (
     LOCAL_ATTRS, _is_attention_input, _sequence_blocks, _sublayers, fused_parts, resolve,
 )
 from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.styles import colwise, get_input, main_output, put_input, replace_output, rowwise
 
-def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False) -> nn.Module:
+def parallelize(
+    module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False, *, recorder: Recorder | None = None,
+) -> nn.Module:
     """Split ``module``'s linear pairs across ``tp_mesh`` (a 1D DeviceMesh), in place; returns it.
 
     ``plan``: ``None`` for the model's declared plan (transformers' ``_tp_plan``) or else the
@@ -46,6 +50,7 @@ def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = N
     (dim 1) from the first block's input to the last block's output (registration order); the
     module's input and output stay whole, and so does everything computed outside the blocks
     (rotary tables, masks), which the blocks receive replicated and use on the gathered sequence.
+    ``recorder`` records the one collective issued here (`synchronize_dropout`'s seed broadcast).
 
     >>> tp_mesh = init_device_mesh("cpu", (2,))                               # doctest: +SKIP
     >>> parallelize(model, tp_mesh, sequence_parallel=True)                  # doctest: +SKIP
@@ -74,7 +79,7 @@ def parallelize(module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = N
             _run_whole(module.get_submodule(name), tp_mesh, seq)
     for name in role["sum"]:
         module.get_parameter(name)._shardwise_tp_sum = tp_mesh  # type: ignore[attr-defined]  # see grads._sum_role_grads
-    synchronize_dropout(module, tp_mesh, blocks, role["whole"])
+    synchronize_dropout(module, tp_mesh, blocks, role["whole"], recorder=recorder)
     module._shardwise_tp = {  # type: ignore[assignment]
         "plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp, "source": source,
         "sum": role["sum"], "whole": role["whole"], "fused": fused, "mesh": tp_mesh,
@@ -180,7 +185,9 @@ def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str], seq
     module.get_submodule(blocks[-1]).register_forward_hook(leave, with_kwargs=True)
 
 
-def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequence[str] = (), whole: Sequence[str] = ()) -> int:
+def synchronize_dropout(
+    module: nn.Module, tp_mesh: Any, sharded_blocks: Sequence[str] = (), whole: Sequence[str] = (), *, recorder: Recorder | None = None,
+) -> int:
     """Make the ``nn.Dropout`` modules of ``module`` draw the same masks on every tp rank where
     their input is replicated, and different ones where it is sequence-sharded.
 
@@ -192,14 +199,15 @@ def synchronize_dropout(module: nn.Module, tp_mesh: Any, sharded_blocks: Sequenc
     call count; inside ``sharded_blocks`` (sequence parallelism: every dropout there sees this
     rank's slice of the sequence) the tp rank is mixed in. Dropout inside attention
     (``scaled_dot_product_attention``'s ``dropout_p``) acts on this rank's own heads and keeps
-    the rank's stream. Returns how many modules were synchronized.
+    the rank's stream. Returns how many modules were synchronized. The seed's broadcast (8 bytes,
+    through `shardwise.comm`) is recorded on ``recorder`` when given.
     """
     drops = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if not drops:
         return 0
     pg = tp_mesh.get_group()
     seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=tp_mesh.device_type)
-    dist.broadcast(seed, src=dist.get_global_rank(pg, 0), group=pg)
+    broadcast(seed, 0, group=Group("tp", pg), recorder=recorder)  # from tp rank 0
     base, rank = int(seed.item()), dist.get_rank(pg)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     for index, (name, drop) in enumerate(drops):

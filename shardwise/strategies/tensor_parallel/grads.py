@@ -6,19 +6,27 @@ Sequence-parallel norm weights' gradients are partial sums over the sequence sha
 reduces them once per step, as `reduce_partial_grads` does (coalesced). Torch's DDP reducer does
 not take DTensor parameters, so `replicate_grads` averages each gradient's local tensor over the
 dp group in one flat buffer per dtype.
+
+Every allreduce here goes through `shardwise.comm` (named after the mesh dimension it runs over),
+so the run's `Recorder`, when one is passed, sees each byte.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from shardwise.comm.collectives import Group
-from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
+from shardwise.comm.collectives import Group, all_reduce
+from shardwise.comm.recorder import Recorder
+
+
+def _dim_label(mesh: Any, dim: int) -> str:
+    """What the recorder calls a DeviceMesh dimension: its name (``dp``, ``tp``), else ``tp``."""
+    names = mesh.mesh_dim_names or ()
+    return (names[dim] if dim < len(names) else None) or "tp"
+
 
 # -- partial sums under sequence parallelism ---------------------------------------------------
 
@@ -40,20 +48,11 @@ def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) ->
         mesh, placements = first.device_mesh, list(first.placements)
         locals_ = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
         flat = torch.cat([t.reshape(-1) for t in locals_])
-        n = flat.numel() * flat.element_size()
         for d, pl in enumerate(placements):
             if not pl.is_partial():
                 continue
-            pg = mesh.get_group(d)
-            size = dist.get_world_size(pg)
-            start = time.perf_counter()
-            dist.all_reduce(flat, group=pg)
-            if getattr(pl, "reduce_op", "sum") == "avg":
-                flat.div_(size)
-            if recorder is not None:
-                sent, recv = wire_bytes("all_reduce", n, size)
-                label = (mesh.mesh_dim_names or ())[d] if mesh.mesh_dim_names else "tp"
-                recorder.add(CommEvent("all_reduce", label, size, n, sent, recv, time.perf_counter() - start))
+            group = Group(_dim_label(mesh, d), mesh.get_group(d))
+            all_reduce(flat, "mean" if getattr(pl, "reduce_op", "sum") == "avg" else "sum", group=group, recorder=recorder)
             placements[d] = Replicate()
         offset = 0
         for p, t in zip(params, locals_):
@@ -78,8 +77,7 @@ def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
     found += [(p, p._shardwise_tp_sum) for p in module.parameters() if getattr(p, "_shardwise_tp_sum", None) is not None]
     if not found:
         return 0
-    pg = found[0][1].get_group()
-    size = dist.get_world_size(pg)
+    group = Group("tp", found[0][1].get_group())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for p, _ in found:
@@ -90,16 +88,11 @@ def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
         by_dtype.setdefault(local.dtype, []).append(local)
     for tensors in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        n = flat.numel() * flat.element_size()
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=pg)
+        all_reduce(flat, "sum", group=group, recorder=recorder)
         offset = 0
         for t in tensors:
             t.copy_(flat[offset: offset + t.numel()].view_as(t))
             offset += t.numel()
-        if recorder is not None:
-            sent, recv = wire_bytes("all_reduce", n, size)
-            recorder.add(CommEvent("all_reduce", "tp", size, n, sent, recv, time.perf_counter() - start))
     return sum(len(v) for v in by_dtype.values())
 
 
@@ -117,10 +110,8 @@ def replicate_grads(module: nn.Module, dp_group: Any, recorder: Recorder | None 
     """
     from torch.distributed.tensor import DTensor
 
-    pg = dp_group.pg if isinstance(dp_group, Group) else dp_group
-    name = dp_group.name if isinstance(dp_group, Group) else "dp"
-    p = dist.get_world_size(pg)
-    if p == 1:
+    group = dp_group if isinstance(dp_group, Group) else Group("dp", dp_group)
+    if group.size == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for param in module.parameters():
@@ -130,17 +121,11 @@ def replicate_grads(module: nn.Module, dp_group: Any, recorder: Recorder | None 
         by_dtype.setdefault(local.dtype, []).append(local)
     for tensors in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        n = flat.numel() * flat.element_size()
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=pg)
-        flat.div_(p)
+        all_reduce(flat, "mean", group=group, recorder=recorder)  # a sum, then a division by the group size
         offset = 0
         for t in tensors:
             t.copy_(flat[offset: offset + t.numel()].view_as(t))
             offset += t.numel()
-        if recorder is not None:
-            sent, recv = wire_bytes("all_reduce", n, p)
-            recorder.add(CommEvent("all_reduce", name, p, n, sent, recv, time.perf_counter() - start))
 
 
 def shard_data_parallel(module: nn.Module, dp_mesh: Any, units: str | Sequence[str] = "auto") -> nn.Module:
@@ -191,12 +176,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, recorde
         if key:
             mesh, dims = meshes[key], key[1]
             for d in dims:
-                pg = mesh.get_group(d)
-                dist.all_reduce(sq, group=pg)
-                if recorder is not None:
-                    size = dist.get_world_size(pg)
-                    sent, recv = wire_bytes("all_reduce", 8, size)
-                    recorder.add(CommEvent("all_reduce", (mesh.mesh_dim_names or ("tp",) * mesh.ndim)[d] or "tp", size, 8, sent, recv, 0.0))
+                all_reduce(sq, "sum", group=Group(_dim_label(mesh, d), mesh.get_group(d)), recorder=recorder)
         total = sq if total is None else total + sq
     assert total is not None
     norm = total.sqrt()

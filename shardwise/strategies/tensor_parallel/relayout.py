@@ -13,9 +13,10 @@ import hashlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from shardwise.comm.collectives import Group, all_gather
+from shardwise.comm.recorder import Recorder
 from shardwise.strategies.tensor_parallel.styles import fused_permutation, out_dim
 
 
@@ -80,10 +81,11 @@ def to_run(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     return _walk(model, state, invert=False)
 
 
-def check_replicas(model: nn.Module, group: Any) -> None:
-    """Hash every replicated (plain) parameter and compare across ``group`` (the tp ranks), in
-    registration order; raise ``RuntimeError`` naming the first that differs. A debug check: one
-    allgather of a digest per parameter."""
+def check_replicas(model: nn.Module, group: Any, *, recorder: Recorder | None = None) -> None:
+    """Hash every replicated (plain) parameter and compare across ``group`` (the tp ranks: a
+    `shardwise.comm.Group`, or a ProcessGroup), in registration order; raise ``RuntimeError``
+    naming the first that differs. A debug check: one all-gather of the digests (8 bytes per
+    parameter), recorded on ``recorder`` when given."""
     from torch.distributed.tensor import DTensor
 
     names, digests = [], []
@@ -96,9 +98,9 @@ def check_replicas(model: nn.Module, group: Any) -> None:
     if not names:
         return
     mine = torch.tensor(digests, dtype=torch.int64)
-    size = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(gathered, mine, group=group)
+    tp_group = group if isinstance(group, Group) else Group("tp", group)
+    gathered = all_gather(mine, group=tp_group, recorder=recorder)
+    size = len(gathered)
     for i, name in enumerate(names):
         values = {int(g[i]) for g in gathered}
         if len(values) > 1:

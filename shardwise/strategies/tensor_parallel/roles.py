@@ -1,6 +1,6 @@
 """Roles: what every module with parameters or buffers is, by its place in the model, once a plan
 says which linears split; and the backstop that refuses a module no rule covers. No process group
-needed, so `TensorParallel.check_model` runs it in the parent before launch."""
+needed, so `TensorParallel.plan` runs it in the parent before launch."""
 
 from __future__ import annotations
 
