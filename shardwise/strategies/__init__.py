@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import inspect
 from typing import Any, Callable
 
 from shardwise.errors import ConfigError
@@ -67,7 +68,8 @@ def get_strategy(spec: str | Strategy, **options: Any) -> Strategy:
         return _contract(spec)
     factory = _factory(spec)
     if dataclasses.is_dataclass(factory):
-        fields = [f.name for f in dataclasses.fields(factory) if f.init]
+        # The constructor's own names: a strategy may also accept an old name of an option (tp's plan=).
+        fields = [n for n in inspect.signature(factory).parameters]
         unknown = [k for k in options if k not in fields]
         if unknown:
             hints = [f"{k!r}" + (f" (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(k, fields, n=1)) else "") for k in unknown]
