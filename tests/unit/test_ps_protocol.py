@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwise.comm.codecs import get_codec
-from shardwise.strategies.ps_protocol import (
+from shardwise.strategies.param_server.protocol import (
     HEADER_BYTES, KIND, LENGTH, LOAD, LR, PUSH, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, partition_by_bytes,
     path_bytes, path_of, payload_of, unpack_header,
 )
