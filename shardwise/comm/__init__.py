@@ -9,11 +9,12 @@ Design notes: Communication
 
 `shardwise.comm` is layer 1 and the one door to `torch.distributed`: every byte shardwise sends
 goes through it and is recorded. `collectives.py` wraps the c10d collectives (`all_reduce`,
-`broadcast`, `all_gather`, `barrier`) and, for ranks that pair up themselves (parameter servers), the
-recorded point-to-point `send`, `recv`, `isend`, `irecv` and `new_group`; `p2p.py` holds `Peers` (counted `isend`/`irecv` within a
-group), `traffic.py` the byte formulas, `algorithms.py` our allreduce algorithms, `codecs.py` the
-compression codecs, `compressed.py` their exchanges, `hooks.py` the DDP communication hooks;
-`shardwise bench comm` lives in `shardwise/bench/comm.py`.
+`broadcast`, `all_gather`, `barrier`) and, for ranks that pair up themselves (parameter servers
+and their workers), point-to-point `send`, `recv`, `isend`, `irecv` and `new_group`; `p2p.py`
+holds `Peers` (counted `isend`/`irecv` within a group), `traffic.py` the byte formulas,
+`algorithms.py` our allreduce algorithms, `codecs.py` the compression codecs, `compressed.py` their
+exchanges, `hooks.py` the DDP communication hooks; `shardwise bench comm` lives in
+`shardwise/bench/comm.py`.
 
 **The Recorder.** One per engine, passed explicitly to whatever communicates (no global). Each
 operation adds one `CommEvent`: `op`, `group`, group size, `payload_bytes` (the tensor handed to

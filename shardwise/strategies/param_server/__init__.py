@@ -197,7 +197,6 @@ def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: Op
     workers_group = new_group(range(workers), name="workers")
     solo = [new_group([w], name="alone") for w in range(workers)] if settings.alone else []
     client = Client(params, shards, server_ranks, mesh.rank if mesh.rank < workers else 0, settings.codec(), recorder, PS_GROUP)
-    report = dict(settings=settings, world_size=world, shard_bytes=shard_bytes)
     if mesh.rank >= workers:
         s = mesh.rank - workers
         owned = [nn.Parameter(params[i].detach().clone()) for i in shards[s]]
@@ -207,7 +206,8 @@ def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: Op
                         recorder=recorder, group=PS_GROUP, param_ids=shards[s], servers=servers)
         stats = server.serve()
         server.report_to(0)
-        return ServerRun(model, server.optimizer, Placement(trains=False), stats=[stats], **report)
+        return ServerRun(model, server.optimizer, Placement(trains=False), settings=settings, world_size=world,
+                         shard_bytes=shard_bytes, stats=[stats])
     lr = float(make_optimizer(model.parameters()).param_groups[0]["lr"])  # the user's rate, for the scheduler
     worker_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": workers, "pp": 1, "tp": 1},
                        _groups={"dp": workers_group})
@@ -216,7 +216,8 @@ def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: Op
         own = solo[mesh.rank]
         alone_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": 1, "pp": 1, "tp": 1}, _groups={"dp": own})
         placement = Placement(trains=True, mesh=alone_mesh, group=own, data_mesh=worker_mesh)
-    return ServerRun(model, RemoteOptimizer(model.parameters(), lr, client), placement, client=client, **report)
+    return ServerRun(model, RemoteOptimizer(model.parameters(), lr, client), placement, settings=settings, world_size=world,
+                     shard_bytes=shard_bytes, client=client)
 
 
 class ServerRun(LocalParallel):

@@ -24,7 +24,8 @@ checkpoints), its death ends the run anyway (it is not expendable), and losing i
 session under it. DONE messages end each worker's session.
 
 Every byte a server exchanges goes through `shardwise.comm` and is recorded in the server
-process's recorder (``ps/irecv`` for pushes, ``ps/send`` for answers and reports).
+process's recorder (``ps/irecv`` for pushes, ``ps/recv`` for a checkpoint's path, ``ps/send`` for
+answers and reports).
 
 Checkpoints: a `SAVE` from worker 0 names the checkpoint's temporary directory; the server
 writes its shard, its optimizer state and its version there (``server-NNN.pt``, fsynced)
