@@ -66,7 +66,7 @@ MUTANTS = [
            'all_reduce(flat, "mean", group=group, recorder=recorder)', 'all_reduce(flat, "sum", group=group, recorder=recorder)', (REPLICAS,)),
     Mutant("local SGD leaves the last parameter stale (not averaged)", "shardwise/strategies/replicas/base.py",
            "return [p.data for p in model.parameters()] +", "return [p.data for p in model.parameters()][:-1] +", (REPLICAS,)),
-    Mutant("the parameter server ignores the worker's learning rate", "shardwise/strategies/ps_server.py",
+    Mutant("the parameter server ignores the worker's learning rate", "shardwise/strategies/param_server/server.py",
            'group["lr"] = lr  # the worker', "pass  # the worker", (REPLICAS,)),
     Mutant("ddp never syncs the last parameter", "shardwise/strategies/ddp.py",
            "    ddp = DistributedDataParallel(model, device_ids",

@@ -9,10 +9,12 @@ Design notes: Communication
 
 `shardwise.comm` is layer 1 and the one door to `torch.distributed`: every byte shardwise sends
 goes through it and is recorded. `collectives.py` wraps the c10d collectives (`all_reduce`,
-`broadcast`, `all_gather`, `barrier`, and the blocking point-to-point `send` / `recv`), `p2p.py` holds `Peers` (counted `isend`/`irecv` within a
-group), `traffic.py` the byte formulas, `algorithms.py` our allreduce algorithms, `codecs.py` the
-compression codecs, `compressed.py` their exchanges, `hooks.py` the DDP communication hooks;
-`shardwise bench comm` lives in `shardwise/bench/comm.py`.
+`broadcast`, `all_gather`, `barrier`) and, for ranks that pair up themselves (parameter servers
+and their workers), point-to-point `send`, `recv`, `isend`, `irecv` and `new_group`; `p2p.py`
+holds `Peers` (counted `isend`/`irecv` within a group), `traffic.py` the byte formulas,
+`algorithms.py` our allreduce algorithms, `codecs.py` the compression codecs, `compressed.py` their
+exchanges, `hooks.py` the DDP communication hooks; `shardwise bench comm` lives in
+`shardwise/bench/comm.py`.
 
 **The Recorder.** One per engine, passed explicitly to whatever communicates (no global). Each
 operation adds one `CommEvent`: `op`, `group`, group size, `payload_bytes` (the tensor handed to
@@ -128,7 +130,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shardwise.comm.collectives import WORLD, Group, all_gather, all_reduce, barrier, broadcast, recv, send
+from shardwise.comm.collectives import WORLD, Group, Pending, all_gather, all_reduce, barrier, broadcast, irecv, isend, new_group, recv, send
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 
 _LAZY = {
@@ -151,4 +153,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["WORLD", "CommEvent", "Group", "Recorder", "all_gather", "all_reduce", "barrier", "broadcast", "recv", "send", "wire_bytes", *_LAZY]
+__all__ = [
+    "WORLD", "CommEvent", "Group", "Pending", "Recorder", "all_gather", "all_reduce", "barrier", "broadcast", "irecv", "isend",
+    "new_group", "recv", "send", "wire_bytes", *_LAZY,
+]

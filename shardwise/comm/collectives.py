@@ -7,13 +7,14 @@ the group, instead of a bare gloo message.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from shardwise.comm.recorder import Recorder, wire_bytes
+from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 from shardwise.errors import CommError
 
 T = TypeVar("T")
@@ -147,25 +148,76 @@ class _NullRecorder(Recorder):
 _NULL = _NullRecorder()
 
 
+# -- point to point and groups -------------------------------------------------------------------
+# For strategies whose ranks pair up themselves (parameter servers and their workers). Ranks are
+# group ranks, as in `broadcast` (on the world group they are the global ranks). A message is
+# recorded as op ``send`` / ``recv`` (blocking, timed) or ``isend`` / ``irecv`` (posted; its time is
+# not seen), group size 2, with its bytes. An operation made of several messages that records
+# itself as one event (as our allreduce algorithms do) passes ``recorder=None``, so nothing counts twice.
+
+
+class Pending:
+    """A posted ``isend`` or ``irecv``: ``wait()`` blocks until it is done (a failure or timeout is a
+    `CommError` naming this rank, the operation and the group); ``source()`` is the sender's group rank."""
+
+    def __init__(self, work: Any, op: str, group: Group, peer: int | None) -> None:
+        self.work, self.op, self.group, self.peer = work, op, group, peer
+
+    def wait(self) -> None:
+        what = f"{self.op} {'from any rank' if self.peer is None else f'with rank {self.peer}'}"
+        _guard(what, self.group, lambda: self.work.wait())
+
+    def source(self) -> int:
+        """The group rank the message came from (after ``wait``; for a receive from any rank)."""
+        if self.peer is not None:
+            return self.peer
+        return int(self.work._source_rank())  # the process group's own numbering: the group rank
+
+
+def _p2p_record(recorder: Recorder | None, op: str, group: Group, tensor: torch.Tensor, seconds: float | None) -> None:
+    if recorder is None:
+        return
+    n = _nbytes(tensor)
+    sent, received = wire_bytes("send" if op in ("send", "isend") else "recv", n, 2)
+    recorder.add(CommEvent(op, group.name, 2, n, sent, received, seconds))
+
+
 def send(tensor: torch.Tensor, dst: int, *, group: Group = WORLD, recorder: Recorder | None = None, tag: int = 0) -> None:
-    """Send ``tensor`` (contiguous) to group rank ``dst`` and wait until it is sent.
-
-    Recorded as op ``send``: ``sent_bytes`` is the tensor's size, ``received_bytes`` 0. The peer
-    calls `recv` with a tensor of the same shape and dtype (and the same ``tag``)."""
-    n = _nbytes(tensor)
-    sent, received = wire_bytes("send", n, group.size)
-    rec = recorder or _NULL
-    with rec.timed("send", group.name, group.size, n, sent, received):
-        _guard(f"send to group rank {dst}", group, lambda: dist.send(tensor, group=group.pg, tag=tag, group_dst=dst))
+    """Send ``tensor`` to group rank ``dst`` and return once it is out (the receiver has posted its receive)."""
+    start = time.perf_counter()
+    _guard(f"send to rank {dst}", group, lambda: dist.send(tensor, dst=group.global_rank(dst), group=group.pg, tag=tag))
+    _p2p_record(recorder, "send", group, tensor, time.perf_counter() - start)
 
 
-def recv(tensor: torch.Tensor, src: int, *, group: Group = WORLD, recorder: Recorder | None = None, tag: int = 0) -> torch.Tensor:
-    """Receive into ``tensor`` (contiguous, the sender's shape and dtype) from group rank ``src``; returns it.
+def recv(tensor: torch.Tensor, src: int | None = None, *, group: Group = WORLD, recorder: Recorder | None = None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from group rank ``src`` (None: from any rank); returns the sender's group rank."""
+    start = time.perf_counter()
+    peer = None if src is None else group.global_rank(src)
+    what = "recv from any rank" if src is None else f"recv from rank {src}"
+    sender = _guard(what, group, lambda: dist.recv(tensor, src=peer, group=group.pg, tag=tag))
+    _p2p_record(recorder, "recv", group, tensor, time.perf_counter() - start)
+    return int(sender) if group.pg is None else dist.get_group_rank(group.pg, int(sender))
 
-    Recorded as op ``recv``: ``received_bytes`` is the tensor's size, ``sent_bytes`` 0."""
-    n = _nbytes(tensor)
-    sent, received = wire_bytes("recv", n, group.size)
-    rec = recorder or _NULL
-    with rec.timed("recv", group.name, group.size, n, sent, received):
-        _guard(f"recv from group rank {src}", group, lambda: dist.recv(tensor, group=group.pg, tag=tag, group_src=src))
-    return tensor
+
+def isend(tensor: torch.Tensor, dst: int, *, group: Group = WORLD, recorder: Recorder | None = None, tag: int = 0) -> Pending:
+    """Start sending ``tensor`` to group rank ``dst``; wait on the returned `Pending`. Recorded when posted."""
+    work = _guard(f"isend to rank {dst}", group, lambda: dist.isend(tensor, dst=group.global_rank(dst), group=group.pg, tag=tag))
+    _p2p_record(recorder, "isend", group, tensor, None)
+    return Pending(work, "isend", group, dst)
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, *, group: Group = WORLD, recorder: Recorder | None = None, tag: int = 0) -> Pending:
+    """Start receiving into ``tensor`` from group rank ``src`` (None: from any rank, as gloo allows);
+    wait on the returned `Pending`. Recorded when posted, for the whole buffer."""
+    peer = None if src is None else group.global_rank(src)
+    what = "irecv from any rank" if src is None else f"irecv from rank {src}"
+    work = _guard(what, group, lambda: dist.irecv(tensor, src=peer, group=group.pg, tag=tag))
+    _p2p_record(recorder, "irecv", group, tensor, None)
+    return Pending(work, "irecv", group, src)
+
+
+def new_group(ranks: Any, *, name: str) -> Group:
+    """A named group of the given global ranks. Collective over the world: every process calls it,
+    in the same order, with the same ranks, whether or not it is a member. No bytes are recorded."""
+    members = sorted(int(r) for r in ranks)
+    return Group(name, _guard(f"new_group {members}", Group(name), lambda: dist.new_group(ranks=members)))

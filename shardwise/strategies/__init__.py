@@ -24,7 +24,7 @@ _BUILTIN: dict[str, str] = {
     "diloco": "shardwise.strategies.replicas.diloco:DiLoCo",
     "gossip": "shardwise.strategies.replicas.gossip:Gossip",
     "ps": "shardwise.strategies.param_server:PS",
-    "central": "shardwise.strategies.param_server:central",
+    "central": "shardwise.strategies.param_server:Central",
     "zero1": "shardwise.strategies.zero:Zero1",
     "zero2": "shardwise.strategies.fsdp:Zero2",
     "zero3": "shardwise.strategies.fsdp:FSDP",

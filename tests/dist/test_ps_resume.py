@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import shardwise
@@ -81,8 +82,10 @@ def _resumed(root: Path) -> dict[str, Any]:
     return out
 
 
+# Two launches of many runs: slow on a loaded machine. The limits are safety nets; nothing here is timed.
+@pytest.mark.timeout(900)
 def test_servers_and_replicas_checkpoint_their_state_and_a_resume_goes_on_from_it(tmp_path):
-    every_rank = shardwise.launch(_uninterrupted, tmp_path, nproc=4, threads_per_proc=1, timeout=170)
+    every_rank = shardwise.launch(_uninterrupted, tmp_path, nproc=4, threads_per_proc=1, timeout=420)
     full = every_rank[0]
     for name, servers in (("one_server", 1), ("two_servers", 2)):
         step = tmp_path / name / f"checkpoints/step-{N:08d}"
@@ -95,7 +98,7 @@ def test_servers_and_replicas_checkpoint_their_state_and_a_resume_goes_on_from_i
     # Saved when worker 0 finished its N steps: its N pushes and however many of worker 1's had arrived.
     assert N <= saved_async["version"] <= 3 * N and first_async["summary"]["ps"]["updates_per_server"] == [3 * N]
 
-    resumed_every_rank = shardwise.launch(_resumed, tmp_path, nproc=4, threads_per_proc=1, timeout=170)
+    resumed_every_rank = shardwise.launch(_resumed, tmp_path, nproc=4, threads_per_proc=1, timeout=420)
     resumed = resumed_every_rank[0]
     for name, servers in (("one_server", 1), ("two_servers", 2)):
         ref, got = full[name], resumed[name]

@@ -9,11 +9,13 @@ import pytest
 from tests.e2e.test_cli import shardwise
 
 
-@pytest.mark.timeout(240)
+# The straggler slows rank 1 down; no assertion depends on by how much (the bound holds by construction).
+# The time limits are safety nets for a loaded machine.
+@pytest.mark.timeout(600)
 def test_ps_ssp_with_a_straggler_trains_digits_keeps_its_bound_and_checkpoints_its_server(tmp_path):
     out = tmp_path / "run"
     proc = shardwise("train", "--recipe", "digits", "--strategy", "ps", "--nproc", "3", "--servers", "1", "--mode", "ssp",
-                     "--staleness", "2", "--straggler", "1:3", "--max-steps", "100", "--out", str(out))
+                     "--staleness", "2", "--straggler", "1:3", "--max-steps", "100", "--out", str(out), timeout=540)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     ps = summary["ps"]
@@ -36,6 +38,6 @@ def test_ps_ssp_with_a_straggler_trains_digits_keeps_its_bound_and_checkpoints_i
     ],
 )
 def test_bad_flags_are_one_clear_line_and_exit_code_2(args, message):
-    proc = shardwise("train", "--recipe", "digits", *args, timeout=60)
+    proc = shardwise("train", "--recipe", "digits", *args, timeout=240)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardwise.comm.codecs import get_codec
-from shardwise.strategies.ps_protocol import (
+from shardwise.strategies.param_server.protocol import (
     HEADER_BYTES, KIND, LENGTH, LOAD, LR, PUSH, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, partition_by_bytes,
     path_bytes, path_of, payload_of, unpack_header,
 )
@@ -84,3 +84,27 @@ def test_a_checkpoint_path_travels_as_its_utf8_bytes_after_a_header_with_its_len
     assert path_of(raw) == path
     head = unpack_header(pack(header(LOAD, 1, 8, 0.0, 0, raw.numel()), None, HEADER_BYTES))
     assert head[KIND] == LOAD and head[STEP] == 8 and head[LENGTH] == raw.numel()
+
+
+def test_a_server_drops_silent_workers_it_owes_nothing_but_never_worker_zero() -> None:
+    # No process group: the bookkeeping alone. Worker 0 reports the run and pauses alone (evaluation,
+    # checkpoints): dropping it would end the session under it, and its death ends the run anyway.
+    import time
+
+    from shardwise.comm.collectives import Group
+    from shardwise.comm.recorder import Recorder
+    from shardwise.strategies.param_server.server import Server
+
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    coder = GradientCoder(4, torch.float64, None)
+    for mode, staleness in (("async", None), ("ssp", 1), ("sync", None)):
+        server = Server(params, lambda p: torch.optim.SGD(p, lr=0.1), index=0, worker_ranks=[0, 1, 2, 3], mode=mode, staleness=staleness,
+                        coder=coder, message_bytes=HEADER_BYTES + 32, reply_bytes=HEADER_BYTES + 32, worker_timeout_s=5.0,
+                        recorder=Recorder(), group=Group("ps"))
+        now = time.monotonic()
+        server.last_seen = [now - 3600, now - 3600, now - 3600, now]  # 0, 1, 2 silent for an hour, 3 just spoke
+        if mode == "ssp":  # worker 2 is two clocks ahead: it waits for an answer we owe it
+            server.held, server.completed = {2}, [0, 0, 2, 0]
+        server._check_silent()
+        assert server.stats.lost == ([1] if mode == "ssp" else [1, 2]), mode
+        assert 0 in server.live and 3 in server.live, mode

@@ -137,8 +137,11 @@ def _send_tensor(t: torch.Tensor, group: Group, dst: int, recorder: Recorder | N
 
 def _recv_tensor(group: Group, src: int, device: torch.device, recorder: Recorder | None = None) -> torch.Tensor:
     """A tensor from group rank ``src``, shaped by the header received first."""
-    h = recv(torch.empty(_HEADER, dtype=torch.int64, device=device), src, group=group, recorder=recorder)
-    return recv(_empty_from(h.cpu(), device), src, group=group, recorder=recorder)
+    h = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    recv(h, src, group=group, recorder=recorder)
+    out = _empty_from(h.cpu(), device)
+    recv(out, src, group=group, recorder=recorder)
+    return out
 
 
 def _broadcast_tensor(t: torch.Tensor | None, group: Group, src: int, device: torch.device, recorder: Recorder | None = None) -> torch.Tensor:

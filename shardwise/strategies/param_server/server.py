@@ -13,11 +13,19 @@ Synchronous Parallel Parameter Server", NeurIPS):
   worker. Every applied gradient is then at most S clocks stale.
 
 Messages arrive from any worker (``irecv`` with no source, which gloo supports). Gloo's
-receive cannot be polled and a timed-out wait closes the connection, so one helper thread
-blocks on the receive and hands messages over a queue; the serving loop waits on the queue
-with a timeout and declares a worker lost when it has been silent for ``worker_timeout_s``
-while the server owed it nothing. A lost worker no longer counts: sync steps with the rest,
-ssp's slowest clock moves on. DONE messages end each worker's session.
+receive cannot be polled and a timed-out wait closes the connection, so the serving loop posts
+one receive at a time (recorded, through `shardwise.comm`), a helper thread blocks on it and
+hands the message over a queue, and the loop waits on the queue with a timeout. Each message is
+handled before the next receive is posted, so messages are applied in the order they arrived.
+A worker silent for ``worker_timeout_s`` while the server owed it nothing is declared lost, and
+no longer counts: sync steps with the rest, ssp's slowest clock moves on. The reporting worker
+(worker 0) is never declared lost by silence: it is the one that pauses alone (evaluation,
+checkpoints), its death ends the run anyway (it is not expendable), and losing it would end the
+session under it. DONE messages end each worker's session.
+
+Every byte a server exchanges goes through `shardwise.comm` and is recorded in the server
+process's recorder (``ps/irecv`` for pushes, ``ps/recv`` for a checkpoint's path, ``ps/send`` for
+answers and reports).
 
 Checkpoints: a `SAVE` from worker 0 names the checkpoint's temporary directory; the server
 writes its shard, its optimizer state and its version there (``server-NNN.pt``, fsynced)
@@ -40,39 +48,45 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint import load_file, write_file
+from shardwise.comm.collectives import Group, Pending, irecv, recv, send
+from shardwise.comm.recorder import Recorder
 from shardwise.errors import CheckpointError, CommError
-from shardwise.strategies.ps_protocol import (
+from shardwise.strategies.param_server.protocol import (
     BYE, CTRL_TAG, DONE, KIND, LENGTH, LOAD, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED,
     SERVER_FILE, STATS_TAG, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, path_of, unpack_header,
 )
 
 
 class Inbox:
-    """Receives whole messages from any worker on a helper thread, one receive at a time, on request."""
+    """Whole messages from any worker, one receive at a time: the serving loop posts each receive
+    (``ask``), a helper thread waits for it and hands the message over ``messages``."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, group: Group, recorder: Recorder) -> None:
+        self.size, self.group, self.recorder = size, group, recorder
         self.messages: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.posted = False
-        """Whether a receive is posted (or about to be): one must not be left at exit (gloo aborts then)."""
-        self._asks = threading.Semaphore(0)
+        """Whether a receive is posted: one must not be left at exit (gloo aborts then)."""
+        self._posted: queue.Queue[tuple[Pending, torch.Tensor]] = queue.Queue()
         threading.Thread(target=self._run, name="ps-inbox", daemon=True).start()
 
     def ask(self) -> None:
-        """Post the next receive."""
+        """Post the next receive (on the serving thread, so the recorder is only ever used there)."""
+        buf = torch.empty(self.size, dtype=torch.uint8)
+        try:
+            pending = irecv(buf, None, group=self.group, recorder=self.recorder, tag=PUSH_TAG)
+        except CommError as exc:
+            self.messages.put((-1, exc))
+            return
         self.posted = True
-        self._asks.release()
+        self._posted.put((pending, buf))
 
     def _run(self) -> None:
         while True:
-            self._asks.acquire()
-            buf = torch.empty(self.size, dtype=torch.uint8)
+            pending, buf = self._posted.get()
             try:
-                work = dist.irecv(buf, tag=PUSH_TAG)  # any source
-                assert work is not None, "this rank is not in the default group"
-                work.wait()
+                pending.wait()
                 self.posted = False
-                self.messages.put((int(work._source_rank()), buf))
+                self.messages.put((pending.source(), buf))
             except Exception as exc:  # noqa: BLE001 - handed to the serving loop, which decides
                 self.posted = False
                 self.messages.put((-1, exc))
@@ -94,9 +108,13 @@ class Server:
         message_bytes: int,
         reply_bytes: int,
         worker_timeout_s: float,
+        recorder: Recorder,
+        group: Group,
         param_ids: list[int] | None = None,
         servers: int = 1,
     ) -> None:
+        self.recorder, self.group = recorder, group
+        """Every message goes through `shardwise.comm` over ``group`` (the world, named) and is recorded here."""
         self.params = params
         self.param_ids = list(param_ids) if param_ids is not None else list(range(len(params)))
         """Which of the model's parameter tensors (by position) this shard holds; checked on resume."""
@@ -121,7 +139,7 @@ class Server:
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self) -> ServerStats:
-        self.inbox = inbox = Inbox(self.message_bytes)
+        self.inbox = inbox = Inbox(self.message_bytes, self.group, self.recorder)
         inbox.ask()
         while self.live:
             try:
@@ -142,7 +160,8 @@ class Server:
         return self.stats
 
     def _check_silent(self) -> None:
-        owed = set(self.pending) | self.held  # these wait for us, not we for them
+        # Owed workers wait for us, not we for them; worker 0 reports the run and is never dropped (see above).
+        owed = set(self.pending) | self.held | {0}
         now = time.monotonic()
         for w in sorted(self.live - owed):
             if now - self.last_seen[w] > self.worker_timeout_s:
@@ -248,7 +267,7 @@ class Server:
     def _receive_path(self, w: int, length: int) -> Path:
         # No receive of the inbox is posted while a message is handled, so this one cannot cross it.
         raw = torch.empty(length, dtype=torch.uint8)
-        dist.recv(raw, src=self.worker_ranks[w], tag=CTRL_TAG)
+        recv(raw, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=CTRL_TAG)
         return Path(path_of(raw))
 
     def state(self) -> dict[str, Any]:
@@ -260,7 +279,7 @@ class Server:
     def _save(self, w: int, directory: Path) -> None:
         write_file(directory / SERVER_FILE.format(index=self.index), self.state())
         ack = header(SAVED, w, 0, 0.0, self.version)
-        dist.send(ack.view(torch.uint8).clone(), dst=self.worker_ranks[w], tag=CTRL_TAG)
+        send(ack.view(torch.uint8).clone(), self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=CTRL_TAG)
 
     def _load(self, w: int, clock: int, directory: Path) -> None:
         """Restore this shard from ``directory`` (on the first worker's LOAD), set ``w``'s clock, answer it."""
@@ -305,8 +324,8 @@ class Server:
     def _reply(self, w: int) -> None:
         msg = pack(header(PARAMS, w, self.completed[w], 0.0, self.version), self.flat_params(), self.reply_bytes)
         try:
-            dist.send(msg, dst=self.worker_ranks[w], tag=PULL_TAG)
-        except RuntimeError:
+            send(msg, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=PULL_TAG)
+        except CommError:
             # The worker is gone (its connection closed): the run goes on without it.
             self.stats.lost.append(w)
             self.live.discard(w)
@@ -316,27 +335,27 @@ class Server:
         if worker in self.stats.lost:
             return
         dst = self.worker_ranks[worker]
-        dist.send(self.stats.to_tensor(), dst=dst, tag=STATS_TAG)
-        dist.send(pack(header(PARAMS, worker, 0, 0.0, self.version), self.flat_params(), self.reply_bytes), dst=dst, tag=PULL_TAG)
+        send(self.stats.to_tensor(), dst, group=self.group, recorder=self.recorder, tag=STATS_TAG)
+        final = pack(header(PARAMS, worker, 0, 0.0, self.version), self.flat_params(), self.reply_bytes)
+        send(final, dst, group=self.group, recorder=self.recorder, tag=PULL_TAG)
         self._close_inbox()
 
     def _close_inbox(self) -> None:
         """Wait for the reporting worker's BYE, so that no receive is left posted when this process exits.
 
         A loop that ended on a worker's silence leaves a receive posted, which gloo cannot cancel and
-        aborts on at exit; so one is always posted here, and the BYE completes it.
+        aborts on at exit; so one is always posted here, and the BYE completes it. The BYE always
+        comes (the reporting worker sends it as soon as it has the report), so this waits for it
+        however slow that worker is; a receive that fails (the process group's timeout, or the
+        worker gone) ends the wait.
         """
         inbox = self.inbox
         if inbox is None:
             return
-        deadline = time.monotonic() + self.worker_timeout_s
         while True:
             if not inbox.posted:
                 inbox.ask()
-            try:
-                _, msg = inbox.messages.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return
+            _, msg = inbox.messages.get()
             if isinstance(msg, Exception):
                 return
             kind = float(unpack_header(msg)[KIND])
@@ -344,4 +363,5 @@ class Server:
                 return
             if kind == PUSH:  # a worker declared lost that was only slow: tell it the session is over
                 w = int(unpack_header(msg)[WORKER])
-                dist.send(pack(header(DONE, w, 0, 0.0, self.version), None, self.reply_bytes), dst=self.worker_ranks[w], tag=PULL_TAG)
+                bye = pack(header(DONE, w, 0, 0.0, self.version), None, self.reply_bytes)
+                send(bye, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=PULL_TAG)
