@@ -55,6 +55,87 @@ mean_w(clip(g_w)) where ddp applies clip(mean_w(g_w)); clipping the mean once wo
 server's squared norm of its averaged shard summed over the servers before any applies (one
 scalar per server per step), which the servers' protocol does not carry yet; codecs'
 error-feedback residuals (worker side) restart at zero after a resume.
+
+Design notes: ranks that serve
+==============================
+
+- **Parameter servers** keep some ranks out of the loop. Workers are ranks `0 .. W-1` (so rank 0,
+  which logs and writes `summary.json`, is a worker), servers `W .. N-1`. On a server rank
+  `apply` serves until every worker is done or lost and only then returns; its the run's `placement`
+  says `trains=False`, and the trainer returns at once (the one generic line in the loop: "if
+  not engine.trains: return"). Under `sync`, the run's `placement` gives the workers a mesh of W
+  data-parallel ranks and the workers' process group; the engine's own collectives (the logged
+  loss, evaluation sums, checkpoint barriers) run over that group, so servers never join them.
+  the plan's `trainers` lets `Trainer` check the global batch against W before anything starts.
+- **Async and ssp workers loop alone.** No worker waits for another there, so nothing in the
+  loop may make them meet: each worker's the run's `placement` is a one-rank group of its own and a
+  one-rank mesh (its logged loss is its own loss, it evaluates the whole validation set alone,
+  and its checkpoint calls write nothing: `Engine.writes_checkpoints` is false on a rank whose
+  loop group lacks rank 0), while the placement's `data_mesh` (read into `Engine.data_mesh`, which the loader
+  uses) still splits each global batch over the W workers. Rank 0's logs, evaluations and
+  checkpoints are the run's. Code that writes its own loop should shard data by
+  `engine.data_mesh`, not `engine.mesh`.
+- A worker's optimizer is a `RemoteOptimizer`: `step()` pushes each shard's gradient to its
+  server and pulls the fresh shard back, so the loop is unchanged; the learning rate (the
+  worker's scheduler) travels in the push header, and the worker's clock (steps pushed) is
+  kept in the optimizer's state dict. Messages are single `uint8` tensors, a 64-byte float64
+  header (kind, worker, step, lr, version, length) then the payload (dense, or a codec's packed
+  payload with error feedback); no pickled objects cross the wire.
+- A server receives from any source (gloo supports `irecv` without a source). Gloo's receive
+  cannot be polled or cancelled and a timed-out wait closes its connections, so a helper thread
+  blocks on the receive and the serving loop waits on a queue with a timeout: a worker silent
+  for `worker_timeout_s` (default 60) while the server owed it nothing is declared lost; sync
+  steps with the rest and ssp's slowest clock moves on; `ps.lost_workers` reports it. An async
+  or ssp worker that speaks again was only slow and rejoins; under sync that is an error naming
+  the worker (raise `worker_timeout_s` above the longest pause between steps: evaluation,
+  checkpoints). A receive left posted at exit makes gloo abort, so the reporting worker's last
+  message (`BYE`) completes the server's last one.
+- **Servers' checkpoints.** `Engine.save` runs the strategy's `save_extra_state` inside
+  `checkpoint.write`, after each rank's own files and before the barrier that precedes the
+  manifest. There worker 0 sends each server `SAVE` with the temporary directory's path (its
+  UTF-8 bytes, a second message on `CTRL_TAG`); each server writes `server-NNN.pt` (its shard,
+  which tensors it holds, its optimizer's state dict, its version and clocks; fsynced) and
+  answers `SAVED`. So the servers' files are written before the manifest, hashed in it, and
+  published by the same rename; servers need the checkpoint directory on their file system
+  (one machine, or a shared one, as for every multi-process checkpoint). On resume, every
+  worker's `load_extra_state` checks that the checkpoint holds server files, then sends `LOAD`
+  with the path and its clock; each server reads the files on the first `LOAD`, sets that
+  worker's clock, and answers with its parameters, which replace worker 0's copy from
+  `state.pt`. Each file says which of the model's tensors (by position) it holds, so a
+  checkpoint resumes under another number of servers too: each server takes its tensors and
+  their optimizer state from whichever files hold them (renumbered into its own optimizer's
+  order; this needs one parameter group) and the newest version. Sync resumed in new processes equals an uninterrupted run bit for bit
+  (one and two servers, `tests/dist/test_ps_resume.py`; two servers' checkpoint loaded by one
+  server holds exactly their tensors and Adam state). Async and ssp cannot: the servers'
+  state at the save holds whichever pushes had arrived (a save is not a barrier for the other
+  workers, and with several servers each shard is saved at its own moment), so a resume goes
+  on from there; the test checks it resumes from the saved version and trains on.
+- **Losing a worker under `Trainer.fit`.** `shardwise.launch(..., expendable=ranks)` lets named
+  ranks die or fail: the parent prints a line on stderr ("rank 1 died with exit code -9; the
+  strategy can lose it") and waits for the others; that rank's result is `None`. The trainer
+  passes the strategy's the plan's `expendable` ranks: async and ssp workers other than rank 0.
+  Servers, rank 0 and every rank of other strategies still stop the job at once (rank 0 writes
+  the summary, so its death fails the run, as does any death under sync: "rank 1 died with
+  exit code -9 before reporting a result", no hang). The servers drop the dead worker after
+  `worker_timeout_s`; worker 0 prints "lost worker(s) [1]", and `summary.json` lists it under
+  `ps.lost_workers`. `tests/dist/test_ps_kill.py` SIGKILLs worker 1 at step 5 under
+  `Trainer.fit` (async): the run completes its 30 steps, the servers apply worker 0's steps
+  after the death (versions 25 and 35 in the checkpoints of steps 20 and 30), evaluation counts
+  every validation sample, and the summary names worker 1. Under `shardwise run` (torchrun)
+  the death of any process still ends the job: torchrun's own policy.
+- The worker's `summary()` ends its session (a DONE message to every server); worker 0 then
+  receives each server's statistics (a float64 tensor) and final parameters, so the model the
+  trainer returns is the servers' model. `summary.json` gets `ps`: servers, workers, mode,
+  bound, shard bytes, updates and gradients per server, the staleness histogram (clocks ahead
+  of the slowest live worker, Ho et al. 2013: 0 under sync, at most S under ssp) and the
+  version-lag histogram (updates applied between a worker's pull and its push); these count
+  this run's updates (after a resume too).
+- Limits: clipping is per worker, before the push; the workers' codec residuals (error
+  feedback) restart at zero after a resume; a ps run cannot resume another strategy's
+  checkpoint (no server files: a `CheckpointError` says so); the other way, a ps checkpoint's
+  `state.pt` holds worker 0's model (the servers' under sync) but not the servers' optimizer
+  state. Local SGD and DiLoCo return rank 0's replica, which differs from the others when the
+  last step is not a round.
 """
 
 from __future__ import annotations

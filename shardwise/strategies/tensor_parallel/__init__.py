@@ -46,6 +46,248 @@ Building blocks, for compositions with pipeline parallelism (stable signatures):
 Dropout on replicated activations draws the same mask on every tp rank (`synchronize_dropout`).
 fp16 with a grad scaler is refused (torch's GradScaler cannot unscale mixed DTensor and plain
 gradients); bf16-mixed runs.
+
+Design notes: tensor parallelism
+================================
+
+`--strategy tp --tp N [--sequence-parallel] [--dp-strategy ddp|fsdp]`
+(package `shardwise/strategies/tensor_parallel/`: `plan.py` the plans and their checks, `roles.py` every other module's rule and the backstop,
+`styles.py` the split styles for `nn.Linear` and transformers' `Conv1D` and the fused q|k|v
+permutation, `apply.py` `parallelize`, the sequence-parallel region and dropout, `grads.py` the
+gradient reductions and clipping, `relayout.py` fused weights back in the original layout on save
+and the replica check, `counting.py` the collective counter, `__init__.py` class `TensorParallel`;
+options `tp` (default: the world size), `sequence_parallel`, `plan`, `dp_strategy` (`ddp` by
+default), `count_collectives` (on by default), `check_replicas` (off by default)). Megatron-LM's split (Shoeybi et al. 2019) on DTensor:
+`parallelize_module` with `ColwiseParallel`, `RowwiseParallel`, `SequenceParallel` and
+`PrepareModuleInput`, on the tp slice of the run's DeviceMesh (`Mesh.device_mesh("tp")`). The
+strategy's `plan()` lays out `{"tp": N}`, so the engine builds `dp = world / N` x
+`tp = N`, ranks dp-major, tp fastest: the tp ranks of one replica are neighbours and read the
+same batch (the trainer shards data by the dp coordinate).
+
+**The split.** The first linear of each pair is split by output columns (`colwise`: weight and
+bias `Shard(0)`; attention q, k, v by whole heads), the second by input rows (`rowwise`: weight
+`Shard(1)`, bias replicated). Between them nothing is communicated: attention runs on this rank's
+heads (charlm's `Attention` reads its head count from q's output width at run time), the MLP on
+this rank's slice of the hidden units. Megatron's `f` (identity forward, allreduce of the input
+gradient backward) sits before the colwise linears and `g` (allreduce forward, identity backward)
+after the rowwise one. `f` is a forward pre-hook on each sublayer (the parent of colwise linears)
+that turns its main input into a replicated DTensor: q, k and v then share one DTensor input,
+their three partial input gradients are summed by autograd, and one allreduce reduces the sum
+(`ColwiseParallel` alone would allreduce each of the three). The hook binds the call to the
+forward's signature (first positional argument, or its keyword: HF layers call
+`self_attn(hidden_states=...)`, which torch's positional `PrepareModuleInput` rejects with "module
+inputs and input_layouts should have same length"). Attention split by heads runs on this rank's
+heads: HF attention reshapes with `-1` heads; a module that stores head counts or widths
+(GPT-2's `num_heads`, `split_size`, `embed_dim`; BERT's `num_attention_heads`, `all_head_size`) gets
+them set to this rank's values (`plan.LOCAL_ATTRS`, divided by tp). Embedding, final norm and output head
+stay replicated: every tp rank computes them whole on the same batch, so their gradients are whole
+on every rank (no reduction, no double counting).
+
+**Plans**, in order of preference: a user plan; else the model's declared plan (transformers'
+`model._tp_plan`, which carries `config.base_model_tp_plan` under the base model's prefix:
+`colwise` and `rowwise` are used, `replicated_with_grad_allreduce` (Qwen3's per-head `q_norm`)
+sums that module's gradients over tp, the embedding and head styles (`embedding_rowwise`,
+`colwise_gather_output`, ...) are skipped since shardwise keeps them whole, and any other style is
+a `ConfigError` naming it); else `auto_plan(module)`: in every module, linear children (`nn.Linear`
+or `Conv1D`) named like a pair's first linear are colwise and the one named like its second is
+rowwise, when both are present:
+
+| role | colwise names | rowwise names |
+| --- | --- | --- |
+| attention (a module with any of the q names) | `q k v query key value q_proj k_proj v_proj wq wk wv`, a stacked `c_attn` | `out o_proj proj out_proj wo c_proj` |
+| MLP | `fc fc1 c_fc up_proj gate_proj w1 w3` | `proj fc2 down_proj w2 c_proj` |
+| BERT family (BERT, RoBERTa, ViT, ...) | `*.{query,key,value}` and `intermediate.dense` | the sibling `output.dense` |
+
+A module with colwise-named children but not exactly one rowwise-named child is left whole.
+**Conv1D** (GPT-2's linear with weight `(in, out)`) splits with the dimensions swapped: colwise
+`Shard(1)`, rowwise `Shard(0)`. **Fused q|k|v**: a stacked `c_attn` (q, k, v as three equal blocks,
+GPT-2 and nanoGPT) is permuted once at the split so that each rank's contiguous shard holds its
+heads' q, then k, then v; `state_dict` inverts the permutation (model weights and optimizer state,
+by name) and `load_state_dict` re-applies it, so checkpoints, `consolidated_state_dict` and
+exports have the original layout (tested: a tp checkpoint exported equals `single` at 1e-9 and
+loads into a fresh GPT-2 with `strict=True`; fused + `dp_strategy="fsdp"` is refused). Other fused
+names (`qkv`, `Wqkv`, `query_key_value`, `qkv_proj`, `in_proj`) are refused unless the model declares
+its plan: their layout (stacked, or interleaved per head as in GPT-NeoX and Falcon) cannot be told
+from the weights. An attention that keeps the model width and no head width (nanoGPT's `n_embd`
+with `c // n_head`, `c` its input's width) cannot run on 1/tp of its heads: the automatic plan
+leaves it whole (replicated) and splits its block's MLP. A model with convolutions and no linear
+pair (ResNet) is refused: "tensor parallelism splits linear layers, not convolutions". A plan that
+finds nothing else is a `ConfigError` naming the rules and showing a user plan. A user plan
+(`plan={...}`, its JSON text, or on the command line a TOML inline table,
+`--set 'trainer.strategy_options.plan={"layers.*.ff.lin1" = "colwise", "layers.*.ff.lin2" = "rowwise"}'`)
+maps module names or fnmatch patterns (`"blocks.*.attn.[qkv]"`) to `"colwise"`/`"rowwise"`; a key
+that matches nothing lists the closest names, a bad style suggests the closest one (in the
+constructor, before launch). Checks against `tp` (in the parent before launch, through the
+strategy's `plan(model=...)`, and again in `apply`): every split width divides by `tp`, and attention
+splits whole heads, for q and for grouped-query k/v alike (Llama's `num_key_value_heads`: "k_proj
+has 2 attention heads, which do not split across tp=4 ranks ...").
+
+**Roles and the backstop** (`roles.roles`, run by `plan(model=...)` in the parent). Every module that
+owns parameters or buffers gets a rule by its place, not its class: split linears are DTensor
+shards; inside a sublayer (between `f` and `g`) only what the model declares
+`replicated_with_grad_allreduce` is allowed (its gradient is summed over tp); in a block outside
+the sublayers (any norm: `nn.LayerNorm`, `LlamaRMSNorm`, nanoGPT's own `LayerNorm`, BERT's
+`output.LayerNorm`) parameters are replicated, and under sequence parallelism their gradients are
+summed over tp (they saw a slice of the sequence); a module there holding linears the plan does not
+split (nanoGPT's whole attention) runs on the gathered sequence under sequence parallelism; outside
+the blocks (embeddings, final norm, head) everything is replicated and computed whole. A parameter
+inside a sublayer with no declared rule, or a buffer inside a sequence-sharded block, is a
+`ConfigError` naming the module. Blocks are the elements of the block list holding split linears
+(`model.layers.3`, `transformer.h.0`, `encoder.layer.1`). **`check_replicas=True`** (a debug option,
+on in the matrix tests) hashes every replicated parameter after each step and compares the digests
+across the tp group (one all-gather), raising on the first that differs.
+
+**Sequence parallelism** (Korthikanti et al. 2022). With `--sequence-parallel` the activations
+between the pairs (the residual stream, layer norms, dropout) are sharded along the sequence
+(dim 1, batch-first inputs) inside the blocks only: whatever the model computes outside them
+(rotary cos/sin, position ids, attention masks) stays full-length and replicated, and reaches the
+attention, which runs on the gathered sequence. The norms (by role, above) keep plain replicated
+weights and run on this rank's slice; each sublayer's `f` hook gathers its input (an all-gather
+forward and a reduce-scatter of the input gradient backward), and the rowwise linear's output
+is `Shard(1)`, a reduce-scatter forward and an all-gather backward (`g`). Shards may be uneven
+(`torch.chunk` sizes: ViT's 17 tokens on 2 ranks are 9 and 8): the region records the sequence
+length and builds DTensors of the whole sequence; a sequence shorter than `tp` is refused. Each allreduce becomes
+an all-gather plus a reduce-scatter of the same total bytes, and the norms and dropout hold `1/tp`
+of the activations. The region begins at the first block's input (a local slice: no communication
+forward, an all-gather of the gradient backward) and ends after the last block (an all-gather
+forward, a slice backward), so a module's own input and output stay whole (a pipeline stage
+exchanges whole activations). The norm weights' gradients are partial sums over the sequence shards;
+`reduce_partial_grads` allreduces them once per step, coalesced into one buffer (Megatron does the
+same for its sequence-parallel norm gradients), in `finish_grads`. The region's boundary hooks
+bind the first block's input by signature and accept a block output that is a tensor or a tuple
+(HF decoder layers return either, by version). Exact: parity with
+`single` at 1e-9 and one step's gradients equal to 1e-12.
+
+**Dropout.** Each rank draws from its own RNG stream, so a dropout on a replicated activation
+(charlm's embedding dropout, the MLP's after its rowwise linear) would drop different elements on
+each tp rank and the replicas of the residual stream would drift apart silently.
+`synchronize_dropout` runs every `nn.Dropout` on a forked RNG seeded from a seed the tp group
+shares (broadcast once), the module's index and its call count; inside sequence-sharded blocks the
+tp rank is mixed in (each rank drops its own slice of the sequence). Attention's own dropout
+(`dropout_p` of `scaled_dot_product_attention`) acts on this rank's heads and keeps the rank's
+stream. Tested: with dropout 0.2 the replicated parameters stay bitwise identical across tp ranks
+(without the hooks they differ by 5e-2 after 3 steps).
+
+**Compositions (dp x tp).** Applied in a fixed order: tensor first, then data parallel.
+`dp_strategy="ddp"`: `replicate_grads` averages every gradient's local tensor (a DTensor's shard
+or a plain tensor) over the dp group in one flat buffer per dtype: one allreduce per step,
+recorded as `dp/all_reduce` (torch's DDP is not used: its reducer does not take DTensor
+parameters). It runs in `finish_grads`, once per backward round, at the end of
+`forward_backward`, at the start of `clip_grad_norm` and in an optimizer step pre-hook, so a loop
+of one's own on `Engine` (`engine.backward`, `engine.no_sync`, `engine.step`) gets the same
+reductions (tested at tp2 with sequence parallelism and at dp2 x tp2); accumulation needs no
+`no_sync` under ddp, since the allreduce runs once on the summed gradients. `dp_strategy="fsdp"`: `shard_data_parallel` applies FSDP2 `fully_shard` over
+`Mesh.device_mesh("dp")` (one unit per block, as `zero3`); parameters that are tp DTensors become
+2D (`_StridedShard(0)` over dp, their tp placement over tp), the others 1D over dp; accumulation
+uses `set_requires_gradient_sync(False)`. Degrees that do not multiply to the world size are a
+`ConfigError` before launch listing the valid shapes ("tp 3 does not divide the world size 4;
+valid shapes: dp4 x tp1, dp2 x tp2, dp1 x tp4"). pp x tp and dp x pp x tp are the pipeline
+strategy's, built on the public pieces below.
+
+**Public building blocks** (stable signatures, imported by `strategies/pipeline.py`):
+
+```python
+parallelize(module, tp_mesh, plan=None, sequence_parallel=False) -> nn.Module   # in place; original names
+replicate_grads(module, dp_group, recorder=None) -> None                        # allreduce-mean over dp
+shard_data_parallel(module, dp_mesh, units="auto") -> nn.Module                  # FSDP2 over dp (2D with tp)
+clip_grad_norm_(parameters, max_norm, recorder=None) -> Tensor                   # global norm, any placements
+reduce_partial_grads(module, recorder=None) -> int                              # norm grads summed by role (call every step)
+auto_plan(module) / resolve_plan(module, plan=None, tp=None) -> dict[str, str]  # no process group needed
+declared_plan(module) -> (plan, grad_sum patterns) | None                        # transformers' _tp_plan, translated
+resolve(module, plan=None, tp=None) -> (plan, grad_sum names, source)           # source: user | declared | auto
+roles(module, plan, grad_sum, sequence_parallel) -> {blocks, sublayers, whole, sum}  # the backstop: ConfigError
+check_replicas(module, tp_group) -> None                                        # debug: first replica that differs
+count_collectives(recorder=None, **groups) -> Counter                           # context manager
+```
+
+**Clipping.** `clip_grad_norm_` takes the norm over gradients of any kind: a DTensor's squared
+local norm is summed over the mesh dimensions where it is sharded (`Shard`, and FSDP2's
+`_StridedShard`, which is not an `is_shard()` placement) and not over those where it is
+replicated; plain tensors count once. One scalar allreduce per (mesh, sharded dimensions) kind:
+tp alone, one per step; dp x tp under fsdp, three. The parity tests clip (max norm 0.05, active),
+which is how the `_StridedShard` case was found.
+
+**Checkpoints.** `state_dict` is `get_model_state_dict` / `get_optimizer_state_dict`: the
+original module names, DTensors for split (and FSDP-sharded) parameters, plain tensors for the
+replicated ones. The engine sees DTensors and writes model and optimizer with DCP (`dcp/`, each
+rank its shards; replicated tensors once). Tested both ways at 1e-9 against an uninterrupted
+`single` run: tp (3 steps) resumed under `single` (`read_sharded_full` assembles whole tensors),
+and `single` (3 steps, plain checkpoint) resumed under tp with sequence parallelism
+(`set_model_state_dict(full_state_dict=True)` keeps each rank's shard; the numbered optimizer state
+is first named).
+
+**Collective counts.** A dispatch mode (`count_collectives`) sees every operator below DTensor,
+so it sees the functional collectives of DTensor's redistributions and c10d's own (FSDP2's), and
+records each on the run's `Recorder` (group `tp` or `dp`, payload, the bandwidth-optimal bytes,
+no seconds: the collectives are asynchronous inside DTensor) and counts it by phase: forward
+inside the step function, backward after (FSDP's final reduce-scatters included). Exact
+assertions (tests, charlm at tp=2):
+
+| per transformer block, per forward+backward | forward | backward |
+| --- | --- | --- |
+| tp | 2 allreduce | 2 allreduce |
+| tp + sequence parallel | 2 all-gather + 2 reduce-scatter | 2 all-gather + 2 reduce-scatter |
+| tp + sequence parallel, once per model | + 1 all-gather (leaving the region) | + 1 all-gather (entering it) |
+
+Per step add one scalar allreduce for clipping, under sequence parallelism one allreduce of the
+norm gradients, under ddp one dp allreduce of all gradients, under fsdp one all-gather per unit
+forward and backward and one reduce-scatter per unit. `summary.json` gets `tp`: `degree`, `dp`,
+`dp_strategy`, `sequence_parallel`, `plan` (module -> style, as applied), `collectives_per_step`
+(`{"tp/all_reduce": {"forward": 4, "backward": 4}, ...}`, the mean over counted steps) and
+`counted_steps`; `comm.by_op` has the bytes. Counting costs one Python call per operator
+(`count_collectives=False` turns it off; the benchmark shows both).
+
+**Cost** (`benchmarks/tensor_parallel.py`, charlm with 2 blocks, 4 heads, block 64, global batch
+16, fp32; tp=2 is two processes on gloo, one thread each). Bytes sent per rank on the tp group
+equal Megatron's prediction (`4 L x 2(p-1)/p x B T d x 4` bytes per step; sequence parallelism
+the same plus the two region boundaries; the remaining 0.1% is the norm gradients' allreduce).
+Activation bytes are what autograd saves for backward in one forward (rank 0's local shards,
+parameters left out); the logits and the embedding output stay whole, so tp=2 keeps 0.65 of them,
+not 0.5, and sequence parallelism 0.59:
+
+| d_model | tp MB sent per step: tp2 / predicted | tp2 + sp / predicted | activation MB: tp1 / tp2 / tp2 + sp |
+| --- | --- | --- | --- |
+| 64 | 2.097 / 2.097 | 2.361 / 2.359 | 9.00 / 5.83 / 5.29 |
+| 128 | 4.194 / 4.194 | 4.723 / 4.719 | 17.91 / 11.60 / 10.54 |
+| 256 | 8.389 / 8.389 | 9.445 / 9.437 | 35.73 / 23.13 / 21.02 |
+
+HF `LlamaForCausalLM` (d_model 128, 2 layers, 4 heads / 2 kv heads, its declared plan, its own
+loss; same batch and block): tp2 sends 4.194 MB per step (predicted 4.194), tp2 + sequence
+parallelism 4.721 (predicted 4.719), activations 0.68 and 0.59 of tp1's 23.0 MB, step time 2.0x and
+2.2x tp1's 103 ms (one run, shared two-core machine).
+
+On CPU with gloo, tp=2 is slower per step than one process at these widths (1.2x to 3.6x the
+tp=1 step time, measured on a shared two-core machine): DTensor's per-operator dispatch and
+gloo's latency dominate matrices this small, and sequence parallelism's 9 collectives per pass
+(against 4) cost more again; the gap narrows as d_model grows. Counting collectives costs
+5-15% of a step here.
+
+**Real models** (`tests/models/test_matrix_tp.py`): HF Llama (its declared plan), HF GPT-2 (Conv1D,
+permuted `c_attn`, tied embeddings), the nanoGPT-style GPT (whole attention, split MLP, tied
+embeddings), BERT and ViT, under tp2, tp2 + sequence parallelism (one 2-process launch) and
+dp2 x tp2 (one 4-process launch): parameters within 1e-9 of `single` after 5 float64 steps with a
+clip that acts (measured 1e-16 to 2e-13), `check_replicas` on; a tp checkpoint of each model
+resumes bit for bit and the consolidated weights load into a fresh model with `strict=True`.
+
+Also measured once by hand (not in the suite, 5 float64 steps, tp2 and tp2 + sequence
+parallelism, `check_replicas` on): GPT-NeoX (declared plan, per-head interleaved fused
+`query_key_value`), Qwen2, Phi, GPT-J (`fc_in`/`fc_out`) within 1e-16 of `single`; OPT under tp
+with its dropout at 0. Refused with a true reason: Falcon's fused `query_key_value` (layout
+unknown, no declared plan), T5 (a relative position bias inside the attention, between the split
+linears), ResNet (convolutions).
+
+**Limits.** Batch-first activations (`(B, T, ...)`; the sequence is dim 1). A block that flattens
+batch and sequence (OPT's decoder layer reshapes to `(B*T, d)`) cannot run sequence parallel: a
+clear error at the first forward, in the workers. Dropout called as a function inside a forward
+(`F.dropout`, OPT's) is not synchronized across tp ranks (`synchronize_dropout` hooks `nn.Dropout`
+modules only): with such dropout on, replicated parameters drift apart, which `check_replicas`
+reports. The sequence-sharded
+region follows registration order (first and last block); a model whose forward visits blocks in
+another order needs a plan without sequence parallelism. Fused q|k|v linears of unknown layout are
+refused unless the model declares a plan; an attention that derives its head width from its input
+stays whole. The collective counter is a Python dispatch mode around each step; under
+`torch.compile` turn it off (`count_collectives=False`). Embedding and head are not split (vocabulary parallelism and a loss-parallel cross
+entropy are not built). Mixed precision with tp has no parity test.
 """
 
 from __future__ import annotations
