@@ -29,20 +29,24 @@ gradient sync across groups).
 **What each stage sends** (recorded on the run's `Recorder` when ``count_collectives`` is on,
 the default): FSDP2 issues its collectives itself, so they are seen from below, by the dispatch
 mode of `shardwise.strategies.tensor_parallel.counting`, with the tensors actually handed to
-c10d (padded shards included). A unit's payload is its gathered flat buffer, ``U`` bytes: the
-sum over its parameters of ``ceil(dim0 / S) x S`` rows. Per optimizer step over ``A``
-micro-batches, in the shard group of ``S`` ranks (``dp``; ``shard`` and ``replicate`` under hsdp):
+c10d (padded shards included), and without seconds (they run asynchronously inside FSDP2). A
+unit's payload is its gathered flat buffer, ``U`` bytes: the sum over its parameters of
+``ceil(dim0 / S) x S`` rows (the root is a unit too when it holds parameters of its own). Per
+optimizer step over ``A`` micro-batches, in the shard group of ``S`` ranks (group ``dp``;
+``shard`` and ``replicate`` under hsdp):
 
-- zero3: an all-gather of every unit before its forward, and again before its backward for
-  every unit but the root (FSDP2 keeps the root gathered from forward to backward), for each
-  micro-batch; one reduce-scatter of each unit's gradient (the last micro-batch's backward).
-- zero2: one reduce-scatter of each unit's gradient, and one all-gather of each unit after
+- zero3: an all-gather of every unit before its forward and again before its backward, for
+  each micro-batch; one reduce-scatter of every unit's gradient (in the last micro-batch's
+  backward).
+- zero2: one reduce-scatter of every unit's gradient, and one all-gather of every unit after
   the optimizer step (plus the first forward's gather of every unit, once per run).
-- hsdp: as zero3 in the shard group, plus one allreduce of each unit's gradient shard
+- hsdp: as zero3 in the shard group, plus one allreduce of every unit's gradient shard
   (``U / S`` bytes) across the replicate group.
-- Clipping adds an allreduce of the squared norm's partial sums; evaluation forwards gather
-  like training forwards (zero3, hsdp). A backward run outside ``forward_backward`` (a loop of
-  one's own calling ``engine.backward``) is not seen.
+- Clipping adds one allreduce of the gradients' partial norms (one value per parameter, issued
+  by DTensor); each evaluation forward gathers every unit (zero3, hsdp). A backward run outside
+  ``forward_backward`` (a loop of one's own calling ``engine.backward``) is not seen.
+
+`CollectiveTraffic` counts them per phase too: ``summary()["fsdp"]["collectives_per_step"]``.
 
 Checkpoints are sharded: `state_dict` returns DTensors keyed by parameter name (optimizer state
 too, through ``torch.distributed.checkpoint.state_dict``), and the engine writes them with
@@ -215,6 +219,23 @@ class _Untimed:
 
 
 
+def _dtensor_aware(counter: type) -> type:
+    """The counting mode, letting DTensor run first: a dispatch mode sees an operator before a
+    tensor subclass does, so the collectives DTensor issues while it runs an operator (the
+    allreduce of a sharded gradient norm's partial sums) would run under the mode's handler,
+    where the mode is off, and go unseen. Declining DTensor's operators (``NotImplemented``, as
+    torch's CommDebugMode does) hands them to DTensor, whose collectives then reach the mode."""
+    from torch.distributed.tensor import DTensor
+
+    class DTensorAwareCounter(counter):  # type: ignore[misc,valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return DTensorAwareCounter
+
+
 class CollectiveTraffic:
     """Records the collectives FSDP2 issues on the run's `Recorder`, by group label, and counts
     them by ``(group, kind, phase)``.
@@ -234,7 +255,7 @@ class CollectiveTraffic:
         self.names = group_names(**groups)
         self.enabled = enabled
         self.counts: Counter[tuple[str, str, str]] = Counter()
-        self._mode_class = _collective_counter_mode() if enabled else None
+        self._mode_class = _dtensor_aware(_collective_counter_mode()) if enabled else None
         self._active: Any = None
         self._hook_blocks: list[contextlib.ExitStack] = []
 
