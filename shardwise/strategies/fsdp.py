@@ -219,21 +219,54 @@ class _Untimed:
 
 
 
-def _dtensor_aware(counter: type) -> type:
-    """The counting mode, letting DTensor run first: a dispatch mode sees an operator before a
-    tensor subclass does, so the collectives DTensor issues while it runs an operator (the
-    allreduce of a sharded gradient norm's partial sums) would run under the mode's handler,
-    where the mode is off, and go unseen. Declining DTensor's operators (``NotImplemented``, as
-    torch's CommDebugMode does) hands them to DTensor, whose collectives then reach the mode."""
+_FSDP_C10D_OPS = frozenset({"_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"})
+"""The c10d operators FSDP2 issues for its all-gathers and reduce-scatters (HSDP's allreduce is
+``allreduce_`` over the replicate group)."""
+
+
+def _fsdp_counter(counter: type, replicate_group: str | None) -> type:
+    """The counting mode of `shardwise.strategies.tensor_parallel.counting`, narrowed to what
+    FSDP2 and DTensor send, so that no byte is recorded twice or missed:
+
+    - A collective sent through `shardwise.comm` inside a recorded block (SyncBatchNorm's
+      statistics, a loss that averages across ranks) is recorded by comm itself: of the c10d
+      operators only FSDP2's own are taken (its all-gathers and reduce-scatters, and under hsdp
+      the allreduce over the replicate group). DTensor's functional collectives are all taken.
+    - A dispatch mode sees an operator before a tensor subclass does, so the collectives DTensor
+      issues while it runs an operator (the allreduce of a sharded gradient norm's partial sums)
+      would run under the mode's handler, where the mode is off, and go unseen. Declining
+      DTensor's operators (``NotImplemented``, as torch's CommDebugMode does) hands them to
+      DTensor, whose collectives then reach the mode.
+    """
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    class DTensorAwareCounter(counter):  # type: ignore[misc,valid-type]
+    def group_of(args: Any) -> str | None:
+        for a in args[1:]:
+            if isinstance(a, dist.ProcessGroup):
+                return a.group_name  # type: ignore[no-any-return]
+            if type(a).__name__ == "ScriptObject":  # c10d operators see the group boxed
+                try:
+                    return dist.ProcessGroup.unbox(a).group_name  # type: ignore[no-any-return]
+                except Exception:  # noqa: BLE001 - a boxed ReduceOp, not a group
+                    continue
+        return None
+
+    class FSDPCounter(counter):  # type: ignore[misc,valid-type]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    return DTensorAwareCounter
+        def _record(self, kind: str, func: Any, args: Any) -> None:
+            if func.namespace == "c10d":
+                op = func._schema.name.split("::")[-1]
+                fsdp_allreduce = op == "allreduce_" and replicate_group is not None and group_of(args) == replicate_group
+                if op not in _FSDP_C10D_OPS and not fsdp_allreduce:
+                    return  # sent through shardwise.comm, which records it
+            super()._record(kind, func, args)
+
+    return FSDPCounter
 
 
 class CollectiveTraffic:
@@ -255,7 +288,8 @@ class CollectiveTraffic:
         self.names = group_names(**groups)
         self.enabled = enabled
         self.counts: Counter[tuple[str, str, str]] = Counter()
-        self._mode_class = _dtensor_aware(_collective_counter_mode()) if enabled else None
+        replicate = groups.get("replicate")
+        self._mode_class = _fsdp_counter(_collective_counter_mode(), replicate.group_name if replicate is not None else None) if enabled else None
         self._active: Any = None
         self._hook_blocks: list[contextlib.ExitStack] = []
 

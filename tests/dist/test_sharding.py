@@ -57,6 +57,11 @@ class Blocks(nn.Module):
         return x  # 8 logits; labels are 0..2
 
 
+def normed() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
 def eight_features(n: int = 96) -> TensorDataset:
     x, y = classification(n).tensors
     return TensorDataset(torch.cat([x, x[:, :2] ** 2], dim=1), y)
@@ -82,6 +87,8 @@ def _world_of_two() -> dict[str, Any]:
             out[("memory", strategy, opt)] = _memory(strategy, opt)
     for strategy in ("zero2", "zero3"):  # CPUOffloadPolicy without pinned memory (no CUDA here)
         out[("offload", strategy)] = _fit(strategy, "adam", offload=True)
+    trainer = Trainer(strategy="zero3", optimizer=adam, loss_fn=ce, sync_batchnorm=True, **{**COMMON, "max_steps": 2, "clip_grad_norm": None})
+    out["syncbn"] = trainer.fit(normed(), classification())
     return out
 
 
@@ -329,3 +336,15 @@ def test_zero3_records_padded_shards_clipping_and_evaluation(two):
         per_step = two[0][("zero3", opt)][1]["fsdp"]["collectives_per_step"]
         assert per_step["dp/all_gather"] == {"forward": 4.0, "backward": 4.0, "eval": 1.0}
         assert per_step["dp/all_reduce"] == {"clip": 1.0}
+
+
+def test_collectives_sent_through_comm_inside_a_sharded_step_are_recorded_once(two):
+    """SyncBatchNorm's statistics go through shardwise.comm, which records them, inside zero3's
+    forward and backward, where FSDP2's own collectives are recorded from below: each is counted
+    once (one allreduce of (sum x, sum x^2, count), 33 float64, per micro-batch forward and backward)."""
+    units = [_gathered((16, 6), 2) + _gathered((16,), 2), 2 * _gathered((16,), 2), _gathered((3, 16), 2) + _gathered((3,), 2)]
+    expected = _fsdp_traffic("zero3", units, 2, 1, STEPS, ACCUMULATE)
+    calls = STEPS * ACCUMULATE * 2
+    expected["dp/all_reduce"] = _op(calls, calls * 33 * 8, _collective(2, calls * 33 * 8, "all_reduce"))
+    for rank in range(2):
+        assert _recorded(two[rank]["syncbn"]["comm"]["by_op"]) == expected, rank
