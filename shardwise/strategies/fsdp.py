@@ -388,7 +388,8 @@ class FSDPRun(Parallel):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # Each rank holds a shard of every gradient: the norm of the local shards is not the
-        # norm. The DTensor norm is a partial sum of squares; full_tensor() reduces it.
+        # norm. DTensor computes the norm from the shards' partial norms, reduced across the
+        # shard group (one allreduce it issues itself, recorded under the phase "clip").
         from torch.distributed.tensor import DTensor
 
         params = [p for p in self.sharded_params if p.grad is not None]

@@ -276,7 +276,7 @@ class Zero1(Strategy):
     name: ClassVar[str] = "zero1"
 
     offload: bool = False
-    """Not supported by zero1 (its parameters and gradients stay whole on the device); True is refused with the stages that offload."""
+    """Refused: zero1 keeps parameters and gradients whole on the device (zero2, zero3 and hsdp offload to CPU)."""
 
     def __post_init__(self) -> None:
         if self.offload:
