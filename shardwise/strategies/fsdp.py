@@ -26,6 +26,28 @@ updated shards are gathered again, which is the all-gather ZeRO-2 does after its
 ``FullyShardedDataParallel`` is not used (its HYBRID_SHARD without an explicit mesh skips the
 gradient sync across groups).
 
+**What each stage sends** (recorded on the run's `Recorder` when ``count_collectives`` is on,
+the default): FSDP2 issues its collectives itself, so they are seen from below, by the dispatch
+mode of `shardwise.strategies.tensor_parallel.counting`, with the tensors actually handed to
+c10d (padded shards included), and without seconds (they run asynchronously inside FSDP2). A
+unit's payload is its gathered flat buffer, ``U`` bytes: the sum over its parameters of
+``ceil(dim0 / S) x S`` rows (the root is a unit too when it holds parameters of its own). Per
+optimizer step over ``A`` micro-batches, in the shard group of ``S`` ranks (group ``dp``;
+``shard`` and ``replicate`` under hsdp):
+
+- zero3: an all-gather of every unit before its forward and again before its backward, for
+  each micro-batch; one reduce-scatter of every unit's gradient (in the last micro-batch's
+  backward).
+- zero2: one reduce-scatter of every unit's gradient, and one all-gather of every unit after
+  the optimizer step (plus the first forward's gather of every unit, once per run).
+- hsdp: as zero3 in the shard group, plus one allreduce of every unit's gradient shard
+  (``U / S`` bytes) across the replicate group.
+- Clipping adds one allreduce of the gradients' partial norms (one value per parameter, issued
+  by DTensor); each evaluation forward gathers every unit (zero3, hsdp). A backward run outside
+  ``forward_backward`` (a loop of one's own calling ``engine.backward``) is not seen.
+
+`CollectiveTraffic` counts them per phase too: ``summary()["fsdp"]["collectives_per_step"]``.
+
 Checkpoints are sharded: `state_dict` returns DTensors keyed by parameter name (optimizer state
 too, through ``torch.distributed.checkpoint.state_dict``), and the engine writes them with
 ``torch.distributed.checkpoint``; they load at any world size and under any strategy.
@@ -34,22 +56,27 @@ too, through ``torch.distributed.checkpoint.state_dict``), and the engine writes
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ClassVar, ContextManager, Iterator, Sequence
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, ContextManager, Iterator, Literal, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint import optimizer_state_by_name, parameter_names
-from shardwise.comm.recorder import Recorder
+from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
-from shardwise.strategies.zero import ModelStateProbe, require_trainable
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
+from shardwise.strategies.zero import ModelStateProbe, require_dp_only, require_process_group, require_trainable
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+MixedPrecision = Literal["bf16", "bfloat16", "fp16", "float16"]
+"""The parameter dtypes FSDP2 may all-gather in for compute (gradients are reduced in fp32)."""
 
 
 # -- which modules become FSDP units ---------------------------------------------------------
@@ -177,139 +204,369 @@ def is_sharded_state(state: Any) -> bool:
     return any(isinstance(v, DTensor) for v in state.values())
 
 
-class FSDP:
-    """Sharded data parallel on FSDP2: ``zero3`` (alias ``fsdp``) by default; see `Zero2` and `HSDP`."""
+# -- recording what FSDP2 sends ------------------------------------------------------------
 
-    name: ClassVar[str] = "zero3"
-    reshard_after_forward: ClassVar[bool] = True
 
-    def __init__(self, *, wrap: str | list[str] = "auto", mixed_precision: str | None = None, offload: bool = False) -> None:
-        if mixed_precision is not None and mixed_precision not in _MP_DTYPES:
-            raise ConfigError(f"mixed_precision must be 'bf16', 'fp16' or None; got {mixed_precision!r}")
-        self.wrap, self.mixed_precision, self.offload = wrap, mixed_precision, offload
-        self.units: list[str] = []
-        self.sharded_params: list[nn.Parameter] = []
-        self.shape = (1, 1)  # (replicate, shard) once set up
-        self.probe = ModelStateProbe(self.name, 1)
+class _Untimed:
+    """Passes events to the run's `Recorder` without seconds: FSDP2's collectives run
+    asynchronously inside it, so the time of a call is not observed (None, not 0)."""
 
-    def _replicate(self, world_size: int) -> int:
-        return 1
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
 
-    def validate(self, world_size: int) -> None:
-        if world_size < 1:
-            raise ConfigError(f"{self.name} needs at least one process; got a world size of {world_size}")
+    def add(self, event: CommEvent) -> None:
+        self.recorder.add(dataclasses.replace(event, seconds=None))
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if not dist.is_initialized():
-            raise ConfigError(f"strategy {self.name!r} needs a process group; start the run through shardwise (Trainer, launch, or shardwise run)")
-        require_trainable(model, self.name)
-        replicate = self._replicate(mesh.world_size)
-        self.shape = (replicate, mesh.size("dp") // replicate)
-        self.units = resolve_units(model, self.wrap)
-        model = apply_fsdp(
-            model.to(mesh.device), shard_mesh(mesh, replicate), units=self.units,
-            reshard_after_forward=self.reshard_after_forward, mixed_precision=self.mixed_precision, offload=self.offload,
-        )
-        # The sharded DTensor parameters. Kept: under zero2, model.parameters() returns the
-        # gathered compute tensors between steps, and their gradients have moved to these.
-        self.sharded_params = list(model.parameters())
-        optimizer = make_optimizer(self.sharded_params)
-        self.probe = ModelStateProbe(self.name, mesh.size("dp") // replicate)
-        self._after_setup(model, optimizer)
-        return model, optimizer
 
-    def _after_setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.probe.attach(model, optimizer)
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model  # fully_shard changes the module in place; names stay the user's
+_FSDP_C10D_OPS = frozenset({"_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"})
+"""The c10d operators FSDP2 issues for its all-gathers and reduce-scatters (HSDP's allreduce is
+``allreduce_`` over the replicate group)."""
 
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        self.probe.arm()
-        return accumulate_backward(model, microbatches, step_fn, precision, no_sync=lambda: self.no_sync(model))
+
+def _fsdp_counter(counter: type, replicate_group: str | None) -> type:
+    """The counting mode of `shardwise.strategies.tensor_parallel.counting`, narrowed to what
+    FSDP2 and DTensor send, so that no byte is recorded twice or missed:
+
+    - A collective sent through `shardwise.comm` inside a recorded block (SyncBatchNorm's
+      statistics, a loss that averages across ranks) is recorded by comm itself: of the c10d
+      operators only FSDP2's own are taken (its all-gathers and reduce-scatters, and under hsdp
+      the allreduce over the replicate group). DTensor's functional collectives are all taken.
+    - A dispatch mode sees an operator before a tensor subclass does, so the collectives DTensor
+      issues while it runs an operator (the allreduce of a sharded gradient norm's partial sums)
+      would run under the mode's handler, where the mode is off, and go unseen. Declining
+      DTensor's operators (``NotImplemented``, as torch's CommDebugMode does) hands them to
+      DTensor, whose collectives then reach the mode.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    def group_of(args: Any) -> str | None:
+        for a in args[1:]:
+            if isinstance(a, dist.ProcessGroup):
+                return a.group_name  # type: ignore[no-any-return]
+            if type(a).__name__ == "ScriptObject":  # c10d operators see the group boxed
+                try:
+                    return dist.ProcessGroup.unbox(a).group_name  # type: ignore[no-any-return]
+                except Exception:  # noqa: BLE001 - a boxed ReduceOp, not a group
+                    continue
+        return None
+
+    class FSDPCounter(counter):  # type: ignore[misc,valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _record(self, kind: str, func: Any, args: Any) -> None:
+            if func.namespace == "c10d":
+                op = func._schema.name.split("::")[-1]
+                fsdp_allreduce = op == "allreduce_" and replicate_group is not None and group_of(args) == replicate_group
+                if op not in _FSDP_C10D_OPS and not fsdp_allreduce:
+                    return  # sent through shardwise.comm, which records it
+            super()._record(kind, func, args)
+
+    return FSDPCounter
+
+
+class CollectiveTraffic:
+    """Records the collectives FSDP2 issues on the run's `Recorder`, by group label, and counts
+    them by ``(group, kind, phase)``.
+
+    FSDP2 calls c10d itself (all-gathers before forward and backward, reduce-scatters after
+    backward, the allreduce across HSDP's replicas), so the bytes are taken from below: the
+    dispatch mode of `shardwise.strategies.tensor_parallel.counting` sees each c10d operator
+    with the tensors it sends. ``phase(name)`` turns the mode on for a block; blocks nest (an
+    inner one, e.g. a forward inside ``forward_backward``, adds nothing). With ``enabled`` off
+    nothing is recorded and no operator pays the mode's Python call.
+    """
+
+    def __init__(self, recorder: Recorder | None, groups: Mapping[str, Any], enabled: bool = True) -> None:
+        from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, group_names
+
+        self.recorder = _Untimed(recorder) if recorder is not None else None
+        self.names = group_names(**groups)
+        self.enabled = enabled
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        replicate = groups.get("replicate")
+        self._mode_class = _fsdp_counter(_collective_counter_mode(), replicate.group_name if replicate is not None else None) if enabled else None
+        self._active: Any = None
+        self._hook_blocks: list[contextlib.ExitStack] = []
 
     @contextlib.contextmanager
-    def no_sync(self, model: nn.Module) -> Iterator[None]:
+    def phase(self, name: str | None) -> Iterator[Any]:
+        """Record the collectives issued in the block under phase ``name`` (None: forward, or backward
+        inside an autograd node); yields the mode (None when off or nested) so a caller can move the phase."""
+        if self._mode_class is None or self._active is not None:
+            yield None
+            return
+        mode = self._mode_class(self.recorder, self.names)
+        mode.phase = name
+        self._active = mode
+        try:
+            with mode:
+                yield mode
+        finally:
+            self._active = None
+            self.counts.update(mode.counts)
+
+    def watch_forward(self, module: nn.Module) -> None:
+        """Record the collectives of every forward of ``module`` run outside a block (evaluation):
+        a pre-hook placed before FSDP2's own (the root's all-gather) opens a block, a hook after
+        FSDP2's post-forward closes it, exception or not."""
+        if self._mode_class is None:
+            return
+
+        def before(mod: nn.Module, args: Any) -> None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.phase("forward" if torch.is_grad_enabled() else "eval"))
+            self._hook_blocks.append(stack)
+
+        def after(mod: nn.Module, args: Any, output: Any) -> None:
+            if self._hook_blocks:
+                self._hook_blocks.pop().close()
+
+        module.register_forward_pre_hook(before, prepend=True)
+        module.register_forward_hook(after, always_call=True)
+
+    def per_step(self, steps: int) -> dict[str, dict[str, float]]:
+        """Calls per optimizer step, ``{"group/kind": {phase: calls}}``."""
+        out: dict[str, dict[str, float]] = {}
+        for (group, kind, phase), n in sorted(self.counts.items()):
+            out.setdefault(f"{group}/{kind}", {})[phase] = n / max(steps, 1)
+        return out
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+class FSDPRun(Parallel):
+    """One rank of zero3 / hsdp: the module with every unit ``fully_shard``-ed in place."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sharded_params: list[nn.Parameter], *,
+                 strategy: ShardedDataParallel, units: list[str], shape: tuple[int, int], probe: ModelStateProbe,
+                 traffic: CollectiveTraffic) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.placement = Placement()
+        self.sharded_params = sharded_params
+        """The sharded DTensor parameters the optimizer steps (under zero2, ``model.parameters()``
+        returns the gathered compute tensors between steps, and their gradients have moved here)."""
+        self.units, self.shape, self.probe, self.traffic = units, shape, probe, traffic
+        self._strategy = strategy
+        self.steps = 0
+        traffic.watch_forward(model)
+        self._prepare()
+
+    def _prepare(self) -> None:
+        self.probe.attach(self.model, self.optimizer)
+
+    def module(self) -> nn.Module:
+        return self.model  # fully_shard changes the module in place; names stay the user's
+
+    def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+        self.probe.arm()
+        self.steps += 1
+        with self.traffic.phase("backward") as mode:
+            run = step_fn
+            if mode is not None:
+                def run(model: nn.Module, batch: Any) -> torch.Tensor:  # forward; the rest is backward (FSDP2's final callback too)
+                    mode.phase = "forward"
+                    try:
+                        return step_fn(model, batch)
+                    finally:
+                        mode.phase = "backward"
+            return accumulate_backward(self.model, microbatches, run, precision, no_sync=self.no_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         # Accumulate unsharded gradients locally; the last micro-batch reduce-scatters their sum.
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # Each rank holds a shard of every gradient: the norm of the local shards is not the
-        # norm. The DTensor norm is a partial sum of squares; full_tensor() reduces it.
+        # norm. DTensor computes the norm from the shards' partial norms, reduced across the
+        # shard group (one allreduce it issues itself, recorded under the phase "clip").
         from torch.distributed.tensor import DTensor
 
         params = [p for p in self.sharded_params if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
+        with self.traffic.phase("clip"):
+            total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            if isinstance(total, DTensor):
+                total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        with self._sharded(model):
-            return dtensor_state_dict(model, optimizer)
+    def state_dict(self, optimizer: bool) -> dict[str, Any]:
+        with self.traffic.phase("checkpoint"), self._sharded():
+            return dtensor_state_dict(self.model, self.optimizer if optimizer else None)
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load sharded state (DTensors, from a sharded checkpoint) or full state (plain tensors, from ddp/single)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         full = not is_sharded_state(state["model"])
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=False)
-        with self._sharded(model):
-            set_model_state_dict(model, state["model"], options=options)
-            if optimizer is not None and "optimizer" in state:
+        with self.traffic.phase("checkpoint"), self._sharded():
+            set_model_state_dict(self.model, state["model"], options=options)
+            if "optimizer" in state:
                 osd = state["optimizer"]
                 if any(isinstance(k, int) for k in osd.get("state", {})) or any(isinstance(i, int) for g in osd["param_groups"] for i in g["params"]):
-                    osd = optimizer_state_by_name(osd, parameter_names(model, optimizer))
-                set_optimizer_state_dict(model, optimizer, osd, options=options)
+                    osd = optimizer_state_by_name(osd, parameter_names(self.model, self.optimizer))
+                set_optimizer_state_dict(self.model, self.optimizer, osd, options=options)
 
-    def _sharded(self, model: nn.Module) -> ContextManager[None]:
-        return contextlib.nullcontext()
+    def _sharded(self) -> ContextManager[None]:
+        return contextlib.nullcontext()  # zero3 / hsdp: the parameters are sharded between steps already
+
+    def after_step(self, step: int) -> None:
+        return None  # the optimizer stepped the shards; the next forward gathers them
+
+    def save_extra_state(self, directory: Path) -> None:
+        return None  # the sharded model and optimizer state hold everything
+
+    def load_extra_state(self, path: Path) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None  # the probe measured at the first step and the traffic was recorded as it went
 
     def summary(self) -> dict[str, Any]:
-        return {"fsdp": {"units": len(self.units) + 1, "replicate": self.shape[0], "shard": self.shape[1],
-                         "mixed_precision": self.mixed_precision, "offload": self.offload},
-                **self.probe.summary()}
+        s = self._strategy
+        section = {"units": len(self.units) + 1, "replicate": self.shape[0], "shard": self.shape[1],
+                   "mixed_precision": s.mixed_precision, "offload": s.offload}
+        if self.traffic.enabled:
+            section["collectives_per_step"] = self.traffic.per_step(self.steps)
+        return {"fsdp": section, **self.probe.summary()}
 
 
-class Zero2(FSDP):
-    """ZeRO stage 2: gradients and optimizer state sharded, parameters whole between steps."""
+class Zero2Run(FSDPRun):
+    """One rank of zero2: every unit stays gathered between steps; the shards the optimizer
+    updated are gathered again after each step."""
 
-    name: ClassVar[str] = "zero2"
-    reshard_after_forward: ClassVar[bool] = False
-
-    def _after_setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        for m in fsdp_modules(model):
+    def _prepare(self) -> None:
+        for m in fsdp_modules(self.model):
             m.set_reshard_after_backward(False, recurse=False)
         self._in_state_dict = False
-        # Registered before the probe's hook, so the probe sees the parameters gathered again.
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._regather_after_step(model))
-        self.probe.attach(model, optimizer, master_copy=True)
+        # Registered before the probe's hook, so the probe sees the parameters gathered again. A
+        # step post-hook, not after_step: a loop that calls optimizer.step() itself stays correct.
+        self.optimizer.register_step_post_hook(lambda opt, args, kwargs: self._regather_after_step())
+        self.probe.attach(self.model, self.optimizer, master_copy=True)
 
-    def _regather_after_step(self, model: nn.Module) -> None:
+    def _regather_after_step(self) -> None:
         # Not while a state dict is built or loaded: torch's get_optimizer_state_dict may run a
         # step (zero gradients) to create the state, and it maps parameters to names on the shards.
         if not self._in_state_dict:
-            regather(model)
+            with self.traffic.phase("step"):
+                regather(self.model)
 
     @contextlib.contextmanager
-    def _sharded(self, model: nn.Module) -> Iterator[None]:
+    def _sharded(self) -> Iterator[None]:
         # State dicts are read and written on the shards; the whole parameters are gathered again after.
-        for m in fsdp_modules(model):
+        for m in fsdp_modules(self.model):
             m.reshard()
         self._in_state_dict = True
         try:
             yield
         finally:
             self._in_state_dict = False
-            regather(model)
+            regather(self.model)
+
+    def after_step(self, step: int) -> None:
+        return None  # the re-gather ran in the optimizer's step post-hook
 
 
-class HSDP(FSDP):
+# -- the strategies ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedDataParallel(Strategy):
+    """What zero2, zero3 and hsdp share: the options of FSDP2 and the plan over data-parallel ranks."""
+
+    name: ClassVar[str] = "zero3"
+    reshard_after_forward: ClassVar[bool] = True
+    """Free each unit's gathered parameters after its forward (zero3, hsdp) or keep them (zero2)."""
+
+    wrap: str | tuple[str, ...] = "auto"
+    """Units to shard one at a time: auto (one per block of the largest ModuleList, else the large children), root, or submodule / class names."""
+    mixed_precision: MixedPrecision | None = None
+    """All-gather parameters in this dtype for compute (bf16 or fp16); gradients are reduced and master weights kept in fp32."""
+    offload: bool = False
+    """Keep the parameter, gradient and optimizer shards in CPU memory (FSDP2's CPUOffloadPolicy)."""
+    count_collectives: bool = True
+    """Record FSDP2's all-gathers and reduce-scatters on the run's Recorder (a dispatch mode: a little Python per operator)."""
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision is not None and self.mixed_precision not in _MP_DTYPES:
+            raise ConfigError(f"mixed_precision must be 'bf16', 'fp16' or None; got {self.mixed_precision!r}")
+        wrap: Any = self.wrap
+        if isinstance(wrap, (list, tuple)) and wrap and all(isinstance(w, str) and w for w in wrap):
+            object.__setattr__(self, "wrap", tuple(wrap))  # frozen and hashable: a list from TOML becomes a tuple
+        elif not (isinstance(wrap, str) and wrap):
+            raise ConfigError(
+                f"{self.name}: wrap must be 'auto', 'root', a submodule or class name, or a list of them "
+                f"(e.g. ['layers.0', 'Block']); got {wrap!r}"
+            )
+        for key in ("offload", "count_collectives"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{self.name}: {key} must be true or false; got {getattr(self, key)!r}")
+
+    def shape(self, world_size: int) -> tuple[int, int]:
+        """(replicate, shard) over ``world_size`` data-parallel ranks: all in one shard group."""
+        return 1, world_size
+
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        layout = plan_layout(self.name, world_size, batch=batch, mesh=mesh)
+        require_dp_only(self.name, layout.degrees)
+        self.shape(layout.data_parallel)  # refuses a shape that does not divide the ranks
+        if model is not None:
+            require_trainable(model, self.name)
+            resolve_units(model, self.wrap)  # an unknown unit name fails here, in the parent
+        return layout
+
+    def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> FSDPRun:
+        require_process_group(self.name)
+        require_trainable(model, self.name)
+        require_dp_only(self.name, mesh.degrees)
+        replicate, shard = self.shape(mesh.size("dp"))
+        units = resolve_units(model, self.wrap)
+        device_mesh = shard_mesh(mesh, replicate)
+        model = apply_fsdp(
+            model.to(mesh.device), device_mesh, units=units,
+            reshard_after_forward=self.reshard_after_forward, mixed_precision=self.mixed_precision, offload=self.offload,
+        )
+        sharded_params = list(model.parameters())
+        optimizer = make_optimizer(sharded_params)
+        if replicate == 1:
+            groups = {"dp": device_mesh.get_group()}
+        else:
+            groups = {"replicate": device_mesh["replicate"].get_group(), "shard": device_mesh["shard"].get_group()}
+        traffic = CollectiveTraffic(recorder, groups, enabled=self.count_collectives)
+        probe = ModelStateProbe(self.name, shard)
+        run = FSDPRun if self.reshard_after_forward else Zero2Run
+        return run(model, optimizer, sharded_params, strategy=self, units=units, shape=(replicate, shard), probe=probe, traffic=traffic)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDP(ShardedDataParallel):
+    """ZeRO stage 3 on FSDP2 (``zero3``, alias ``fsdp``): parameters, gradients and optimizer state sharded."""
+
+    name: ClassVar[str] = "zero3"
+    reshard_after_forward: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero2(ShardedDataParallel):
+    """ZeRO stage 2: gradients and optimizer state sharded, parameters whole between steps."""
+
+    name: ClassVar[str] = "zero2"
+    reshard_after_forward: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class HSDP(ShardedDataParallel):
     """Hybrid sharded data parallel: shard within groups of ``shard`` ranks, replicate across ``replicate`` groups.
 
     The default is two replicas (``replicate=2``) when the world size is even and at least 4,
@@ -317,16 +574,20 @@ class HSDP(FSDP):
     """
 
     name: ClassVar[str] = "hsdp"
+    reshard_after_forward: ClassVar[bool] = True
 
-    def __init__(self, *, replicate: int | None = None, shard: int | None = None, wrap: str | list[str] = "auto",
-                 mixed_precision: str | None = None, offload: bool = False) -> None:
-        super().__init__(wrap=wrap, mixed_precision=mixed_precision, offload=offload)
-        for key, value in (("replicate", replicate), ("shard", shard)):
+    replicate: int | None = None
+    """Replica groups gradients are allreduced across (default: 2 when the world size is even and >= 4, else 1)."""
+    shard: int | None = None
+    """Ranks in each shard group (default: the world size / replicate)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, value in (("replicate", self.replicate), ("shard", self.shard)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"hsdp {key} must be a whole number >= 1; got {value!r}")
-        self.replicate, self.shard = replicate, shard
 
-    def _shape(self, world_size: int) -> tuple[int, int]:
+    def shape(self, world_size: int) -> tuple[int, int]:
         r, s = self.replicate, self.shard
         if r is None and s is None:
             r = 2 if world_size >= 4 and world_size % 2 == 0 else 1
@@ -334,17 +595,10 @@ class HSDP(FSDP):
             r = world_size // s if s and world_size % s == 0 else 0
         if s is None:
             s = world_size // r if r and world_size % r == 0 else 0
-        return r, s
-
-    def _replicate(self, world_size: int) -> int:
-        return self._shape(world_size)[0]
-
-    def validate(self, world_size: int) -> None:
-        super().validate(world_size)
-        r, s = self._shape(world_size)
         if r * s != world_size:
             options = ", ".join(f"{d}x{world_size // d}" for d in range(1, world_size + 1) if world_size % d == 0)
             raise ConfigError(
                 f"hsdp shape replicate={self.replicate} x shard={self.shard} does not divide the world size {world_size}; "
                 f"choose replicate x shard = {world_size} (one of {options}), e.g. --set trainer.strategy_options.replicate=1"
             )
+        return r, s

@@ -14,6 +14,14 @@ and 3 live in `shardwise.strategies.fsdp` (FSDP2).
 assigns whole tensors to ranks (greedily, largest first), so the optimizer bytes per rank
 are ``K Psi / N`` only when the tensors split evenly; the report shows the real ratio.
 
+**What zero1 sends per step** (recorded on the run's `Recorder`, group ``dp``): DDP's
+gradient allreduce, one event of every trainable parameter's bytes per synchronized step
+(`shardwise.strategies.ddp.apply_ddp`), then, after the optimizer step, one broadcast per
+parameter from the rank that owns it, through `shardwise.comm.broadcast`: a rank sends the
+bytes of the parameters it owns and receives the rest (``Psi`` bytes in all over the group,
+the all-gather of the updated partitions that the ZeRO paper describes). The consolidation of
+the optimizer state on rank 0 for a checkpoint is torch's own object broadcast, not recorded.
+
 `ModelStateProbe` measures, once after the first optimizer step (before ``zero_grad``: the
 moment parameters, gradients and optimizer state all exist), the bytes this rank holds in
 each category by summing the local tensors (a DTensor's ``to_local()``), and compares them
@@ -23,20 +31,23 @@ with `shardwise.plan.memory.model_state_bytes`.
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar, ContextManager, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, ContextManager, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from shardwise.comm.collectives import Group, broadcast
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.plan.memory import STAGE_OF, BytesPerParam, compare, model_state_bytes
 from shardwise.precision import Precision
-from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
-from shardwise.strategies.protocol import OptimizerFactory, StepFn
+from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 
 # -- model-state accounting ---------------------------------------------------------------
 
@@ -130,11 +141,63 @@ class ModelStateProbe:
         return {"memory_per_rank": section}
 
 
+# -- checks every sharding stage makes --------------------------------------------------------
+
+
+def require_trainable(model: nn.Module, strategy: str) -> None:
+    """A sharding stage on a model with nothing to train is a user error, said before anything is built."""
+    total = sum(p.numel() for p in model.parameters())
+    if total == 0:
+        raise ConfigError(f"the model {type(model).__name__} has no parameters; there is nothing to train")
+    if sum(p.numel() for p in model.parameters() if p.requires_grad) == 0:
+        raise ConfigError(
+            f"strategy {strategy!r} shards parameters, gradients and optimizer state, but the model "
+            f"{type(model).__name__} has no trainable parameters ({total} parameters, none with requires_grad). "
+            "Give the model trainable parameters, or run it with strategy 'single' or 'ddp'"
+        )
+
+
+def require_dp_only(strategy: str, degrees: Mapping[str, int]) -> None:
+    """Sharded data parallel runs over a mesh of data-parallel ranks only (pp = tp = 1)."""
+    if any(degrees.get(d, 1) != 1 for d in ("pp", "tp")):
+        raise ConfigError(
+            f"strategy {strategy!r} shards over data-parallel ranks only; got mesh degrees {dict(degrees)}. "
+            "Drop the pp/tp mesh settings, or use strategy 'tp' or 'pipeline' with dp_strategy='fsdp' to shard their data-parallel dimension"
+        )
+
+
+def require_process_group(strategy: str) -> None:
+    if not dist.is_initialized():
+        raise ConfigError(f"strategy {strategy!r} needs a process group; start the run through shardwise (Trainer, launch, or shardwise run)")
+
+
 # -- zero1 ----------------------------------------------------------------------------------
 
 
-def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Any) -> ZeroRedundancyOptimizer:
-    """The user's optimizer (class, defaults, parameter groups) rebuilt as a `ZeroRedundancyOptimizer`.
+class RecordedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+    """torch's `ZeroRedundancyOptimizer`, with the parameter broadcast after each step sent
+    through `shardwise.comm.broadcast`, so the run's `Recorder` sees every byte of it.
+
+    torch broadcasts each parameter from the rank that owns it (``_sync_params``, per
+    parameter when ``parameters_as_bucket_view`` is off, as here); this does the same
+    broadcasts in the same order, one recorded call each: the values every rank ends with
+    are the owner's, exactly as before.
+    """
+
+    def __init__(self, params: Any, *, group: Group, recorder: Recorder | None, **kwargs: Any) -> None:
+        self._shardwise_group, self._shardwise_recorder = group, recorder
+        super().__init__(params, process_group=group.pg, **kwargs)
+
+    def _sync_params(self) -> None:
+        for rank, groups in enumerate(self._partition_parameters()):
+            for param_group in groups:
+                for param in param_group["params"]:
+                    broadcast(param.data, src=rank, group=self._shardwise_group, recorder=self._shardwise_recorder)
+
+
+def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Group, recorder: Recorder | None = None) -> ZeroRedundancyOptimizer:
+    """The user's optimizer (class, defaults, parameter groups) rebuilt as a `ZeroRedundancyOptimizer`
+    over ``group``, its parameter broadcasts recorded on ``recorder``.
 
     The factory is called once on the parameters to learn what it builds; that template
     holds no state (optimizers allocate state on their first step).
@@ -145,80 +208,96 @@ def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Any) -
     # ``decoupled_weight_decay``, which AdamW sets itself and does not accept).
     accepted = inspect.signature(type(template).__init__).parameters
     defaults = {k: v for k, v in template.defaults.items() if k in accepted}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(template), process_group=group, **defaults)
+    return RecordedZeroRedundancyOptimizer(groups, group=group, recorder=recorder, optimizer_class=type(template), **defaults)
 
 
 def apply_zero1(model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, ZeroRedundancyOptimizer]:
-    """DDP (gradients allreduced, recorded) with the optimizer state partitioned across the dp group."""
-    from shardwise.strategies.ddp import apply_ddp  # the other data-parallel strategy, reused as it is
+    """DDP (gradients allreduced, recorded) with the optimizer state partitioned across the dp group
+    (the parameter broadcasts after each step recorded too)."""
+    from shardwise.strategies.ddp import apply_ddp  # the flat function of the other data-parallel strategy
 
     wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, gradient_as_bucket_view=True)
-    return wrapped, zero_redundancy(list(wrapped.parameters()), make_optimizer, mesh.group("dp").pg)
+    return wrapped, zero_redundancy(list(wrapped.parameters()), make_optimizer, mesh.group("dp"), recorder)
 
 
-class Zero1:
-    """ZeRO stage 1: optimizer state sharded; parameters and gradients replicated."""
+class Zero1Run(Parallel):
+    """One rank of zero1: DDP around the whole model, the optimizer stepping this rank's partition."""
 
-    name: ClassVar[str] = "zero1"
+    def __init__(self, model: nn.Module, optimizer: ZeroRedundancyOptimizer, probe: ModelStateProbe) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.placement = Placement()
+        self.probe = probe
 
-    def __init__(self, *, offload: bool = False) -> None:
-        if offload:
-            raise ConfigError(
-                "strategy 'zero1' does not support offload=True: its parameters and gradients stay whole on the device "
-                "(torch's ZeroRedundancyOptimizer). Use strategy 'zero2', 'zero3' or 'hsdp' with --offload "
-                "(FSDP2's CPUOffloadPolicy), or drop --offload"
-            )
-        self.probe = ModelStateProbe("zero1", 1)
+    def module(self) -> nn.Module:
+        return self.model.module  # type: ignore[no-any-return]
 
-    def validate(self, world_size: int) -> None:
-        if world_size < 1:
-            raise ConfigError(f"zero1 needs at least one process; got a world size of {world_size}")
-
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if not dist.is_initialized():
-            raise ConfigError("strategy 'zero1' needs a process group; start the run through shardwise (Trainer, launch, or shardwise run)")
-        require_trainable(model, "zero1")
-        wrapped, optimizer = apply_zero1(model, make_optimizer, mesh, recorder)
-        self.probe = ModelStateProbe("zero1", mesh.size("dp"))
-        self.probe.attach(wrapped.module, optimizer)
-        return wrapped, optimizer
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "module", model)
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
+    def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
         self.probe.arm()
-        return accumulate_backward(model, microbatches, step_fn, precision, no_sync=lambda: self.no_sync(model))
+        return accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
 
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        return model.no_sync()  # type: ignore[operator,no-any-return]
+    def no_sync(self) -> ContextManager[None]:
+        return self.model.no_sync()  # type: ignore[operator,no-any-return]
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_local(model, max_norm)  # gradients are replicated after DDP's allreduce
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return clip_local(self.model, max_norm)  # gradients are replicated after DDP's allreduce
 
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        # The optimizer state is gathered on rank 0 (collective), in the plain format ddp writes,
-        # so a zero1 checkpoint resumes under any strategy and at any world size.
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            optimizer.consolidate_state_dict(to=0)
-            full = optimizer.state_dict() if dist.get_rank() == 0 else {}
-            return {"model": self.unwrap(model).state_dict(), "optimizer": full}
-        return plain_state_dict(self.unwrap(model), optimizer)
+    def state_dict(self, optimizer: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.module().state_dict()}
+        if optimizer:
+            # Gathered on rank 0 (collective), in the plain format ddp writes, so a zero1
+            # checkpoint resumes under any strategy and at any world size.
+            self.optimizer.consolidate_state_dict(to=0)
+            state["optimizer"] = self.optimizer.state_dict() if dist.get_rank() == 0 else {}
+        return state
 
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(self.unwrap(model), optimizer, state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_plain_state_dict(self.module(), self.optimizer, state)  # each rank keeps its partition of the full state
+
+    def after_step(self, step: int) -> None:
+        return None  # the updated partitions were broadcast inside optimizer.step()
+
+    def save_extra_state(self, directory: Path) -> None:
+        return None  # the model and the consolidated optimizer hold everything
+
+    def load_extra_state(self, path: Path) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None  # the probe measured at the first step; nothing to gather
 
     def summary(self) -> dict[str, Any]:
         return self.probe.summary()
 
 
-def require_trainable(model: nn.Module, strategy: str) -> None:
-    """A sharding stage on a model with nothing to train is a user error, said before anything is built."""
-    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if n == 0:
-        total = sum(p.numel() for p in model.parameters())
-        raise ConfigError(
-            f"strategy {strategy!r} shards parameters, gradients and optimizer state, but the model "
-            f"{type(model).__name__} has no trainable parameters ({total} parameters, none with requires_grad). "
-            "Give the model trainable parameters, or run it with strategy 'single' or 'ddp'"
-        )
+@dataclass(frozen=True, kw_only=True)
+class Zero1(Strategy):
+    """ZeRO stage 1: optimizer state sharded; parameters and gradients replicated."""
+
+    name: ClassVar[str] = "zero1"
+
+    offload: bool = False
+    """Refused: zero1 keeps parameters and gradients whole on the device (zero2, zero3 and hsdp offload to CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.offload:
+            raise ConfigError(
+                "strategy 'zero1' does not support offload=True: its parameters and gradients stay whole on the device "
+                "(torch's ZeroRedundancyOptimizer). Use strategy 'zero2', 'zero3' or 'hsdp' with --offload "
+                "(FSDP2's CPUOffloadPolicy), or drop --offload"
+            )
+
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        layout = plan_layout(self.name, world_size, batch=batch, mesh=mesh)
+        require_dp_only(self.name, layout.degrees)
+        if model is not None:
+            require_trainable(model, self.name)
+        return layout
+
+    def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> Zero1Run:
+        require_process_group(self.name)
+        require_trainable(model, self.name)
+        require_dp_only(self.name, mesh.degrees)
+        wrapped, optimizer = apply_zero1(model, make_optimizer, mesh, recorder)
+        probe = ModelStateProbe(self.name, mesh.size("dp"))
+        probe.attach(wrapped.module, optimizer)
+        return Zero1Run(wrapped, optimizer, probe)

@@ -1,5 +1,6 @@
-"""Sharded data parallel (zero1, zero2, zero3, hsdp) equals the single-process reference, and
-each rank's model-state bytes equal the ZeRO formula for its stage.
+"""Sharded data parallel (zero1, zero2, zero3, hsdp) equals the single-process reference, each
+rank's model-state bytes equal the ZeRO formula for its stage, and the bytes the Recorder
+recorded equal the traffic formula of each stage.
 
 One launch per world size runs every fit of that size (a process start costs ~2.5 s here):
 the Trainer, started inside a launched worker, joins the existing process group.
@@ -7,6 +8,7 @@ the Trainer, started inside a launched worker, joins the existing process group.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -55,6 +57,11 @@ class Blocks(nn.Module):
         return x  # 8 logits; labels are 0..2
 
 
+def normed() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
 def eight_features(n: int = 96) -> TensorDataset:
     x, y = classification(n).tensors
     return TensorDataset(torch.cat([x, x[:, :2] ** 2], dim=1), y)
@@ -67,7 +74,7 @@ def _memory(strategy: str, optimizer: str, **options: Any) -> tuple[dict[str, An
                       **{**COMMON, "max_steps": 2, "clip_grad_norm": None})
     summary = trainer.fit(model, eight_features())
     psi = sum(p.numel() for p in Blocks().parameters())
-    return summary["memory_per_rank"], {"psi": psi, "fsdp": summary.get("fsdp")}
+    return summary["memory_per_rank"], {"psi": psi, "fsdp": summary.get("fsdp"), "comm": summary["comm"]["by_op"]}
 
 
 def _world_of_two() -> dict[str, Any]:
@@ -80,6 +87,8 @@ def _world_of_two() -> dict[str, Any]:
             out[("memory", strategy, opt)] = _memory(strategy, opt)
     for strategy in ("zero2", "zero3"):  # CPUOffloadPolicy without pinned memory (no CUDA here)
         out[("offload", strategy)] = _fit(strategy, "adam", offload=True)
+    trainer = Trainer(strategy="zero3", optimizer=adam, loss_fn=ce, sync_batchnorm=True, **{**COMMON, "max_steps": 2, "clip_grad_norm": None})
+    out["syncbn"] = trainer.fit(normed(), classification())
     return out
 
 
@@ -215,3 +224,127 @@ def test_an_hsdp_shape_that_does_not_divide_the_world_size_is_a_config_error():
         Trainer(strategy="hsdp", nproc=4, strategy_options={"replicate": 3}, loss_fn=ce).fit(mlp(), classification())
     with pytest.raises(ConfigError, match="replicate=2 x shard=2 does not divide the world size 2"):
         Trainer(strategy="hsdp", nproc=2, strategy_options={"replicate": 2, "shard": 2}, loss_fn=ce).fit(mlp(), classification())
+
+
+# -- traffic: the bytes the Recorder saw equal each stage's formula ------------------------------------
+#
+# The Recorder counts, per rank, the payload handed to each collective and the bandwidth-optimal
+# bytes sent and received (`shardwise.comm.recorder.wire_bytes`): 2(p-1)/p of the payload for an
+# allreduce, (p-1)/p of the gathered / unreduced buffer for an all-gather or reduce-scatter, the
+# payload out of the root of a broadcast and into every other rank. Below, the counts and bytes
+# each stage must produce, derived from the model's shapes alone.
+
+STEPS, ACCUMULATE = 2, 2  # the memory runs: 2 optimizer steps of 2 micro-batches, no clipping, no evaluation
+BLOCK = 8 * 8 * 8  # bytes of one Blocks layer (an 8x8 float64 weight): one FSDP unit, one zero1 tensor
+
+
+def _gathered(shape: tuple[int, ...], shard: int, itemsize: int = 8) -> int:
+    """Bytes of a parameter as FSDP2 gathers it: dim 0 padded to a multiple of the shard degree."""
+    return math.ceil(shape[0] / shard) * shard * math.prod(shape[1:]) * itemsize
+
+
+def _op(count: int, payload: int, sent: int, received: int | None = None) -> dict[str, int]:
+    return {"count": count, "payload_bytes": payload, "sent_bytes": sent, "received_bytes": sent if received is None else received}
+
+
+def _collective(p: int, payload: int, op: str) -> int:
+    """Bytes one rank sends (and receives) in a library collective of ``payload`` bytes over ``p`` ranks."""
+    return 2 * (p - 1) * payload // p if op == "all_reduce" else (p - 1) * payload // p
+
+
+def _fsdp_traffic(strategy: str, units: list[int], shard: int, replicate: int, steps: int, accumulate: int,
+                  evals: int = 0) -> dict[str, dict[str, int]]:
+    """ZeRO-2 / ZeRO-3 / HSDP on FSDP2, per rank: ``units`` are the gathered bytes of each unit (the
+    root is one more when it holds parameters of its own; in these models it holds none)."""
+    g = "dp" if replicate == 1 else "shard"
+    total, n = sum(units), len(units)
+    if strategy == "zero2":
+        rounds = steps + 1  # every unit gathered before the first forward, then again after every optimizer step
+    else:
+        # every unit gathered before its forward and again before its backward, each micro-batch,
+        # and before each evaluation forward
+        rounds = steps * accumulate * 2 + evals
+    out = {
+        f"{g}/all_gather": _op(rounds * n, rounds * total, _collective(shard, rounds * total, "all_gather")),
+        # one reduce-scatter of every unit's gradient per step (the last micro-batch's backward)
+        f"{g}/reduce_scatter": _op(steps * n, steps * total, _collective(shard, steps * total, "reduce_scatter")),
+    }
+    if replicate > 1:  # the gradient shard of every unit allreduced across the replicas, once per step
+        out["replicate/all_reduce"] = _op(steps * n, steps * total // shard, _collective(replicate, steps * total // shard, "all_reduce"))
+    return out
+
+
+def _zero1_traffic(tensors: list[int], owned: list[int], world: int, steps: int) -> dict[str, dict[str, int]]:
+    """ZeRO-1, per rank: DDP's gradient allreduce once per step (every trainable byte), then after
+    the step one broadcast per tensor from its owner: this rank sends what it owns and receives the rest."""
+    psi = sum(tensors)
+    return {
+        "dp/all_reduce": _op(steps, steps * psi, _collective(world, steps * psi, "all_reduce")),
+        "dp/broadcast": _op(steps * len(tensors), steps * psi, steps * sum(owned), steps * (psi - sum(owned))),
+    }
+
+
+def _recorded(by_op: dict[str, dict[str, Any]], groups: tuple[str, ...] = ("dp", "shard", "replicate")) -> dict[str, dict[str, int]]:
+    """The strategy's traffic from a summary's ``comm.by_op`` (the loop's own logging, group world, left out)."""
+    keys = ("count", "payload_bytes", "sent_bytes", "received_bytes")
+    assert set(k.split("/")[0] for k in by_op) <= {*groups, "world"}, sorted(by_op)
+    return {k: {f: int(v[f]) for f in keys} for k, v in by_op.items() if k.split("/")[0] in groups}
+
+
+def _blocks_traffic(strategy: str, world: int) -> dict[str, dict[str, int]]:
+    if strategy == "zero1":  # eight equal tensors: each rank owns 8 / world of them
+        return _zero1_traffic([BLOCK] * 8, [BLOCK] * (8 // world), world, STEPS)
+    shard, replicate = (world // 2, 2) if strategy == "hsdp" else (world, 1)
+    return _fsdp_traffic(strategy, [_gathered((8, 8), shard)] * 8, shard, replicate, STEPS, ACCUMULATE)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_recorded_traffic_equals_the_formula_at_world_size_two(strategy, two):
+    expected = _blocks_traffic(strategy, 2)
+    for rank in range(2):
+        for opt in OPTIMIZERS:
+            assert _recorded(two[rank][("memory", strategy, opt)][1]["comm"]) == expected, (strategy, opt, rank)
+    if strategy != "zero1":
+        # ZeRO-3's gathers, per step: each of the 8 units before its forward and before its backward,
+        # per micro-batch; ZeRO-2's: each unit after the step (and once before the first forward).
+        per_step = two[0][("memory", strategy, "adam")][1]["fsdp"]["collectives_per_step"]
+        assert per_step["dp/reduce_scatter"] == {"backward": 8.0}
+        assert per_step["dp/all_gather"] == ({"forward": 16.0, "backward": 16.0} if strategy == "zero3" else {"forward": 4.0, "step": 8.0})
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "hsdp"])
+def test_recorded_traffic_equals_the_formula_at_world_size_four(strategy, four):
+    expected = _blocks_traffic(strategy, 4)
+    for rank in range(4):
+        assert _recorded(four[rank][("memory", strategy, "adam")][1]["comm"]) == expected, (strategy, rank)
+
+
+def test_zero3_records_padded_shards_clipping_and_evaluation(two):
+    """The mlp's Linear(16, 3) does not split in two: FSDP2 pads its rows to 4, and the bytes
+    recorded are the padded ones FSDP2 sends. Clipping adds one allreduce of the norm per step,
+    evaluation one gather per unit per forward (37 samples: 19 on one rank, 5 calls of 4). The
+    allreduce that clipping adds is issued by DTensor inside its own operator (the norm), which
+    the recording sees too."""
+    units = [_gathered((16, 6), 2) + _gathered((16,), 2), _gathered((3, 16), 2) + _gathered((3,), 2)]
+    assert units == [896, 544]  # 163 parameters, 180 as gathered
+    expected = _fsdp_traffic("zero3", units, 2, 1, steps=10, accumulate=2, evals=5)
+    # DTensor's norm: each of the 4 gradients' partial norms (float64) stacked and allreduced, once per step
+    expected["dp/all_reduce"] = _op(10, 10 * 4 * 8, _collective(2, 10 * 4 * 8, "all_reduce"))
+    for opt in OPTIMIZERS:
+        for rank in range(2):
+            assert _recorded(two[rank][("zero3", opt)][1]["comm"]["by_op"]) == expected, (opt, rank)
+        per_step = two[0][("zero3", opt)][1]["fsdp"]["collectives_per_step"]
+        assert per_step["dp/all_gather"] == {"forward": 4.0, "backward": 4.0, "eval": 1.0}
+        assert per_step["dp/all_reduce"] == {"clip": 1.0}
+
+
+def test_collectives_sent_through_comm_inside_a_sharded_step_are_recorded_once(two):
+    """SyncBatchNorm's statistics go through shardwise.comm, which records them, inside zero3's
+    forward and backward, where FSDP2's own collectives are recorded from below: each is counted
+    once (one allreduce of (sum x, sum x^2, count), 33 float64, per micro-batch forward and backward)."""
+    units = [_gathered((16, 6), 2) + _gathered((16,), 2), 2 * _gathered((16,), 2), _gathered((3, 16), 2) + _gathered((3,), 2)]
+    expected = _fsdp_traffic("zero3", units, 2, 1, STEPS, ACCUMULATE)
+    calls = STEPS * ACCUMULATE * 2
+    expected["dp/all_reduce"] = _op(calls, calls * 33 * 8, _collective(2, calls * 33 * 8, "all_reduce"))
+    for rank in range(2):
+        assert _recorded(two[rank]["syncbn"]["comm"]["by_op"]) == expected, rank
