@@ -83,9 +83,10 @@ def get_strategy(spec: str | Strategy, **options: Any) -> Strategy:
 def _contract(strategy: Any) -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
-    from shardwise.strategies._legacy import LegacyStrategy  # transition: old-protocol strategies
-
-    return LegacyStrategy(strategy)
+    raise ConfigError(
+        f"a strategy must be a shardwise.strategies.Strategy (a frozen dataclass of options with plan() and apply(); "
+        f"see docs/architecture.md, 'How to add a strategy'); got {type(strategy).__name__}"
+    )
 
 
 __all__ = ["Batch", "Layout", "OptimizerFactory", "Parallel", "StepFn", "Strategy", "available", "get_strategy", "register_strategy"]

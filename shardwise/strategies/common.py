@@ -94,30 +94,3 @@ class LocalParallel(Parallel):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_plain_state_dict(self.model, self.optimizer, state)
-
-
-# Legacy (removed when every strategy is on the plan/apply contract).
-class LocalModel:
-    """The Strategy methods of a strategy whose every rank holds the whole model, unwrapped, and
-    synchronizes nothing during backward: `single`, local SGD / DiLoCo / gossip replicas (which
-    average after the step), parameter-server workers (which push gradients in the optimizer's
-    step) and naive model parallelism (one process). Each rank clips the gradient it steps or
-    pushes with, and its state is plain tensors under the module's own names."""
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def forward_backward(self, model: nn.Module, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        return accumulate_backward(model, microbatches, step_fn, precision)
-
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
-        return contextlib.nullcontext()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return clip_local(model, max_norm)
-
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        return plain_state_dict(model, optimizer)
-
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-        load_plain_state_dict(model, optimizer, state)

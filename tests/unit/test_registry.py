@@ -1,0 +1,37 @@
+"""The registry speaks only the plan/apply contract: an object that is not a `Strategy` is refused
+with the way to write one, and an unknown option names the closest real one."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardwise.strategies as strategies
+from shardwise.errors import ConfigError
+from shardwise.strategies import Strategy, available, get_strategy, register_strategy
+
+
+class OldStyle:  # the pre-contract shape: setup() and getattr-probed hooks
+    name = "old-style"
+
+    def setup(self, model, make_optimizer, mesh, recorder):  # type: ignore[no-untyped-def]
+        raise AssertionError("never called")
+
+
+def test_an_object_that_is_not_a_strategy_is_refused_with_how_to_write_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(strategies, "_EXTRA", {})  # registered for this test only
+    register_strategy("old-style-test", OldStyle)
+    with pytest.raises(ConfigError, match=r"must be a shardwise.strategies.Strategy .*plan\(\) and apply\(\).*got OldStyle"):
+        get_strategy("old-style-test")
+    with pytest.raises(ConfigError, match="got OldStyle"):
+        get_strategy(OldStyle())  # type: ignore[arg-type]
+
+
+def test_every_builtin_strategy_is_on_the_contract() -> None:
+    for name in available():
+        assert isinstance(get_strategy(name), Strategy), name
+
+
+def test_an_unknown_option_names_the_closest() -> None:
+    with pytest.raises(ConfigError, match=r"strategy 'ddp' has no option 'bucket_cap' \(did you mean 'bucket_cap_mb'\?\)"):
+        get_strategy("ddp", bucket_cap=3)
+    assert get_strategy("tp", plan={"fc": "colwise"}).tp_plan == {"fc": "colwise"}  # tp's old option name still works
