@@ -51,6 +51,56 @@ optimizer step over ``A`` micro-batches, in the shard group of ``S`` ranks (grou
 Checkpoints are sharded: `state_dict` returns DTensors keyed by parameter name (optimizer state
 too, through ``torch.distributed.checkpoint.state_dict``), and the engine writes them with
 ``torch.distributed.checkpoint``; they load at any world size and under any strategy.
+
+Design notes: sharded data parallel (zero1, zero2, zero3/fsdp, hsdp)
+====================================================================
+
+Built on torch's pieces (Rajbhandari et al. 2020, ZeRO; Zhao et al. 2023, PyTorch FSDP):
+zero1 is `ZeroRedundancyOptimizer` over our DDP (`strategies/zero.py`); zero2, zero3 and hsdp
+are FSDP2 `fully_shard` (`strategies/fsdp.py`), never the old `FullyShardedDataParallel`
+(its HYBRID_SHARD without an explicit mesh silently skips the gradient sync across groups).
+
+What each stage keeps per rank (N: shard degree; hsdp: N = S of an R x S mesh):
+
+| stage | at rest (between steps) | at peak (inside a step) |
+| --- | --- | --- |
+| zero1 | params, grads whole; optimizer state of the tensors this rank owns (~1/N) | + DDP's buckets are the grads (no copy); rank-owned params broadcast after the step |
+| zero2 | params whole (re-gathered after every step), plus the 1/N shard the optimizer steps (a master copy); grads and optimizer state 1/N | + one unit's whole gradient before its reduce-scatter |
+| zero3 | params, grads, optimizer state 1/N | + the gathered params of the unit running (and the next, prefetched), every unit, the root included, gathered again before its backward (torch 2.13, measured by tests/dist/test_sharding.py's traffic tests); one unit's whole gradient |
+| hsdp | as zero3 in its shard group | as zero3; gradients reduce-scattered in the group, then allreduced across the R groups |
+
+zero2 is `fully_shard(reshard_after_forward=False)` with `set_reshard_after_backward(False)`,
+and an optimizer step post-hook that reshards and gathers again: the parameters stay whole, as
+ZeRO-2's do, and the gather after the step is the one ZeRO-2 makes. (Without that, FSDP2's
+`reshard_after_forward=False` alone frees the gathered parameters after backward, so at rest it
+holds what zero3 holds and differs only at peak.) Clipping takes the norm over the sharded
+parameters' DTensor gradients: `get_total_norm` gives a partial norm, `full_tensor()` reduces it
+(the classic bug, clipping by the local shard's norm, is what the parity tests would catch).
+
+Options: `wrap` (`auto`: one unit per block of the model's largest `ModuleList`, else each
+child with >= 5% of the parameters, looking through single-child containers; `root`; or names /
+class names), `mixed_precision` (`bf16`/`fp16` through `MixedPrecisionPolicy(param_dtype,
+reduce_dtype=fp32)`; the run's `precision` still sets autocast), `offload` (`CPUOffloadPolicy`,
+`pin_memory` only where CUDA exists: without it pinning raises "Cannot access accelerator
+device"; zero1 rejects it). hsdp: `replicate` / `shard` (default 2 x N/2 from 4 ranks, else 1 x N).
+
+**Memory accounting.** `ModelStateProbe` measures once, right after the first
+`optimizer.step()` (before `zero_grad`: parameters, gradients and optimizer state all exist), the
+bytes of the local tensors (`DTensor.to_local()`): `params` are the tensors the module computes
+with, `grads` their gradients, `optimizer` the optimizer's parameter-shaped state plus any
+parameter the optimizer steps that is not a compute tensor (zero2's shards: a master copy,
+as in the ZeRO paper's K). Scalars (Adam's `step`) are left out. The prediction is
+`plan.memory.model_state_bytes(stage, Psi, N, bytes per param)` with the run's dtype and the
+optimizer's slot count: ZeRO's table (baseline `(2+2+K)Psi`, P_os `4Psi + K Psi/N`, P_os+g
+`2Psi + (2+K)Psi/N`, P_os+g+p `(2+2+K)Psi/N` for mixed precision with Adam, K=12) and the fp32
+variant (`p = g = 4`, K = 8 for Adam with no master copy: `16Psi`, `8Psi + 8Psi/N`,
+`4Psi + 12Psi/N` (zero2 on FSDP2 adds its master shard: `4Psi + 16Psi/N`), `16Psi/N`).
+Measured equals predicted exactly when every tensor's dim 0 divides by N (tested at 2 and 4);
+`torch.chunk`'s uneven shards leave rank 0 a little above (the 163-parameter test MLP: 1.10;
+the digits MLP: 1.00). Under `mixed_precision="bf16"`, FSDP2 keeps no bf16 copy at rest: the
+fp32 shards are both the parameters and the master weights and gradients are reduced to fp32,
+so its at-rest total, `16Psi/N`, equals ZeRO-3's mixed-precision total while the split by
+category differs (ZeRO: 2 + 2 + 12; FSDP2: 4 + 4 + 8).
 """
 
 from __future__ import annotations

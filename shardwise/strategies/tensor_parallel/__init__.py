@@ -217,8 +217,10 @@ and `single` (3 steps, plain checkpoint) resumed under tp with sequence parallel
 is first named).
 
 **Collective counts.** A dispatch mode (`count_collectives`) sees every operator below DTensor,
-so it sees the functional collectives of DTensor's redistributions and c10d's own (FSDP2's), and
-records each on the run's `Recorder` (group `tp` or `dp`, payload, the bandwidth-optimal bytes,
+so it sees the functional collectives of DTensor's redistributions in forward and backward and
+c10d's own; a collective DTensor issues inside one of its own operators (a norm's allreduce) runs while
+the mode is off and is not seen (the sharding family's subclass declines DTensor operators to see
+them). It records each on the run's `Recorder` (group `tp` or `dp`, payload, the bandwidth-optimal bytes,
 no seconds: the collectives are asynchronous inside DTensor) and counts it by phase: forward
 inside the step function, backward after (FSDP's final reduce-scatters included). Exact
 assertions (tests, charlm at tp=2):
