@@ -128,7 +128,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shardwise.comm.collectives import WORLD, Group, all_gather, all_reduce, barrier, broadcast
+from shardwise.comm.collectives import WORLD, Group, all_gather, all_reduce, all_reduce_async, barrier, broadcast
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 
 _LAZY = {
@@ -151,4 +151,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["WORLD", "CommEvent", "Group", "Recorder", "all_gather", "all_reduce", "barrier", "broadcast", "wire_bytes", *_LAZY]
+__all__ = ["WORLD", "CommEvent", "Group", "Recorder", "all_gather", "all_reduce", "all_reduce_async", "barrier", "broadcast", "wire_bytes", *_LAZY]
