@@ -58,7 +58,7 @@ def _cases() -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return launch(_cases, nproc=P)
+    return launch(_cases, nproc=P, threads_per_proc=1, timeout=150)  # below the test's 180 s: a hang names its ranks
 
 
 def _param_bytes(model: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:

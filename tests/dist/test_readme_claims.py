@@ -23,6 +23,10 @@ from shardwise.recipes.charlm import CharGPT
 from shardwise.trainer.straggler import Straggler
 from tests.dist.models import accuracy, adam, ce, classification, max_diff, mlp
 
+# Each module fixture is one launch; its own limit (600 s) stays below the test's, so a hang is
+# reported with the ranks still running instead of being cut off by pytest.
+pytestmark = pytest.mark.timeout(900)
+
 N = 4  # steps before a checkpoint; resumed runs go on to 2N
 COMMON = dict(global_batch_size=16, accumulate=2, max_steps=2 * N, log_every=N, progress_bar=False, clip_grad_norm=0.5)
 
