@@ -65,11 +65,14 @@ def _param_bytes(model: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in skip)
 
 
-def _check_buckets(run: dict) -> list[int]:
-    """Each event is one real bucket, with the ring allreduce's bytes: 2(p-1)/p of the bucket each way."""
+def _check_buckets(run: dict, *, ordered: bool = True) -> list[int]:
+    """Each event is one real bucket, with the ring allreduce's bytes: 2(p-1)/p of the bucket each way.
+
+    Untimed events are recorded as each bucket is launched, in DDP's order; timed ones as each
+    completes, and two buckets in flight may complete in either order."""
     expected = run["first_buckets"] + run["rebuilt_buckets"] * (STEPS - 1)
     payloads = [e[2] for e in run["events"]]
-    assert payloads == expected, (payloads, expected)
+    assert (payloads if ordered else sorted(payloads)) == (expected if ordered else sorted(expected)), (payloads, expected)
     for op, group, payload, sent, received, _ in run["events"]:
         assert (op, group) == ("all_reduce", "dp")
         assert sent == received == 2 * (P - 1) * payload // P
@@ -105,5 +108,5 @@ def test_a_parameter_left_out_of_sync_is_left_out_of_the_bytes(results):
 def test_record_buckets_times_every_bucket(results):
     for rank in range(P):
         run = results[rank]["timed"]
-        _check_buckets(run)
+        _check_buckets(run, ordered=False)
         assert all(e[5] is not None and e[5] > 0 for e in run["events"])
