@@ -4,7 +4,9 @@
 2. Trainer with ddp on 2 processes vs a hand-written DDP loop (target <= 1.03x).
 3. ``from shardwise import Trainer, Engine, launch`` vs ``import torch`` (target <= +0.15 s).
 
-Each pair runs alternately, ``--repeats`` times, and the ratio of medians is printed.
+Each pair runs interleaved, ``--repeats`` times (A B, then B A, ...: a machine that slows
+down or speeds up during the run weighs on both sides alike), and the ratio of medians is
+printed with the median and range of the per-pair ratios.
 Times cover the training loop only (steps, logging every 20 steps); both sides start
 from the same model, data, optimizer and batch order rule (a fresh permutation each epoch).
 
@@ -83,19 +85,39 @@ def trainer_loop(steps: int, strategy: str = "single") -> float:
     return float(summary["train_s"])
 
 
-def _ddp_pair(steps: int) -> tuple[float, float]:
-    """Runs inside each of 2 launched processes: the hand DDP loop, then the Trainer's."""
-    dist.barrier()
-    hand = hand_loop(steps, dist.get_rank(), dist.get_world_size(), ddp=True)
-    dist.barrier()
-    ours = trainer_loop(steps, "ddp")
-    return hand, ours
+def _ddp_pair(steps: int, trainer_first: bool) -> tuple[float, float]:
+    """Runs inside each of 2 launched processes: the hand DDP loop and the Trainer's, in the order given."""
+    times = {}
+    for side in (("ours", "hand") if trainer_first else ("hand", "ours")):
+        dist.barrier()
+        times[side] = trainer_loop(steps, "ddp") if side == "ours" else hand_loop(steps, dist.get_rank(), dist.get_world_size(), ddp=True)
+    return times["hand"], times["ours"]
 
 
-def import_time(statement: str, repeats: int) -> float:
+def import_time(statement: str) -> float:
+    """Seconds ``statement`` takes in a fresh interpreter (one run)."""
     code = f"import time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
-    times = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout) for _ in range(repeats)]
-    return statistics.median(times)
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def interleaved(a: Any, b: Any, repeats: int) -> tuple[list[float], list[float]]:
+    """Run ``a()`` and ``b()`` ``repeats`` times each, alternating which goes first; their times."""
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(repeats):
+        if i % 2 == 0:
+            ta.append(a())
+            tb.append(b())
+        else:
+            tb.append(b())
+            ta.append(a())
+    return ta, tb
+
+
+def paired(ours: list[float], base: list[float]) -> str:
+    """Median and range of the per-pair ratios ours / base."""
+    r = sorted(o / b for o, b in zip(ours, base))
+    return f"pairs: median {statistics.median(r):.3f}x, range {r[0]:.3f}-{r[-1]:.3f}"
 
 
 def main() -> None:
@@ -106,30 +128,31 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
 
-    hand_t, ours_t = [], []
     trainer_loop(50), hand_loop(50)  # warm up (first-call costs)
-    for _ in range(args.repeats):
-        hand_t.append(hand_loop(args.steps))
-        ours_t.append(trainer_loop(args.steps))
-    rows.append(("Trainer vs hand loop, 1 process", statistics.median(ours_t), statistics.median(hand_t), "<= 1.05x"))
+    hand_t, ours_t = interleaved(lambda: hand_loop(args.steps), lambda: trainer_loop(args.steps), args.repeats)
+    rows.append(("Trainer vs hand loop, 1 process", ours_t, hand_t, "<= 1.05x"))
 
     hand_d, ours_d = [], []
-    for _ in range(args.repeats):
-        results = shardwise.launch(_ddp_pair, args.steps, nproc=2, threads_per_proc=1)
+    for i in range(args.repeats):
+        # Inside each launch the two loops alternate which runs first, launch by launch.
+        results = shardwise.launch(_ddp_pair, args.steps, i % 2 == 1, nproc=2, threads_per_proc=1)
         hand_d.append(max(r[0] for r in results))
         ours_d.append(max(r[1] for r in results))
-    rows.append(("Trainer ddp vs hand DDP, 2 processes", statistics.median(ours_d), statistics.median(hand_d), "<= 1.03x"))
+    rows.append(("Trainer ddp vs hand DDP, 2 processes", ours_d, hand_d, "<= 1.03x"))
 
     # `import shardwise` alone loads nothing (public names are lazy); what a user pays is
     # torch plus the trainer stack, so that is what is compared with `import torch`.
-    torch_s = import_time("import torch", args.repeats)
-    ours_s = import_time("from shardwise import Trainer, Engine, launch", args.repeats)
+    torch_i, ours_i = interleaved(lambda: import_time("import torch"), lambda: import_time("from shardwise import Trainer, Engine, launch"), args.repeats)
+    torch_s, ours_s = statistics.median(torch_i), statistics.median(ours_i)
+    extra = sorted(o - t for o, t in zip(ours_i, torch_i))
 
-    print(f"\n{args.steps} steps, global batch {BATCH}, median of {args.repeats} runs, 1 thread per process\n")
+    print(f"\n{args.steps} steps, global batch {BATCH}, median of {args.repeats} interleaved runs, 1 thread per process\n")
     print(f"{'comparison':40s} {'shardwise s':>12s} {'hand s':>10s} {'ratio':>8s}  target")
     for name, ours, hand, target in rows:
-        print(f"{name:40s} {ours:12.3f} {hand:10.3f} {ours / hand:7.3f}x  {target}")
-    print(f"{'from shardwise import Trainer vs torch':40s} {ours_s:12.3f} {torch_s:10.3f} {ours_s - torch_s:+7.3f}s  <= +0.15 s")
+        o, h = statistics.median(ours), statistics.median(hand)
+        print(f"{name:40s} {o:12.3f} {h:10.3f} {o / h:7.3f}x  {target}  ({paired(ours, hand)})")
+    print(f"{'from shardwise import Trainer vs torch':40s} {ours_s:12.3f} {torch_s:10.3f} {ours_s - torch_s:+7.3f}s  <= +0.15 s"
+          f"  (pairs: median {statistics.median(extra):+.3f}s, range {extra[0]:+.3f} to {extra[-1]:+.3f}s)")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,12 @@ and once with worker 1 three times slower (`shardwise.trainer.straggler.Straggle
 data-parallel strategies (ddp, local-sgd, diloco) run on 2 processes; the parameter-server
 modes run on 3 (2 workers + 1 server), so every row has two workers computing.
 
-    .venv/bin/python benchmarks/straggler.py [--seconds 6] [--factor 3] [--json out.json]
+    .venv/bin/python benchmarks/straggler.py [--seconds 4] [--factor 3] [--repeats 3] [--json out.json]
+
+Runs are interleaved and repeated: ``--repeats`` rounds, each running every strategy with and
+without the straggler, the pair's order alternating and the strategies' order rotating round by
+round, so a machine that slows down during the benchmark weighs on every row alike. Each figure
+is the median over rounds; "kept" is the median of the per-round ratios (its range beside it).
 
 Throughput counts the samples every worker processed in the budget. Synchronous strategies
 stop together: a one-element allreduce (max of "my budget ran out") carries the decision (not
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Any
 
@@ -88,31 +94,41 @@ def _run(strategy: str, options: dict[str, Any], seconds: float, straggler: Stra
             "bytes_per_step": sent / max(steps, 1), "max_staleness": ps.get("max_staleness"), "updates": ps.get("updates_per_server")}
 
 
-def _all(runs: list[tuple[str, str, dict[str, Any]]], seconds: float, factor: float) -> dict[str, Any]:
-    out = {}
-    for label, strategy, options in runs:
-        for slow in (False, True):
-            out[f"{label}|{slow}"] = _run(strategy, options, seconds, Straggler(1, factor) if slow else None)
-            dist.barrier()
+def _all(runs: list[tuple[str, str, dict[str, Any]]], seconds: float, factor: float, repeats: int) -> dict[str, Any]:
+    """Every (strategy, straggler or not) run ``repeats`` times, interleaved; worker 0's results per key, one per round."""
+    out: dict[str, list[Any]] = {f"{label}|{slow}": [] for label, _, _ in runs for slow in (False, True)}
+    for round_ in range(repeats):
+        shift = round_ % len(runs)
+        for label, strategy, options in runs[shift:] + runs[:shift]:
+            for slow in ((False, True) if round_ % 2 == 0 else (True, False)):
+                out[f"{label}|{slow}"].append(_run(strategy, options, seconds, Straggler(1, factor) if slow else None))
+                dist.barrier()
     return out
+
+
+def _median(results: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in results)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seconds", type=float, default=6.0, help="training budget per run")
+    parser.add_argument("--seconds", type=float, default=4.0, help="training budget per run")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every run (medians over rounds)")
     parser.add_argument("--factor", type=float, default=3.0, help="how many times slower worker 1 is")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    results = {**launch(_all, RUNS_DP, args.seconds, args.factor, nproc=2, threads_per_proc=1)[0],
-               **launch(_all, RUNS_PS, args.seconds, args.factor, nproc=3, threads_per_proc=1)[0]}
-    print(f"\ntwo workers, digits MLP (hidden 256), global batch {BATCH}, {args.seconds:g} s per run, worker 1 {args.factor:g}x slower\n")
-    print(f"| strategy | samples/s, no straggler | samples/s, straggler | kept | val acc % after {args.seconds:g} s (straggler) | bytes sent per step (worker 0) | max staleness |")
+    results = {**launch(_all, RUNS_DP, args.seconds, args.factor, args.repeats, nproc=2, threads_per_proc=1)[0],
+               **launch(_all, RUNS_PS, args.seconds, args.factor, args.repeats, nproc=3, threads_per_proc=1)[0]}
+    print(f"\ntwo workers, digits MLP (hidden 256), global batch {BATCH}, {args.seconds:g} s per run, worker 1 {args.factor:g}x slower, "
+          f"median of {args.repeats} interleaved rounds\n")
+    print(f"| strategy | samples/s, no straggler | samples/s, straggler | kept (range) | val acc % after {args.seconds:g} s (straggler) | bytes sent per step (worker 0) | max staleness |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for label, _, _ in RUNS_DP + RUNS_PS:
         fast, slow = results[f"{label}|False"], results[f"{label}|True"]
-        kept = slow["samples_per_s"] / fast["samples_per_s"]
-        stale = "" if slow["max_staleness"] is None else str(slow["max_staleness"])
-        print(f"| {label} | {fast['samples_per_s']:.0f} | {slow['samples_per_s']:.0f} | {kept:.2f} | {slow['val_accuracy']:.1f} | {slow['bytes_per_step']:.0f} | {stale} |")
+        kept = sorted(s["samples_per_s"] / f["samples_per_s"] for f, s in zip(fast, slow))
+        stale = [s["max_staleness"] for s in slow if s["max_staleness"] is not None]
+        print(f"| {label} | {_median(fast, 'samples_per_s'):.0f} | {_median(slow, 'samples_per_s'):.0f} | {statistics.median(kept):.2f} ({kept[0]:.2f}-{kept[-1]:.2f}) "
+              f"| {_median(slow, 'val_accuracy'):.1f} | {_median(slow, 'bytes_per_step'):.0f} | {max(stale) if stale else ''} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -6,6 +6,7 @@ whose text no longer matches the code is reported as "stale" so the list keeps u
 
     python scripts/mutants.py            # every mutant
     python scripts/mutants.py diloco     # those whose name contains "diloco"
+    python scripts/mutants.py --owned    # those in ddp, common, data, checkpoint, engine, trainer, precision
 """
 
 from __future__ import annotations
@@ -33,49 +34,104 @@ class Mutant:
 
 SINGLE = "tests/unit/test_maths_single.py"
 REPLICAS = "tests/dist/test_maths_replicas.py"
+DDP = "tests/dist/test_ddp.py"
+DDP_BYTES = "tests/dist/test_ddp_bytes.py"
+RESUME = "tests/dist/test_resume.py"
+CLAIMS = "tests/dist/test_readme_claims.py"
+
+# Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
+# rerun (ddp, common, data, checkpoint, engine, trainer, precision).
+OWNED = ("shardwise/strategies/ddp.py", "shardwise/strategies/common.py", "shardwise/data.py", "shardwise/checkpoint/files.py",
+         "shardwise/engine.py", "shardwise/trainer/", "shardwise/precision.py")
 
 MUTANTS = [
-    Mutant("accumulation backpropagates the sum of micro-batch losses", "shardwise/strategies/common.py",
-           "precision.backward(loss / count)", "precision.backward(loss)", (SINGLE,)),
+    # -- the five bugs of issue 20's table --------------------------------------------------------
+    Mutant("ddp never syncs the last parameter", "shardwise/strategies/ddp.py",
+           "    ddp = DistributedDataParallel(model, device_ids",
+           "    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [list(dict(model.named_parameters()))[-1]])\n"
+           "    ddp = DistributedDataParallel(model, device_ids", (DDP,)),
     Mutant("accumulation drops the last micro-batch", "shardwise/strategies/common.py",
            "for i, batch in enumerate(microbatches):", "for i, batch in enumerate(microbatches[:-1]):", (SINGLE,)),
+    Mutant("accumulation backpropagates the sum of micro-batch losses", "shardwise/strategies/common.py",
+           "precision.backward(loss / count)", "precision.backward(loss)", (SINGLE,)),
+    Mutant("DiLoCo's outer optimizer ignores momentum", "shardwise/strategies/replicas/diloco.py",
+           "torch.optim.SGD(self.theta, lr=lr, momentum=momentum, nesterov=momentum > 0)",
+           "torch.optim.SGD(self.theta, lr=lr)", (REPLICAS,)),
+    Mutant("zero2/zero3 clip by the local shard's norm", "shardwise/strategies/fsdp.py",
+           "total = total.full_tensor()", "total = total.to_local()", ("tests/dist/test_sharding.py",)),
+    # -- single, the trainer, the engine, precision, data, checkpoints ------------------------------
     Mutant("clipping computes the norm but never clips", "shardwise/strategies/common.py",
            "return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)",
            "return torch.nn.utils.get_total_norm([p.grad for p in params])", (SINGLE,)),
     Mutant("the trainer never steps the LR scheduler", "shardwise/trainer/loop.py",
            "                    scheduler.step()", "                    pass", (SINGLE,)),
+    Mutant("the trainer never zeroes the gradients (a stale gradient adds into every later step)", "shardwise/trainer/loop.py",
+           "                optimizer.zero_grad(set_to_none=True)\n                if scheduler",
+           "                pass\n                if scheduler", (SINGLE,)),
+    Mutant("evaluation ignores the module's validation_step", "shardwise/trainer/loop.py",
+           'validation_step = getattr(module, "validation_step", None)', "validation_step = None", (SINGLE,)),
     Mutant("bf16-mixed runs without autocast", "shardwise/precision.py",
            "return torch.autocast(self.device.type, dtype=torch.bfloat16)", "return contextlib.nullcontext()", (SINGLE,)),
+    Mutant("16-mixed clips the scaled gradients (no unscale before the clip: a wrong scale)", "shardwise/engine.py",
+           "        self.precision.unscale(optimizer)\n        return self._run(model).clip_grad_norm(max_norm)",
+           "        return self._run(model).clip_grad_norm(max_norm)", (SINGLE,)),
     Mutant("the sampler takes one sample short (off by one)", "shardwise/data.py",
            "mine = perm[start : start + self.micro * self.accumulate].tolist()",
            "mine = perm[start : start + self.micro * self.accumulate - 1].tolist()", (SINGLE,)),
-    Mutant("consecutive global batches overlap by one sample", "shardwise/data.py",
+    Mutant("consecutive global batches overlap by one sample (off by one)", "shardwise/data.py",
            "start = step * self.global_batch + self.rank", "start = step * (self.global_batch - 1) + self.rank", (SINGLE,)),
-    Mutant("evaluation ignores the module's validation_step", "shardwise/trainer/loop.py",
-           'validation_step = getattr(module, "validation_step", None)', "validation_step = None", (SINGLE,)),
     Mutant("engine.print prints on every rank", "shardwise/engine.py",
            "        if self.is_rank_zero:\n            print(*args, **kwargs, flush=True)", "        print(*args, **kwargs, flush=True)", (REPLICAS,)),
-    Mutant("DiLoCo's outer optimizer ignores momentum", "shardwise/strategies/replicas/diloco.py",
-           "torch.optim.SGD(self.theta, lr=lr, momentum=momentum, nesterov=momentum > 0)",
-           "torch.optim.SGD(self.theta, lr=lr)", (REPLICAS,)),
+    Mutant("a checkpoint's optimizer state is not restored", "shardwise/engine.py",
+           '                    sub["optimizer"] = shared[optim_key]', "                    pass", (RESUME,)),
+    Mutant("a resume does not restore the random number generator (dropout draws differ)", "shardwise/checkpoint/files.py",
+           '    torch.set_rng_state(state["torch"])\n', "    pass\n", (RESUME,)),
+    Mutant("keep_last prunes nothing", "shardwise/trainer/loop.py",
+           "ckpt.prune(root, self.config.keep_last, run_id)", "None",
+           (f"{CLAIMS}::test_keep_last_prunes_older_checkpoints_of_the_run",)),
+    Mutant("the straggler sleeps on every rank, not the one named", "shardwise/trainer/straggler.py",
+           "if engine.rank == self.rank and self.fastest < float(\"inf\"):", "if self.fastest < float(\"inf\"):",
+           (f"{CLAIMS}::test_the_straggler_rank_alone_is_slowed_by_its_factor",)),
+    # -- ddp ------------------------------------------------------------------------------------
+    Mutant("ddp skips the bucket reduce (a skipped reduce)", "shardwise/strategies/ddp.py",
+           "    buf.div_(state.group.size)\n    return all_reduce_async(buf, \"sum\", group=state.group, recorder=state.recorder, timed=state.timed)",
+           "    fut = torch.futures.Future()\n    fut.set_result(buf)\n    return fut", (DDP,)),
+    Mutant("ddp sums the replicas' gradients instead of averaging (a wrong scale)", "shardwise/strategies/ddp.py",
+           "    buf.div_(state.group.size)\n", "", (DDP,)),
+    Mutant("ddp's bucket reductions miss the run's recorder (bytes sent but not counted)", "shardwise/strategies/ddp.py",
+           "_HookState(group, recorder, timed=record_buckets)", "_HookState(group, Recorder(), timed=record_buckets)", (DDP_BYTES,)),
+    # -- one per other strategy family (their text may go stale as those files change) ------------
     Mutant("DiLoCo's outer step is heavy-ball, not Nesterov", "shardwise/strategies/replicas/diloco.py",
            "nesterov=momentum > 0)", "nesterov=False)", (REPLICAS,)),
     Mutant("DiLoCo skips the reduce of the pseudo-gradient", "shardwise/strategies/replicas/diloco.py",
            '                all_reduce(delta, "mean", group=group, recorder=recorder)', "                pass", (REPLICAS,)),
     Mutant("local SGD sums the replicas instead of averaging (wrong scale)", "shardwise/strategies/replicas/local_sgd.py",
            'all_reduce(flat, "mean", group=group, recorder=recorder)', 'all_reduce(flat, "sum", group=group, recorder=recorder)', (REPLICAS,)),
-    Mutant("local SGD leaves the last parameter stale (not averaged)", "shardwise/strategies/replicas/base.py",
+    Mutant("local SGD leaves the last parameter stale (not averaged)", "shardwise/strategies/replicas/local_sgd.py",
            "return [p.data for p in model.parameters()] +", "return [p.data for p in model.parameters()][:-1] +", (REPLICAS,)),
+    Mutant("gossip divides by the neighbours alone (a wrong scale)", "shardwise/strategies/replicas/gossip.py",
+           "unflatten_into(total.div_(len(peers_of) + 1), tensors)", "unflatten_into(total.div_(len(peers_of)), tensors)",
+           ("tests/dist/test_local_sgd.py",)),
     Mutant("the parameter server ignores the worker's learning rate", "shardwise/strategies/param_server/server.py",
            'group["lr"] = lr  # the worker', "pass  # the worker", (REPLICAS,)),
-    Mutant("ddp never syncs the last parameter", "shardwise/strategies/ddp.py",
-           "    ddp = DistributedDataParallel(model, device_ids",
-           "    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [list(dict(model.named_parameters()))[-1]])\n"
-           "    ddp = DistributedDataParallel(model, device_ids", ("tests/dist/test_ddp.py",)),
-    Mutant("zero2/zero3 clip by the local shard's norm", "shardwise/strategies/fsdp.py",
-           "total = total.full_tensor()", "total = total.to_local()", ("tests/dist/test_sharding.py",)),
-    Mutant("a checkpoint's optimizer state is not restored", "shardwise/engine.py",
-           '                    sub["optimizer"] = shared[optim_key]', "                    pass", ("tests/dist/test_resume.py",)),
+    Mutant("a ps worker keeps its stale parameters (the pull is ignored)", "shardwise/strategies/param_server/client.py",
+           "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])\n            self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))",
+           "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])", ("tests/dist/test_ps.py",)),
+    Mutant("a zero1 checkpoint drops the optimizer state", "shardwise/strategies/zero.py",
+           "full = optimizer.state_dict() if dist.get_rank() == 0 else {}",
+           "full = {k: v for k, v in optimizer.state_dict().items() if k != 'state'} if dist.get_rank() == 0 else {}",
+           (f"{CLAIMS}::test_zero1_resumes_bit_for_bit",)),
+    Mutant("a sharded (zero2/zero3/hsdp) checkpoint drops the optimizer state", "shardwise/strategies/fsdp.py",
+           '        state["optimizer"] = get_optimizer_state_dict(model, optimizer)', "        pass",
+           ("tests/dist/test_sharding_resume.py",)),
+    Mutant("tp skips the sum of sequence-parallel norm gradients (a skipped reduce)", "shardwise/strategies/tensor_parallel/grads.py",
+           "        dist.all_reduce(flat, group=pg)\n        offset = 0", "        offset = 0", ("tests/dist/test_tensor_parallel.py",)),
+    Mutant("tp/pipeline data parallelism sums gradients over dp instead of averaging (a wrong scale)",
+           "shardwise/strategies/tensor_parallel/grads.py",
+           "        dist.all_reduce(flat, group=pg)\n        flat.div_(p)", "        dist.all_reduce(flat, group=pg)",
+           ("tests/dist/test_tensor_parallel.py",)),
+    Mutant("the pipeline schedule sums micro-batch gradients (a wrong scale)", "shardwise/strategies/pipeline/__init__.py",
+           "loss_fn=self._loss, scale_grads=True)", "loss_fn=self._loss, scale_grads=False)", ("tests/dist/test_pipeline.py",)),
 ]
 
 
@@ -109,7 +165,10 @@ def run_mutant(m: Mutant, work: Path) -> tuple[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    chosen = [m for m in MUTANTS if not argv or any(a.lower() in m.name.lower() for a in argv)]
+    owned = "--owned" in argv
+    words = [a for a in argv if a != "--owned"]
+    chosen = [m for m in MUTANTS if (not words or any(a.lower() in m.name.lower() for a in words))
+              and (not owned or m.path.startswith(OWNED))]
     with tempfile.TemporaryDirectory(prefix="shardwise-mutants-") as tmp:
         work = Path(tmp)
         copy_tree(work)

@@ -101,8 +101,9 @@ rounding), computed in place in the residual's memory. On by default for int8, t
 sign, off for the 16-bit casts; int8's second quantization (of the summed piece) is not covered.
 
 **DDP hooks.** The ddp options `allreduce` and `compression` (`--allreduce ring`,
-`--compression int8`) pick the hook: neither keeps DDP's own C++ allreduce (each synchronized
-step recorded as one event; per bucket with `record_buckets=True`); an algorithm
+`--compression int8`) pick the hook: neither keeps the backend's own allreduce, started per
+bucket through `all_reduce_async` by a small recording hook (each real bucket one event, its
+bytes counted from the bucket itself; timed with `record_buckets=True`); an algorithm
 gives `allreduce_hook`; a codec `compression_hook` (residuals kept per parameter, by
 `id(param)`, so they survive DDP rebuilding its buckets after the first step); powersgd
 `powersgd_hook`. A codec whose exchange is not an allreduce (int8, topk, sign, powersgd) runs
@@ -130,7 +131,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from shardwise.comm.collectives import WORLD, Group, Pending, all_gather, all_reduce, barrier, broadcast, irecv, isend, new_group, recv, send
+from shardwise.comm.collectives import (
+    WORLD, Group, Pending, all_gather, all_reduce, all_reduce_async, barrier, broadcast, irecv, isend, new_group, recv, send,
+)
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 
 _LAZY = {
@@ -154,6 +157,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "WORLD", "CommEvent", "Group", "Pending", "Recorder", "all_gather", "all_reduce", "barrier", "broadcast", "irecv", "isend",
-    "new_group", "recv", "send", "wire_bytes", *_LAZY,
+    "WORLD", "CommEvent", "Group", "Pending", "Recorder", "all_gather", "all_reduce", "all_reduce_async", "barrier", "broadcast",
+    "irecv", "isend", "new_group", "recv", "send", "wire_bytes", *_LAZY,
 ]

@@ -221,3 +221,41 @@ def new_group(ranks: Any, *, name: str) -> Group:
     in the same order, with the same ranks, whether or not it is a member. No bytes are recorded."""
     members = sorted(int(r) for r in ranks)
     return Group(name, _guard(f"new_group {members}", Group(name), lambda: dist.new_group(ranks=members)))
+
+
+def all_reduce_async(
+    tensor: torch.Tensor, op: str = "sum", *, group: Group = WORLD, recorder: Recorder | None = None, timed: bool = False
+) -> torch.futures.Future[torch.Tensor]:
+    """Start the backend's own allreduce of ``tensor`` in place; a future of the reduced tensor.
+
+    For work that overlaps the reduction, as a DDP communication hook does with each
+    gradient bucket. The recorder gets the tensor's bytes (the bandwidth-optimal
+    figure of `wire_bytes`, as for `all_reduce`) once per call, when the operation
+    is launched, untimed (``seconds`` None: the backend runs it while the caller goes
+    on, so its wall time is not this call's cost). With ``timed=True`` the event is
+    added when the reduction completes instead, with the seconds from launch to
+    completion; the backend completes futures on its own thread, so the recorder is
+    then written from that thread. ``op='mean'`` divides after the sum, as `all_reduce`.
+    """
+    p = group.size
+    if p == 1 or not dist.is_initialized():
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+    rop = _reduce_op(op, tensor)
+    n = _nbytes(tensor)
+    sent, recv = wire_bytes("all_reduce", n, p)
+    rec = recorder or _NULL
+    start = time.perf_counter()
+    work = _guard("all_reduce", group, lambda: dist.all_reduce(tensor, op=rop, group=group.pg, async_op=True))
+    if not timed:
+        rec.add(CommEvent("all_reduce", group.name, p, n, sent, recv, None))
+
+    def finished(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        if timed:
+            rec.add(CommEvent("all_reduce", group.name, p, n, sent, recv, time.perf_counter() - start))
+        if op == "mean":
+            tensor.div_(p)
+        return tensor
+
+    return work.get_future().then(finished)

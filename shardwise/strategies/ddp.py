@@ -5,19 +5,19 @@ averaged across the data-parallel group in buckets that overlap with the rest of
 backward (Li et al., "PyTorch Distributed", VLDB 2020). Gradient accumulation
 skips that allreduce on all but the last micro-batch (``no_sync``).
 
-DDP's traffic shows up in ``summary.json`` like any other collective. By default
-the buckets go through DDP's own C++ allreduce (no Python on the backward path)
-and each synchronized step is recorded as one ``all_reduce`` event carrying every
-gradient byte; ``record_buckets=True`` instead routes each bucket through a Python
-hook that records it with its time (about 5% slower on a small model, measured by
-benchmarks/overhead.py's setting). Options ``allreduce="ring"`` (or any algorithm of
-`shardwise.comm.algorithms`) and ``compression="int8"`` (or any codec of
+DDP's traffic shows up in ``summary.json`` like any other collective, measured
+rather than derived: each gradient bucket DDP's reducer hands over goes through a
+small communication hook that records the bucket's bytes and starts the backend's
+own asynchronous allreduce on it (`shardwise.comm.all_reduce_async`), so what is
+counted is what is reduced (a parameter left out of the buckets adds nothing) and
+the reduction still overlaps the rest of backward. ``record_buckets=True`` also
+times each bucket, from launch to completion. Options ``allreduce="ring"`` (or any
+algorithm of `shardwise.comm.algorithms`) and ``compression="int8"`` (or any codec of
 `shardwise.comm.codecs`) swap in our own hooks from `shardwise.comm.hooks`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, ContextManager, Mapping, Sequence
@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.comm.collectives import Group
+from shardwise.comm.collectives import Group, all_reduce_async
 from shardwise.comm.hooks import make_comm_hook, parse_options
-from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
+from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
@@ -41,48 +41,23 @@ from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Paral
 class _HookState:
     group: Group
     recorder: Recorder
+    timed: bool = False
 
 
 def recorded_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
-    """DDP's default hook (divide, then sum across the group), with the bucket recorded.
+    """DDP's default reduction of one bucket (divide by p, then sum across the group), recorded.
 
-    (state: _HookState, bucket: dist.GradBucket) -> Future[Tensor]. Unannotated on
-    purpose: DDP rejects a hook whose annotations are strings, which they are
-    under ``from __future__ import annotations``.
+    (state: _HookState, bucket: dist.GradBucket) -> Future[Tensor]. The bucket is the
+    flat buffer DDP's reducer hands over, so the recorder counts what is actually
+    reduced: a parameter DDP leaves out of its buckets (frozen, or ignored through
+    ``_ddp_params_and_buffers_to_ignore``) adds no bytes, and each bucket is one event.
+    The reduction is the backend's own asynchronous allreduce (`all_reduce_async`), so
+    it still overlaps the rest of backward. Unannotated on purpose: DDP rejects a hook
+    whose annotations are strings, which they are under ``from __future__ import annotations``.
     """
     buf = bucket.buffer()
-    p = state.group.size
-    n = buf.numel() * buf.element_size()
-    sent, recv = wire_bytes("all_reduce", n, p)
-    start = time.perf_counter()
-    buf.div_(p)
-    fut = dist.all_reduce(buf, group=state.group.pg, async_op=True).get_future()
-
-    def done(f: torch.futures.Future[Any]) -> torch.Tensor:
-        state.recorder.add(CommEvent("all_reduce", state.group.name, p, n, sent, recv, time.perf_counter() - start))
-        return f.value()[0]
-
-    return fut.then(done)
-
-
-def record_synced_steps(ddp: DistributedDataParallel, group: Group, recorder: Recorder) -> None:
-    """Record one allreduce of all gradient bytes for each forward whose backward will sync.
-
-    DDP reduces every gradient bucket after a forward run with gradients enabled
-    outside ``no_sync`` (``require_backward_grad_sync``), so the bytes are known at
-    forward time, without a Python hook on the backward path. Seconds are not
-    observed on this path (the reduction overlaps backward inside DDP's reducer).
-    """
-    p = group.size
-    n = sum(t.numel() * t.element_size() for t in ddp.parameters() if t.requires_grad)
-    sent, recv = wire_bytes("all_reduce", n, p)
-    event = CommEvent("all_reduce", group.name, p, n, sent, recv, None)  # C++ buckets: time not seen (record_buckets=True times them)
-
-    def before_forward(module: nn.Module, args: Any) -> None:
-        if ddp.require_backward_grad_sync and torch.is_grad_enabled():
-            recorder.add(event)
-
-    ddp.register_forward_pre_hook(before_forward)
+    buf.div_(state.group.size)
+    return all_reduce_async(buf, "sum", group=state.group, recorder=state.recorder, timed=state.timed)
 
 
 def apply_ddp(
@@ -99,10 +74,7 @@ def apply_ddp(
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group.pg, **ddp_kwargs)
     if allreduce == "native" and compression in (None, "", "none"):
-        if record_buckets:
-            ddp.register_comm_hook(_HookState(group, recorder), recorded_allreduce_hook)
-        else:
-            record_synced_steps(ddp, group, recorder)
+        ddp.register_comm_hook(_HookState(group, recorder, timed=record_buckets), recorded_allreduce_hook)
     else:
         ddp.register_comm_hook(*make_comm_hook(group, recorder, allreduce=allreduce, compression=compression))
     return ddp
@@ -171,7 +143,7 @@ class DDP(Strategy):
     compression: str | None = None
     """Gradient codec with error feedback: fp16, bf16, int8, topk:RATIO, powersgd:RANK, ... (shardwise.comm.codecs)."""
     record_buckets: bool = False
-    """Route each native bucket through a Python hook that records it with its time (a little slower)."""
+    """Also time each native gradient bucket (launch to completion) in the comm record; bytes are recorded either way."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb <= 0:

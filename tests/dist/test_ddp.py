@@ -8,7 +8,9 @@ import torch
 from shardwise import Trainer
 from tests.dist.models import WithTrainingStep, accuracy, adam, ce, classification, max_diff, mlp, params
 
-COMMON = dict(precision="64", global_batch_size=16, accumulate=2, max_steps=10, log_every=5, progress_bar=False)
+# timeout_s: a collective that hangs fails with its rank and operation named, well before the
+# test's own 180 s limit (the Trainer's default, 300 s, would let the test limit fire first, silently).
+COMMON = dict(precision="64", global_batch_size=16, accumulate=2, max_steps=10, log_every=5, progress_bar=False, timeout_s=90)
 
 
 def _fit(strategy: str, nproc: int, *, clip: float | None = 0.05, model=None, loss=ce, val=None):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -195,7 +196,8 @@ def _all_checks() -> list[str]:
     return _algorithms_and_codecs() + _powersgd_is_exact_on_low_rank_gradients() + _digits_with_each_codec()
 
 
+@pytest.mark.timeout(420)  # ~100 s on a loaded 2-core machine
 def test_ddp_with_every_algorithm_and_codec():
-    results = launch(_all_checks, nproc=2, threads_per_proc=1)
+    results = launch(_all_checks, nproc=2, threads_per_proc=1, timeout=360)  # below the test's limit: a hang names its ranks
     for rank, fails in enumerate(results):
         assert fails == [], f"rank {rank}: " + "\n".join(fails)

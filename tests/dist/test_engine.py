@@ -78,7 +78,7 @@ def _engine_loop(out: str, steps: int) -> dict:
 
 def test_engine_loop_with_ddp_equals_plain_pytorch(tmp_path):
     ref = _reference(5)
-    r0, r1 = launch(_engine_loop, str(tmp_path), 5, nproc=2)
+    r0, r1 = launch(_engine_loop, str(tmp_path), 5, nproc=2, timeout=150)  # below the test's 180 s: a hang names its ranks
     # Micro-batch 0 of the reference is samples 0..7 = rank 0's and rank 1's first quarters: same global batch.
     assert max_diff(ref, r0["params"]) < 1e-10 and max_diff(r0["params"], r1["params"]) == 0
     assert max_diff(r0["params"], r0["loaded"]) == 0 and r0["rest"] == {"step": 5}

@@ -21,6 +21,7 @@ def _trainer(strategy: str, nproc: int, out: Path, max_steps: int, resume: str |
         strategy=strategy, nproc=nproc, precision=precision, global_batch_size=16, accumulate=2,
         max_steps=max_steps, clip_grad_norm=1.0, optimizer=adam, loss_fn=ce, lr_scheduler=step_lr,
         out=str(out), checkpoint_every=4, resume=resume, deterministic=True, log_every=4, progress_bar=False,
+        timeout_s=60,  # a hung collective fails with its name, before the test's own 180 s limit
     )
 
 
@@ -32,7 +33,7 @@ def _fit(strategy: str, nproc: int, out: Path, max_steps: int, resume: str | Non
 
 
 def _fit_in_new_process(*args):
-    return launch(_fit, *args, nproc=1)[0]
+    return launch(_fit, *args, nproc=1, timeout=150)[0]  # below the test's 180 s: a hang is reported with its ranks
 
 
 def _check_exact_resume(tmp_path: Path, strategy: str, nproc: int, precision: str = "32") -> None:

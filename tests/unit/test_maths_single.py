@@ -207,6 +207,46 @@ def test_bf16_mixed_equals_a_hand_written_autocast_loop():
     assert diff(by_hand(False), got) > 1e-4
 
 
+def test_16_mixed_equals_a_hand_written_grad_scaler_loop_with_clipping():
+    """fp16 autocast with torch's GradScaler, written out: scale(loss / 2).backward() per micro-batch,
+    unscale_ before the clip (the clip must see true gradients), then the scaler's step and update:
+    bit for bit. Leaving out the unscale gives other weights. (Leaving out the scaling does not, on
+    this model: a power-of-two scale is exact unless gradients underflow, which these do not.)"""
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    ds = data(torch.float32)
+    x, y = ds.tensors
+    model = copy.deepcopy(init)
+    Trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9), loss_fn=ce, precision="16-mixed", clip_grad_norm=MAX_NORM,
+            global_batch_size=N, accumulate=2, max_steps=4, log_every=4, progress_bar=False).fit(model, ds)
+
+    def by_hand(*, unscale: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
+        m = copy.deepcopy(init)
+        opt = torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu")
+        norms = []
+        for epoch in range(4):
+            idx = epoch_permutation(N, seed=0, epoch=epoch)
+            for half in idx.chunk(2):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(m(x[half]), y[half])
+                scaler.scale(loss / 2).backward()
+            if unscale:
+                scaler.unscale_(opt)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(m.parameters()), MAX_NORM, foreach=True)))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        return {k: v.detach().clone() for k, v in m.state_dict().items()}, norms
+
+    got = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref, norms = by_hand()
+    assert min(norms) > 2 * MAX_NORM, norms  # the clip was active on every step
+    assert all(v.dtype == torch.float32 for v in got.values())  # 16-mixed keeps float32 parameters
+    assert diff(ref, got) == 0.0
+    assert diff(by_hand(unscale=False)[0], got) > 1e-4  # clipping the scaled gradients is another run
+
+
 class CountingSet(torch.utils.data.Dataset):
     """A data set that is not a TensorDataset (fetched sample by sample) and records every fetch."""
 
