@@ -115,6 +115,7 @@ from typing import Any, ClassVar, ContextManager, Iterator, Literal, Mapping, Se
 import torch
 from torch import nn
 
+from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import optimizer_state_by_name, parameter_names
 from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.errors import ConfigError
@@ -237,21 +238,10 @@ def regather(model: nn.Module) -> None:
 # -- state dicts: sharded (DTensor), keyed by parameter name ------------------------------------
 
 
-def dtensor_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Model (and optimizer) state of a module whose parameters are DTensors (FSDP2, tensor
-    parallel), under the original names, as torch.distributed.checkpoint reads and writes it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    return state
-
-
-def is_sharded_state(state: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(v, DTensor) for v in state.values())
+# The state of DTensor modules lives in shardwise.checkpoint (the one place that asks "is this a
+# DTensor"); the names stay importable from here for the strategies that compose with fsdp.
+dtensor_state_dict = ckpt.dtensor_state_dict
+is_sharded_state = ckpt.has_dtensor
 
 
 # -- recording what FSDP2 sends ------------------------------------------------------------

@@ -82,7 +82,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         raise CheckpointError(f"the state has no {missing[:5]} for this pipeline stage")
     stage_mods = model._stage_mods if isinstance(model, PipelineModule) else {0: model}
     mine = {k: state["model"][k] for k in own}
-    if any(hasattr(v, "full_tensor") for v in own.values()):
+    if ckpt.has_dtensor(own):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         _relayout(stage_mods, mine, None, invert=False)
@@ -100,7 +100,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         "param_groups": [dict(g, params=[n for n in local_names if first[n] in set(g["params"])]) for g in named["param_groups"]],
     }
     sub["param_groups"] = [g for g in sub["param_groups"] if g["params"]]
-    if any(hasattr(v, "full_tensor") for v in own.values()):
+    if ckpt.has_dtensor(own):
         # Sharded parameters (tp, fsdp): torch slices each whole tensor to this rank's shard (state keyed by name).
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -143,7 +143,7 @@ def _canonical(named: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]
 
 
 def _full(t: Any) -> Any:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return ckpt.full_tensor(t)
 
 
 def _to_cpu(obj: Any) -> Any:
