@@ -13,8 +13,9 @@ import shutil
 import time
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from torch import nn
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -194,7 +196,7 @@ class Parallel(ABC):
         """Forward and backward over one step's micro-batches; returns the mean loss (detached)."""
 
     @abstractmethod
-    def no_sync(self) -> ContextManager[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Skip gradient synchronization inside the block (accumulation)."""
 
     @abstractmethod

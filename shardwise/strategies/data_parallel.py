@@ -10,9 +10,10 @@ On CPU, or with fewer than two GPUs, the plan refuses it before anything runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn

@@ -108,9 +108,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager, Iterator, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -468,7 +470,7 @@ class FSDPRun(Parallel):
                     osd = optimizer_state_by_name(osd, parameter_names(self.model, self.optimizer))
                 set_optimizer_state_dict(self.model, self.optimizer, osd, options=options)
 
-    def _sharded(self) -> ContextManager[None]:
+    def _sharded(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # zero3 / hsdp: the parameters are sharded between steps already
 
     def after_step(self, step: int) -> None:

@@ -31,9 +31,11 @@ with `shardwise.plan.memory.model_state_bytes`.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -235,7 +237,7 @@ class Zero1Run(Parallel):
         self.probe.arm()
         return accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
 
-    def no_sync(self) -> ContextManager[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         return self.model.no_sync()  # type: ignore[operator,no-any-return]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.precision import normalize

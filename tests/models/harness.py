@@ -9,7 +9,8 @@ against a hand-written loop in test_batches.py). Many cells run in one launch
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

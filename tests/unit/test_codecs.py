@@ -17,7 +17,7 @@ def _gradients(dtype: torch.dtype, n: int = 997, steps: int = 4) -> list[torch.T
     """Gradients with hard cases: zeros, tiny values next to large ones, ties, a constant run."""
     g = torch.Generator().manual_seed(7)
     out = []
-    for step in range(steps):
+    for _ in range(steps):
         x = torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-6, 2, (n,), generator=g)
         x[::11] = 0.0
         x[5:25] = 0.25  # a tie block

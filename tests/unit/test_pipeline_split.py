@@ -18,7 +18,15 @@ from shardwise.recipes.charlm import CharGPT
 from shardwise.strategies import Batch, get_strategy
 from shardwise.strategies.naive_mp import NaiveModelParallel, apply_naive_mp
 from shardwise.strategies.pipeline import (
-    Pipeline, StageModule, balance, check_rows, check_schedule, concat_batches, sequence_layers, split_batch, split_layers,
+    Pipeline,
+    StageModule,
+    balance,
+    check_rows,
+    check_schedule,
+    concat_batches,
+    sequence_layers,
+    split_batch,
+    split_layers,
 )
 
 
@@ -386,8 +394,8 @@ def test_modules_are_placed_by_the_order_the_forward_runs_them_not_by_declaratio
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "nanogpt"])
 def test_nested_stages_chained_in_one_process_give_the_models_output(name):
     """Stage 0 (embeddings, blocks 0-1) then stage 1 (blocks 2-3, norm, head): the model's own logits, bit for bit."""
-    from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, nested_layout, split_blocks
     from shardwise.batches import model_args
+    from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, nested_layout, split_blocks
     from tests.models import zoo
 
     _hf_or_skip()

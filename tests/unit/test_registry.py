@@ -35,3 +35,12 @@ def test_an_unknown_option_names_the_closest() -> None:
     with pytest.raises(ConfigError, match=r"strategy 'ddp' has no option 'bucket_cap' \(did you mean 'bucket_cap_mb'\?\)"):
         get_strategy("ddp", bucket_cap=3)
     assert get_strategy("tp", plan={"fc": "colwise"}).tp_plan == {"fc": "colwise"}  # tp's old option name still works
+
+
+def test_the_package_exports_exactly_its_lazy_names() -> None:
+    import shardwise
+
+    assert shardwise.__all__ == sorted(shardwise._EXPORTS)
+    for name in shardwise.__all__:
+        assert getattr(shardwise, name) is not None, name
+    assert shardwise.available_strategies is strategies.available

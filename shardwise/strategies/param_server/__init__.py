@@ -140,9 +140,10 @@ Design notes: ranks that serve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist

@@ -27,8 +27,26 @@ from shardwise.comm.collectives import Group, Pending, irecv, isend, recv, send
 from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.errors import CommError, ConfigError
 from shardwise.strategies.param_server.protocol import (
-    BYE, CTRL_TAG, DONE, HEADER_BYTES, KIND, LOAD, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED, STATS_TAG, VERSION,
-    GradientCoder, ServerStats, header, pack, path_bytes, payload_of, unpack_header,
+    BYE,
+    CTRL_TAG,
+    DONE,
+    HEADER_BYTES,
+    KIND,
+    LOAD,
+    PULL_TAG,
+    PUSH,
+    PUSH_TAG,
+    SAVE,
+    SAVED,
+    STATS_TAG,
+    VERSION,
+    GradientCoder,
+    ServerStats,
+    header,
+    pack,
+    path_bytes,
+    payload_of,
+    unpack_header,
 )
 
 

@@ -40,8 +40,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,30 @@ from shardwise.comm.collectives import Group, Pending, irecv, recv, send
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import CheckpointError, CommError
 from shardwise.strategies.param_server.protocol import (
-    BYE, CTRL_TAG, DONE, KIND, LENGTH, LOAD, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED,
-    SERVER_FILE, STATS_TAG, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, path_of, unpack_header,
+    BYE,
+    CTRL_TAG,
+    DONE,
+    KIND,
+    LENGTH,
+    LOAD,
+    LR,
+    PARAMS,
+    PULL_TAG,
+    PUSH,
+    PUSH_TAG,
+    SAVE,
+    SAVED,
+    SERVER_FILE,
+    STATS_TAG,
+    STEP,
+    VERSION,
+    WORKER,
+    GradientCoder,
+    ServerStats,
+    header,
+    pack,
+    path_of,
+    unpack_header,
 )
 
 

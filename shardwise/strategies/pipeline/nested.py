@@ -36,8 +36,9 @@ import ast
 import copy
 import inspect
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -164,6 +165,11 @@ def _dotted(node: ast.AST) -> str | None:
     return ".".join([node.id] + bits[::-1]) if isinstance(node, ast.Name) else None
 
 
+def _as_attribute(full: str, prefix: str) -> str:
+    """How the forward of the module at ``prefix`` spells the submodule ``full``: ``self.`` and the rest."""
+    return "self." + (full[len(prefix) + 1:] if prefix else full)
+
+
 def runs_after(model: nn.Module, name: str, path: str) -> bool | None:
     """Whether the forward that uses module ``name`` calls it after it reaches ``path`` (the
     branch holding the blocks), read from that forward's source: the nearest ancestor of both with
@@ -182,8 +188,7 @@ def runs_after(model: nn.Module, name: str, path: str) -> bool | None:
         except (OSError, TypeError, SyntaxError, IndentationError):
             return None
         prefix = ".".join(bits[:depth])
-        rel = lambda full: "self." + (full[len(prefix) + 1:] if prefix else full)  # noqa: E731
-        mine, blocks = rel(name), rel(path)
+        mine, blocks = _as_attribute(name, prefix), _as_attribute(path, prefix)
         called: list[tuple[int, int]] = []
         used: list[tuple[int, int]] = []
         reached: list[tuple[int, int]] = []

@@ -11,7 +11,8 @@ ran; ``_Replay`` stands in for the model there, so the user's ``loss_fn`` runs u
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

@@ -13,7 +13,8 @@ on its own device). No process group here: the Trainer runs these checks in the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 

@@ -9,8 +9,9 @@ owner), and both copies take the same optimizer step, so they stay equal bit for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -27,8 +27,9 @@ equals an uninterrupted run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn

@@ -298,9 +298,10 @@ import contextlib
 import difflib
 import json
 from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -317,11 +318,22 @@ from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_
 from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
 from shardwise.strategies.tensor_parallel.plan import (
-    ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, declared_plan,
-    fused_parts, resolve, resolve_plan,
+    ATTN_COLWISE,
+    ATTN_ROWWISE,
+    FUSED,
+    MLP_COLWISE,
+    MLP_ROWWISE,
+    STYLES,
+    _sequence_blocks,
+    auto_plan,
+    check_divisible,
+    declared_plan,
+    fused_parts,
+    resolve,
+    resolve_plan,
 )
-from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
+from shardwise.strategies.tensor_parallel.roles import roles
 
 __all__ = [
     "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "TensorParallelRun", "auto_plan",

@@ -17,7 +17,8 @@ gradients, partial sums over the sequence shards, are reduced by `reduce_partial
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,10 +27,16 @@ from torch import nn
 from shardwise.comm.collectives import Group, broadcast
 from shardwise.comm.recorder import Recorder
 from shardwise.strategies.tensor_parallel.plan import (
-    LOCAL_ATTRS, _is_attention_input, _sequence_blocks, _sublayers, fused_parts, resolve,
+    LOCAL_ATTRS,
+    _is_attention_input,
+    _sequence_blocks,
+    _sublayers,
+    fused_parts,
+    resolve,
 )
 from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.styles import colwise, get_input, main_output, put_input, replace_output, rowwise
+
 
 def parallelize(
     module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False, *, recorder: Recorder | None = None,

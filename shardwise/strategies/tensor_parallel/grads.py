@@ -13,7 +13,8 @@ so the run's `Recorder`, when one is passed, sees each byte.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
