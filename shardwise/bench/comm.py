@@ -203,7 +203,10 @@ def _human(nbytes: float) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width table."""
-    head = f"{'algorithm':24s} {'size':>7s} {'time':>11s} {'algbw GB/s':>10s} {'busbw GB/s':>10s} {'x native':>8s} {'sent/rank':>11s} {'steps':>5s} {'vs fp32':>7s}"
+    head = (
+        f"{'algorithm':24s} {'size':>7s} {'time':>11s} {'algbw GB/s':>10s} {'busbw GB/s':>10s} "
+        f"{'x native':>8s} {'sent/rank':>11s} {'steps':>5s} {'vs fp32':>7s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         t = r["time_s"]

@@ -80,7 +80,7 @@ class Encoded:
         if raw.storage_offset() % 8:
             raw = raw.clone()  # a payload that sits at an odd offset in a gathered buffer: realign to view it
         out, offset = {}, 0
-        for name, t in zip(self._names(), self._ordered()):
+        for name, t in zip(self._names(), self._ordered(), strict=True):
             nbytes = t.numel() * t.element_size()
             out[name] = raw[offset: offset + nbytes].view(t.dtype).view(t.shape)
             offset += nbytes

@@ -101,7 +101,7 @@ the digits MLP: 1.00). Under `mixed_precision="bf16"`, FSDP2 keeps no bf16 copy 
 fp32 shards are both the parameters and the master weights and gradients are reduced to fp32,
 so its at-rest total, `16Psi/N`, equals ZeRO-3's mixed-precision total while the split by
 category differs (ZeRO: 2 + 2 + 12; FSDP2: 4 + 4 + 8).
-"""
+"""  # noqa: E501 - a Markdown table keeps each row on one line
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ and the configurations refused before anything runs. No process group."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -209,7 +210,7 @@ def test_every_option_has_a_docstring_that_becomes_its_help():
     for cls in (Pipeline, NaiveModelParallel):
         body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
         documented = {
-            a.target.id for a, b in zip(body, body[1:])
+            a.target.id for a, b in itertools.pairwise(body)
             if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)
         }
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in documented]
@@ -249,7 +250,7 @@ def test_the_state_exchange_carries_tensors_and_plain_values_exactly():
                 same(a[k], b[k], f"{where}[{k!r}]")
         elif isinstance(a, (list, tuple)):
             assert len(a) == len(b), where
-            for i, (x, y) in enumerate(zip(a, b)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
                 same(x, y, f"{where}[{i}]")
         else:
             assert a == b, where

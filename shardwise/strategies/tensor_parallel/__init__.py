@@ -290,7 +290,7 @@ refused unless the model declares a plan; an attention that derives its head wid
 stays whole. The collective counter is a Python dispatch mode around each step; under
 `torch.compile` turn it off (`count_collectives=False`). Embedding and head are not split (vocabulary parallelism and a loss-parallel cross
 entropy are not built). Mixed precision with tp has no parity test.
-"""
+"""  # noqa: E501 - a Markdown table keeps each row on one line
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) ->
             all_reduce(flat, "mean" if getattr(pl, "reduce_op", "sum") == "avg" else "sum", group=group, recorder=recorder)
             placements[d] = Replicate()
         offset = 0
-        for p, t in zip(params, locals_):
+        for p, t in zip(params, locals_, strict=True):
             piece = flat[offset: offset + t.numel()].view_as(t)
             offset += t.numel()
             p.grad = DTensor.from_local(piece, mesh, placements, run_check=False)
