@@ -379,7 +379,7 @@ def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -
         module.__dict__.pop("forward", None)
         return getattr(module, method)(*a, **k)
 
-    module.forward = redirect  # type: ignore[method-assign]
+    module.forward = redirect
     try:
         return model(*args)
     finally:

@@ -31,7 +31,7 @@ class DigitsMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)  # type: ignore[no-any-return]
+        return self.net(x)
 
 
 def load_digits_split(val_fraction: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:

@@ -121,7 +121,8 @@ def plan_layout(
         raise ConfigError(f"{strategy} needs a world size >= 1; got {world_size!r}")
     degrees = merge_degrees(strategy, own or {}, mesh)
     trainers = world_size - servers
-    shape = Mesh.build(world_size=trainers, **degrees)  # raises with the valid shapes; no process group
+    # raises with the valid shapes; no process group (merge_degrees keeps only dp, pp and tp)
+    shape = Mesh.build(world_size=trainers, dp=degrees.get("dp"), pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))
     dp = shape.size("dp")
     micro = None
     if batch is not None:

@@ -296,15 +296,15 @@ def _fsdp_counter(counter: type, replicate_group: str | None) -> type:
     def group_of(args: Any) -> str | None:
         for a in args[1:]:
             if isinstance(a, dist.ProcessGroup):
-                return a.group_name  # type: ignore[no-any-return]
+                return a.group_name
             if type(a).__name__ == "ScriptObject":  # c10d operators see the group boxed
                 try:
-                    return dist.ProcessGroup.unbox(a).group_name  # type: ignore[no-any-return]
+                    return dist.ProcessGroup.unbox(a).group_name
                 except Exception:  # noqa: BLE001 - a boxed ReduceOp, not a group
                     continue
         return None
 
-    class FSDPCounter(counter):  # type: ignore[misc,valid-type]
+    class FSDPCounter(counter):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented
@@ -445,8 +445,9 @@ class FSDPRun(Parallel):
         from torch.distributed.tensor import DTensor
 
         params = [p for p in self.sharded_params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]  # the same tensors, typed as present
         with self.traffic.phase("clip"):
-            total = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            total = torch.nn.utils.get_total_norm(grads, foreach=True)
             if isinstance(total, DTensor):
                 total = total.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
@@ -487,7 +488,7 @@ class FSDPRun(Parallel):
 
     def summary(self) -> dict[str, Any]:
         s = self._strategy
-        section = {"units": len(self.units) + 1, "replicate": self.shape[0], "shard": self.shape[1],
+        section: dict[str, Any] = {"units": len(self.units) + 1, "replicate": self.shape[0], "shard": self.shape[1],
                    "mixed_precision": s.mixed_precision, "offload": s.offload}
         if self.traffic.enabled:
             section["collectives_per_step"] = self.traffic.per_step(self.steps)

@@ -441,8 +441,8 @@ class Trainer:
         if self.loss_fn is not None:
             output = call_model(module, batch)
             loss = self.loss_fn(output, batch)
-        elif callable(getattr(module, "training_step", None)):
-            return {"loss": module.training_step(batch)}
+        elif callable(training_step := getattr(module, "training_step", None)):
+            return {"loss": training_step(batch)}
         else:
             output = call_model(module, batch)
             loss = loss_from_output(output, batch)

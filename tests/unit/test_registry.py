@@ -44,3 +44,23 @@ def test_the_package_exports_exactly_its_lazy_names() -> None:
     for name in shardwise.__all__:
         assert getattr(shardwise, name) is not None, name
     assert shardwise.available_strategies is strategies.available
+
+
+def test_the_typed_contract_check_names_every_builtin_strategy_and_run() -> None:
+    """tests/typecheck_contract.py (checked by mypy in make lint) must keep up with the registry:
+    the same strategies, the run class each apply declares, and every concrete Parallel."""
+    import inspect
+
+    from shardwise.strategies.contract import Parallel
+    from tests.typecheck_contract import BUILTIN, OTHER_RUNS
+
+    assert sorted(BUILTIN) == available()
+    for name, (cls, run) in BUILTIN.items():
+        assert type(get_strategy(name)) is cls, name
+        assert cls.apply.__annotations__["return"] == run.__name__, name
+
+    def subclasses(c: type) -> list[type]:
+        return [s for d in c.__subclasses__() for s in (d, *subclasses(d))]
+
+    concrete = {c for c in subclasses(Parallel) if c.__module__.startswith("shardwise.") and not inspect.isabstract(c)}
+    assert concrete == {run for _, run in BUILTIN.values()} | set(OTHER_RUNS.values())

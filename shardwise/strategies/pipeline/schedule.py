@@ -34,7 +34,8 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
             raise ConfigError(f"pipeline {name} must be a whole number >= 1; got {value!r}")
     if schedule == "1f1b" and microbatches < pp:
         raise ConfigError(
-            f"schedule 1f1b needs at least as many micro-batches as stages; got microbatches={microbatches} < pp={pp}; use microbatches >= {pp} or schedule gpipe"
+            f"schedule 1f1b needs at least as many micro-batches as stages; got microbatches={microbatches} < pp={pp}; "
+            f"use microbatches >= {pp} or schedule gpipe"
         )
     if schedule == "interleaved":
         if virtual_stages < 2:

@@ -54,8 +54,8 @@ def _cross_stage_ties(model: nn.Module, layout: Any, block_runs: Sequence[Sequen
             continue
         ranks = [_owner_stage(n, layout, block_runs) % pp for n in group]
         if len(set(ranks)) > 1:
-            p = params[pid]
-            ties.append(Tie(group[0], tuple(sorted(set(ranks))), ranks[0], tuple(p.shape), p.dtype))
+            shared = params[pid]
+            ties.append(Tie(group[0], tuple(sorted(set(ranks))), ranks[0], tuple(shared.shape), shared.dtype))
     return ties
 
 

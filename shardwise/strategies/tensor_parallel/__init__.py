@@ -314,7 +314,7 @@ from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
-from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout
+from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout, tp_info
 from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
 from shardwise.strategies.tensor_parallel.plan import (
@@ -483,7 +483,9 @@ class TensorParallelRun(Parallel):
         self._strategy, self._recorder = strategy, recorder
         self._tp_group, self._dp_group, self._names = tp_group, dp_group, names
         self.degree, self.dp = tp_group.size, dp_group.size if dp_group is not None else 1
-        info = model._shardwise_tp  # type: ignore[attr-defined]
+        info = tp_info(model)
+        if info is None:
+            raise ValueError(f"{type(model).__name__} was not split by parallelize(): the tp run has no plan to report")
         self.applied: dict[str, str] = dict(info["plan"])
         self.roles: dict[str, Any] = {"plan_source": info["source"], "grad_summed": list(info["sum"]), "whole": list(info["whole"]),
                                       "fused": sorted(info["fused"])}

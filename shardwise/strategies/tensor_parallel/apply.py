@@ -38,6 +38,12 @@ from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.styles import colwise, get_input, main_output, put_input, replace_output, rowwise
 
 
+def tp_info(module: nn.Module) -> dict[str, Any] | None:
+    """What `parallelize` recorded on ``module`` (plan, degree, source, sum, whole, fused, mesh); None where it did not run."""
+    info = getattr(module, "_shardwise_tp", None)
+    return info if isinstance(info, dict) else None
+
+
 def parallelize(
     module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False, *, recorder: Recorder | None = None,
 ) -> nn.Module:
@@ -87,7 +93,7 @@ def parallelize(
     for name in role["sum"]:
         module.get_parameter(name)._shardwise_tp_sum = tp_mesh  # type: ignore[attr-defined]  # see grads._sum_role_grads
     synchronize_dropout(module, tp_mesh, blocks, role["whole"], recorder=recorder)
-    module._shardwise_tp = {  # type: ignore[assignment]
+    module._shardwise_tp = {  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors and modules; a dict is a plain attribute
         "plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp, "source": source,
         "sum": role["sum"], "whole": role["whole"], "fused": fused, "mesh": tp_mesh,
     }

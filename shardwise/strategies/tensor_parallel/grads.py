@@ -75,7 +75,7 @@ def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
     for part in module.modules():
         info = getattr(part, "_shardwise_tp", None) or {}
         found += [(part.get_parameter(n), info["mesh"]) for n in info.get("sum", ())]
-    found += [(p, p._shardwise_tp_sum) for p in module.parameters() if getattr(p, "_shardwise_tp_sum", None) is not None]
+    found += [(p, mesh) for p in module.parameters() if (mesh := getattr(p, "_shardwise_tp_sum", None)) is not None]
     if not found:
         return 0
     group = Group("tp", found[0][1].get_group())
