@@ -1,5 +1,7 @@
 # make demo: set up and train the digits recipe with DDP on 2 local CPU processes.
-# make test: set up and run the test suite.
+# make lint: ruff (lint rules and formatting) and mypy (strict on the public API, every built-in
+#   strategy checked against the contract in tests/typecheck_contract.py).
+# make test: set up, lint, and run the test suite.
 # make mutants: check that the tests catch a list of deliberate bugs.
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +11,7 @@ OUT ?= runs/demo
 # cores (505 tests: 15.5 min on 2 cores). TEST_WORKERS=0 runs them one at a time.
 TEST_WORKERS ?= 2
 
-.PHONY: setup setup-dev demo test bench mutants clean
+.PHONY: setup setup-dev demo lint test bench mutants clean
 
 setup:
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-env.sh
@@ -20,7 +22,12 @@ setup-dev:
 demo: setup
 	$(VENV)/bin/shardwise train --recipe digits --strategy ddp --nproc 2 --out $(OUT)
 
-test: setup-dev
+lint: setup-dev
+	$(VENV)/bin/ruff check shardwise tests
+	$(VENV)/bin/ruff format --check shardwise tests
+	$(VENV)/bin/mypy shardwise tests/typecheck_contract.py
+
+test: setup-dev lint
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup-dev
@@ -32,4 +39,4 @@ mutants: setup-dev
 	$(VENV)/bin/python scripts/mutants.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

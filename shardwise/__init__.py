@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from shardwise.errors import CheckpointError, CommError, ConfigError, LaunchError, ShardwiseError
     from shardwise.launcher.spawn import launch
     from shardwise.mesh import Mesh
+    from shardwise.strategies import available as available_strategies
     from shardwise.strategies import get_strategy, register_strategy
     from shardwise.trainer.config import TrainerConfig
     from shardwise.trainer.loop import Trainer
@@ -55,4 +56,23 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = sorted(_EXPORTS)
+# Spelled out (not sorted(_EXPORTS)) so that linters and type checkers see the public names;
+# tests/unit/test_registry.py checks that it matches _EXPORTS.
+__all__ = [
+    "CheckpointError",
+    "CommError",
+    "ConfigError",
+    "Engine",
+    "LaunchError",
+    "Mesh",
+    "Recorder",
+    "ShardedLoader",
+    "ShardwiseError",
+    "Trainer",
+    "TrainerConfig",
+    "available_strategies",
+    "get_strategy",
+    "launch",
+    "register_strategy",
+    "seed_everything",
+]

@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from shardwise.errors import ConfigError, ShardwiseError
 
@@ -284,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "strategies":
         return _guard(lambda: cmd_strategies(args.name))
     if args.command == "recipes":
-        from shardwise.recipes import available as recipes, get_recipe
+        from shardwise.recipes import available as recipes
+        from shardwise.recipes import get_recipe
 
         for name in recipes():
             print(f"{name:12s} {get_recipe(name).description}")

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,7 +143,7 @@ def seeded_fetch(dataset: Any, indices: Sequence[int], collate: Collate | None, 
         return (collate or default_collate)(samples)
 
 
-class _SeededBatches(Dataset):  # type: ignore[type-arg]
+class _SeededBatches(Dataset):
     """What the persistent DataLoader's workers run: a key (epoch, indices) -> the seeded micro-batch."""
 
     def __init__(self, dataset: Any, collate: Collate | None, seed: int) -> None:
@@ -160,7 +161,7 @@ def _first(items: list[Any]) -> Any:
     return items[0]
 
 
-class _PlanSampler(Sampler):  # type: ignore[type-arg]
+class _PlanSampler(Sampler):
     """Batch sampler over every epoch from a position on: one key per micro-batch, endless."""
 
     def __init__(self, loader: ShardedLoader, epoch: int, step: int) -> None:

@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,8 +37,8 @@ from shardwise.errors import CheckpointError, ConfigError
 from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
-from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, check_sync_batchnorm, convert_sync_batchnorm, unsynced_batchnorm_warning
 from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, get_strategy
+from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, check_sync_batchnorm, convert_sync_batchnorm, unsynced_batchnorm_warning
 
 
 def seed_everything(seed: int) -> None:
@@ -195,7 +197,7 @@ class Engine:
         """Move a batch to this rank's device (and to float64 under precision '64')."""
         return self.precision.convert_input(batch)
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         return self.precision.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -206,7 +208,7 @@ class Engine:
         """Forward and backward over one step's micro-batches (sync on the last only)."""
         return self._run(model).forward_backward(microbatches, step_fn, self.precision)
 
-    def no_sync(self, model: nn.Module) -> ContextManager[None]:
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[None]:
         """Skip gradient synchronization inside the block (all but the last micro-batch)."""
         return self._run(model).no_sync()
 
@@ -377,7 +379,7 @@ def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -
         module.__dict__.pop("forward", None)
         return getattr(module, method)(*a, **k)
 
-    module.forward = redirect  # type: ignore[method-assign]
+    module.forward = redirect
     try:
         return model(*args)
     finally:

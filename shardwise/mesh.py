@@ -25,7 +25,7 @@ DIM_ORDER = ("dp", "pp", "tp")
 def valid_shapes(world_size: int, dims: tuple[str, ...] = DIM_ORDER) -> list[dict[str, int]]:
     """Every assignment of degrees to ``dims`` whose product is ``world_size``."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    return [dict(zip(dims, combo)) for combo in itertools.product(divisors, repeat=len(dims)) if prod(combo) == world_size]
+    return [dict(zip(dims, combo, strict=True)) for combo in itertools.product(divisors, repeat=len(dims)) if prod(combo) == world_size]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ bf16-mixed float32          autocast bf16  plain (bf16 keeps fp32's exponent ran
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,7 +57,7 @@ class Precision:
         """Move a batch to the device; floating tensors follow the parameter dtype under ``64``."""
         return move(data, self.device, torch.float64 if self.mode == "64" else None)
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> AbstractContextManager[Any]:
         if self.mode == "bf16-mixed":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         if self.mode == "16-mixed":

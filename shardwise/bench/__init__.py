@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 from shardwise.errors import ConfigError
 

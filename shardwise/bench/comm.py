@@ -33,8 +33,9 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from shardwise.errors import ConfigError
 
@@ -72,8 +73,8 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
     import torch.distributed as dist
 
     from shardwise.comm.algorithms import allreduce
-    from shardwise.comm.collectives import all_reduce, barrier
     from shardwise.comm.codecs import Codec, CodecState, get_codec
+    from shardwise.comm.collectives import all_reduce, barrier
     from shardwise.comm.compressed import compressed_allreduce
     from shardwise.comm.p2p import Workspace
     from shardwise.comm.recorder import Recorder
@@ -90,12 +91,14 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
         runs: dict[str, Any] = {}
         for algo in algorithms:
             ws = Workspace()
-            runs[algo] = (lambda a, w: lambda rec=None: allreduce(buf, "sum", algorithm=a, recorder=rec, workspace=w))(algo, ws)
+            runs[algo] = (lambda b, a, w: lambda rec=None: allreduce(b, "sum", algorithm=a, recorder=rec, workspace=w))(buf, algo, ws)
         for spec in codecs:
             # One seed on every rank: random-k draws the same indices everywhere (shared randomness).
             codec, state, ws = get_codec(spec), CodecState(seed=0), Workspace()
             assert isinstance(codec, Codec)  # main() turned powersgd away
-            runs[f"compressed:{codec.spec}"] = (lambda c, s, w: lambda rec=None: compressed_allreduce(buf, c, s, op="sum", recorder=rec, workspace=w))(codec, state, ws)
+            runs[f"compressed:{codec.spec}"] = (
+                lambda b, c, st, w: lambda rec=None: compressed_allreduce(b, c, st, op="sum", recorder=rec, workspace=w)
+            )(buf, codec, state, ws)
         # Rounds inside the backend's allreduce are hidden: native, and the 16-bit casts that ride on it.
         hidden = {"native"} | {f"compressed:{s}" for s in codecs if get_codec(s).exchange == "allreduce"}
         counted: dict[str, tuple[int, int, int]] = {}
@@ -200,7 +203,10 @@ def _human(nbytes: float) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width table."""
-    head = f"{'algorithm':24s} {'size':>7s} {'time':>11s} {'algbw GB/s':>10s} {'busbw GB/s':>10s} {'x native':>8s} {'sent/rank':>11s} {'steps':>5s} {'vs fp32':>7s}"
+    head = (
+        f"{'algorithm':24s} {'size':>7s} {'time':>11s} {'algbw GB/s':>10s} {'busbw GB/s':>10s} "
+        f"{'x native':>8s} {'sent/rank':>11s} {'steps':>5s} {'vs fp32':>7s}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         t = r["time_s"]
@@ -236,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """``shardwise bench comm``: measure, print the table, write the rows and the fit."""
     from shardwise.comm.algorithms import check_algorithm
-    from shardwise.comm.traffic import ALGORITHMS
     from shardwise.comm.codecs import PowerSGD, get_codec
+    from shardwise.comm.traffic import ALGORITHMS
     from shardwise.launcher.spawn import launch
 
     args = build_parser().parse_args(list(argv))

@@ -69,7 +69,7 @@ to hand the trained weights back to the parent process. The model fingerprint is
 to one safetensors file under the module's names (safetensors is the optional `export` extra,
 imported only there). DCP's `.metadata` is a pickle written by torch's DCP; shardwise reads only
 checkpoints it verified against their manifest.
-"""
+"""  # noqa: E501 - a Markdown table keeps each row on one line
 
 from __future__ import annotations
 

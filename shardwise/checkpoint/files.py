@@ -13,8 +13,9 @@ import shutil
 import time
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -69,7 +70,7 @@ def capture_rng() -> dict[str, Any]:
         "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -167,7 +168,7 @@ def prune(root: Path, keep_last: int, run_id: str | None = None) -> None:
 
 def _run_id(path: Path) -> str | None:
     try:
-        return read_manifest(path).get("run_id")  # type: ignore[no-any-return]
+        return read_manifest(path).get("run_id")
     except CheckpointError:
         return None
 
@@ -196,6 +197,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
         manifest = json.loads(mf.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"the manifest of {path} is damaged ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"the manifest of {path} is damaged (it holds a JSON {type(manifest).__name__}, not an object)")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this shardwise reads {FORMAT!r}")
     return manifest

@@ -9,8 +9,9 @@ it comes back (`read_sharded`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,7 +128,9 @@ def read_sharded_full(path: Path) -> dict[str, Any]:
 
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        reader = dcp.FileSystemReader(str(Path(path) / SHARDED_DIR))
+        planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]  # torch leaves its __init__ unannotated
+        _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:  # DCP wraps every reader failure in its own exception types
         raise CheckpointError(f"cannot read the sharded state of {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
     return state

@@ -124,7 +124,7 @@ Hockney's alpha-beta model to our point-to-point algorithms, `time = alpha x ste
 bytes_sent_per_rank` (weighted least squares on relative error; native is left out, its rounds
 are hidden), plus `latency + seconds_per_byte x size` per algorithm, and saves it as JSON
 (`--fit`, default `comm_fit.json`) for a planner to read.
-"""
+"""  # noqa: E501 - a Markdown table keeps each row on one line
 
 from __future__ import annotations
 

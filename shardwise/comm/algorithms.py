@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import difflib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

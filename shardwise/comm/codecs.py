@@ -80,7 +80,7 @@ class Encoded:
         if raw.storage_offset() % 8:
             raw = raw.clone()  # a payload that sits at an odd offset in a gathered buffer: realign to view it
         out, offset = {}, 0
-        for name, t in zip(self._names(), self._ordered()):
+        for name, t in zip(self._names(), self._ordered(), strict=True):
             nbytes = t.numel() * t.element_size()
             out[name] = raw[offset: offset + nbytes].view(t.dtype).view(t.shape)
             offset += nbytes
@@ -329,7 +329,7 @@ def _random_k(n: int, k: int, generator: torch.Generator, device: torch.device) 
     if k * 4 > n:
         return torch.randperm(n, generator=generator, device=device)[:k]
     while True:
-        draws: torch.Tensor = torch.randint(0, n, (k + k * k // n + 16,), generator=generator, device=device).unique()  # type: ignore[no-untyped-call]
+        draws: torch.Tensor = torch.randint(0, n, (k + k * k // n + 16,), generator=generator, device=device).unique()
         if draws.numel() >= k:
             picked: torch.Tensor = draws[torch.randperm(draws.numel(), generator=generator, device=device)[:k]]
             return picked

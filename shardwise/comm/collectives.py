@@ -8,8 +8,9 @@ the group, instead of a bare gloo message.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist

@@ -127,7 +127,7 @@ def _scatter_gather(flat: torch.Tensor, codec: Codec, state: CodecState, op: str
     blocks = list(torch.split(out, sizes))
     blocks[k].copy_(reduced)
     ring_allgather(blocks, peers)
-    for piece, enc, block in zip(flat.tensor_split(p), encs, blocks):
+    for piece, enc, block in zip(flat.tensor_split(p), encs, blocks, strict=True):
         piece.copy_(codec.decode(enc.unpack_like(block)))
 
 

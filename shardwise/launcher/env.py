@@ -10,8 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.distributed as dist

@@ -36,8 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any
 
 from shardwise.errors import ConfigError, LaunchError
 

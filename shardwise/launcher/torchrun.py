@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 DEFAULT_LAST_CALL_TIMEOUT_S = 2
 

@@ -121,7 +121,7 @@ def _load_error(exc: Exception) -> Exception:
     )
 
 
-def _write(path: "os.PathLike[str]", data: bytes) -> None:
+def _write(path: os.PathLike[str], data: bytes) -> None:
     # Written whole, then renamed: the parent never reads half a file.
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "wb") as f:

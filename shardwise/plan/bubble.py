@@ -22,7 +22,7 @@ is the step's wall time (from the first rank's start to the last rank's end) min
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

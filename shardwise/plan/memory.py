@@ -33,8 +33,9 @@ are left out of both sides.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 STAGE_OF: dict[str, int] = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}
 """The ZeRO stage each strategy implements (hsdp is stage 3 within a shard group)."""

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -82,4 +83,4 @@ def get_recipe(name: str) -> Recipe:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown recipe {name!r}.{hint} Known recipes: {', '.join(available())}")
     module, attr = _RECIPES[name].split(":")
-    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), attr)

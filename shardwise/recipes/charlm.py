@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class Embed(nn.Module):
         if t > self.pos.num_embeddings:
             raise ValueError(f"sequence of {t} characters is longer than the model's block size {self.pos.num_embeddings}")
         positions = torch.arange(t, device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))  # type: ignore[no-any-return]
+        return self.drop(self.tok(idx) + self.pos(positions))
 
 
 class Attention(nn.Module):
@@ -71,7 +72,7 @@ class Attention(nn.Module):
         b, t = x.shape[0], x.shape[1]
         q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))  # type: ignore[no-any-return]
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -82,7 +83,7 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))  # type: ignore[no-any-return]
+        return self.drop(self.proj(F.gelu(self.fc(x))))
 
 
 class Block(nn.Module):
@@ -97,7 +98,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))  # type: ignore[no-any-return]
+        return x + self.mlp(self.ln2(x))
 
 
 class Head(nn.Module):
@@ -109,7 +110,7 @@ class Head(nn.Module):
         self.out = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))  # type: ignore[no-any-return]
+        return self.out(self.norm(x))
 
 
 class CharGPT(nn.Module):
@@ -139,7 +140,7 @@ class CharGPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)  # type: ignore[no-any-return]
+        return self.head(x)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -184,7 +185,7 @@ class CharVocab:
         return "".join(self.chars[int(i)] for i in ids.reshape(-1))
 
 
-class CharWindows(Dataset):  # type: ignore[type-arg]
+class CharWindows(Dataset):
     """``(x, y)`` windows of ``block_size`` characters, ``y`` shifted by one, starting every ``stride`` characters."""
 
     def __init__(self, ids: torch.Tensor, block_size: int, stride: int) -> None:

@@ -8,7 +8,8 @@ the training set's statistics.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ class DigitsMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)  # type: ignore[no-any-return]
+        return self.net(x)
 
 
 def load_digits_split(val_fraction: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:

@@ -11,7 +11,8 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, StepFn, Strategy

@@ -46,8 +46,8 @@ class SyncBatchNorm(_BatchNorm):
                          dtype=bn.weight.dtype if bn.weight is not None else None)
         self.weight, self.bias = bn.weight, bn.bias  # the same Parameters (optimizers and ties see them)
         if bn.track_running_stats:
-            self.running_mean, self.running_var = bn.running_mean, bn.running_var  # type: ignore[assignment]
-            self.num_batches_tracked = bn.num_batches_tracked  # type: ignore[assignment]
+            self.running_mean, self.running_var = bn.running_mean, bn.running_var
+            self.num_batches_tracked = bn.num_batches_tracked
         self.group, self.recorder = group, recorder
         self._dim = bn._check_input_dim
 
@@ -67,10 +67,11 @@ class SyncBatchNorm(_BatchNorm):
         n = stats[2 * c]
         mean = stats[:c] / n
         var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalizes
-        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+        tracked = self.num_batches_tracked
+        if self.track_running_stats and self.running_mean is not None and self.running_var is not None and tracked is not None:
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)  # type: ignore[union-attr]
-                momentum = (1.0 / float(self.num_batches_tracked)) if self.momentum is None else self.momentum
+                tracked.add_(1)
+                momentum = (1.0 / float(tracked)) if self.momentum is None else self.momentum
                 self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
                 unbiased = var.detach() * (n / (n - 1)).detach()
                 self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)

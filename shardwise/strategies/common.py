@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ def accumulate_backward(
     microbatches: Sequence[Any],
     step_fn: StepFn,
     precision: Precision,
-    no_sync: Callable[[], ContextManager[None]] | None = None,
+    no_sync: Callable[[], AbstractContextManager[None]] | None = None,
 ) -> torch.Tensor:
     """Forward and backward over the micro-batches; gradients synchronize on the last one only.
 
@@ -83,7 +85,7 @@ class LocalParallel(Parallel):
     def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
         return accumulate_backward(self.model, microbatches, step_fn, precision)
 
-    def no_sync(self) -> ContextManager[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # nothing synchronizes in backward
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

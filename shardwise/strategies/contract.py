@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, ContextManager, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -119,7 +121,8 @@ def plan_layout(
         raise ConfigError(f"{strategy} needs a world size >= 1; got {world_size!r}")
     degrees = merge_degrees(strategy, own or {}, mesh)
     trainers = world_size - servers
-    shape = Mesh.build(world_size=trainers, **degrees)  # raises with the valid shapes; no process group
+    # raises with the valid shapes; no process group (merge_degrees keeps only dp, pp and tp)
+    shape = Mesh.build(world_size=trainers, dp=degrees.get("dp"), pp=degrees.get("pp", 1), tp=degrees.get("tp", 1))
     dp = shape.size("dp")
     micro = None
     if batch is not None:
@@ -194,7 +197,7 @@ class Parallel(ABC):
         """Forward and backward over one step's micro-batches; returns the mean loss (detached)."""
 
     @abstractmethod
-    def no_sync(self) -> ContextManager[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Skip gradient synchronization inside the block (accumulation)."""
 
     @abstractmethod

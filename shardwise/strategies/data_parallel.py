@@ -10,9 +10,10 @@ On CPU, or with fewer than two GPUs, the plan refuses it before anything runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,8 +28,12 @@ from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strat
 class DataParallelRun(LocalParallel):
     """The wrapper on the first device; gradients arrive summed there, so clipping is local."""
 
+    def __init__(self, wrapped: nn.DataParallel[nn.Module], optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(wrapped, optimizer)
+        self.wrapped = wrapped
+
     def module(self) -> nn.Module:
-        return self.model.module  # type: ignore[no-any-return]
+        return self.wrapped.module
 
     def state_dict(self, optimizer: bool) -> dict[str, Any]:
         return plain_state_dict(self.module(), self.optimizer if optimizer else None)
@@ -49,7 +54,7 @@ class DataParallelRun(LocalParallel):
         return None
 
     def summary(self) -> dict[str, Any]:
-        return {"dp": {"devices": list(self.model.device_ids)}}  # type: ignore[arg-type]
+        return {"dp": {"devices": list(self.wrapped.device_ids)}}
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ torch.Size([3, 2])
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ class NaiveMP(nn.Module):
 
     def forward(self, *x: Any) -> Any:
         out: Any = x
-        for stage, device in zip(self._stages, self.devices):
+        for stage, device in zip(self._stages, self.devices, strict=True):
             out = stage(*move(out, device)) if isinstance(out, tuple) else stage(move(out, device))
         return move(out, self.output_device)
 
@@ -62,7 +63,7 @@ def apply_naive_mp(model: nn.Module, devices: Sequence[str | torch.device], spli
     if len(devs) < 2:
         raise ConfigError(f"naive model parallelism needs at least 2 devices; got {[str(d) for d in devs]}")
     runs = split_layers(sequence_layers(model), len(devs), split_points)
-    stages = [StageModule(run).to(dev) for run, dev in zip(runs, devs)]
+    stages = [StageModule(run).to(dev) for run, dev in zip(runs, devs, strict=True)]
     return NaiveMP(stages, devs, torch.device(output_device) if output_device is not None else devs[0])
 
 

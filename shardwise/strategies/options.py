@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import itertools
 import sys
 import textwrap
 import types
@@ -275,7 +276,7 @@ def _convert_inner(value: Any, tp: Any) -> Any:
         parts = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
         if len(parts) != len(items):
             raise _Bad
-        return tuple(_convert(p, t) for p, t in zip(parts, items))
+        return tuple(_convert(p, t) for p, t in zip(parts, items, strict=True))
     if _is_mapping(tp):
         if isinstance(value, str):
             try:
@@ -374,7 +375,7 @@ def _own_field_docs(klass: type) -> dict[str, str]:
     if node is None:
         return {}
     docs = {}
-    for stmt, after in zip(node.body, node.body[1:]):
+    for stmt, after in itertools.pairwise(node.body):
         if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[stmt.target.id] = " ".join(inspect.cleandoc(after.value.value).split())

@@ -31,14 +31,17 @@ with `shardwise.plan.memory.model_state_bytes`.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.collectives import Group, broadcast
 from shardwise.comm.recorder import Recorder
@@ -61,7 +64,7 @@ def local_bytes(t: torch.Tensor) -> int:
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
     # ZeroRedundancyOptimizer keeps the state of this rank's parameters in its local optimizer.
     inner = getattr(optimizer, "optim", None) if isinstance(optimizer, ZeroRedundancyOptimizer) else None
-    return (inner or optimizer).state  # type: ignore[return-value]
+    return (inner or optimizer).state
 
 
 def optimizer_slots(optimizer: torch.optim.Optimizer) -> int:
@@ -189,7 +192,7 @@ class RecordedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
         super().__init__(params, process_group=group.pg, **kwargs)
 
     def _sync_params(self) -> None:
-        for rank, groups in enumerate(self._partition_parameters()):
+        for rank, groups in enumerate(self._partition_parameters()):  # type: ignore[attr-defined]  # torch's .pyi stub omits this private method
             for param_group in groups:
                 for param in param_group["params"]:
                     broadcast(param.data, src=rank, group=self._shardwise_group, recorder=self._shardwise_recorder)
@@ -211,7 +214,7 @@ def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Group,
     return RecordedZeroRedundancyOptimizer(groups, group=group, recorder=recorder, optimizer_class=type(template), **defaults)
 
 
-def apply_zero1(model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[nn.Module, ZeroRedundancyOptimizer]:
+def apply_zero1(model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[DistributedDataParallel, ZeroRedundancyOptimizer]:
     """DDP (gradients allreduced, recorded) with the optimizer state partitioned across the dp group
     (the parameter broadcasts after each step recorded too)."""
     from shardwise.strategies.ddp import apply_ddp  # the flat function of the other data-parallel strategy
@@ -223,20 +226,23 @@ def apply_zero1(model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, 
 class Zero1Run(Parallel):
     """One rank of zero1: DDP around the whole model, the optimizer stepping this rank's partition."""
 
-    def __init__(self, model: nn.Module, optimizer: ZeroRedundancyOptimizer, probe: ModelStateProbe) -> None:
+    model: DistributedDataParallel
+    optimizer: ZeroRedundancyOptimizer
+
+    def __init__(self, model: DistributedDataParallel, optimizer: ZeroRedundancyOptimizer, probe: ModelStateProbe) -> None:
         self.model, self.optimizer = model, optimizer
         self.placement = Placement()
         self.probe = probe
 
     def module(self) -> nn.Module:
-        return self.model.module  # type: ignore[no-any-return]
+        return self.model.module
 
     def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
         self.probe.arm()
         return accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
 
-    def no_sync(self) -> ContextManager[None]:
-        return self.model.no_sync()  # type: ignore[operator,no-any-return]
+    def no_sync(self) -> AbstractContextManager[None]:
+        return self.model.no_sync()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return clip_local(self.model, max_norm)  # gradients are replicated after DDP's allreduce

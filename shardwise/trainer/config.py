@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.precision import normalize
@@ -153,7 +154,9 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    sections: dict[str, dict[str, Any]] = {}
     for key, value in data.items():
         if not isinstance(value, dict):
             raise ConfigError(f"config file {p}: top-level key {key!r} must be a [section] (trainer, recipe)")
-    return data
+        sections[key] = value
+    return sections

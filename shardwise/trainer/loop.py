@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from shardwise import checkpoint as ckpt
-from shardwise.batches import call_model, check_batch_fits, loss_from_output, model_inputs, returns_own_loss
+from shardwise.batches import call_model, check_batch_fits, loss_from_output, returns_own_loss
 from shardwise.data import ShardedLoader, eval_batches, eval_shard, fetch, unpack_data
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size, launch, stop_if_bootstrapping
+from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
 from shardwise.trainer.config import TrainerConfig, from_mapping
-from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.trainer.logging import Progress, RunFiles
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -440,8 +441,8 @@ class Trainer:
         if self.loss_fn is not None:
             output = call_model(module, batch)
             loss = self.loss_fn(output, batch)
-        elif callable(getattr(module, "training_step", None)):
-            return {"loss": getattr(module, "training_step")(batch)}
+        elif callable(training_step := getattr(module, "training_step", None)):
+            return {"loss": training_step(batch)}
         else:
             output = call_model(module, batch)
             loss = loss_from_output(output, batch)

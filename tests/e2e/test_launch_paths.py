@@ -95,14 +95,14 @@ def _leaders(tmp: Path) -> dict[str, tuple[list[str], Path, int]]:
 def test_no_worker_outlives_its_killed_leader(tmp_path, sig):
     started: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     try:
-        for name, (args, ready, lines) in _leaders(tmp_path).items():
+        for name, (args, _ready, _lines) in _leaders(tmp_path).items():
             marker = uuid.uuid4().hex
             count = {"launch": tmp_path / "launch-count", "shardwise run": tmp_path / "run-count"}.get(name)
             extra = {"SHARDWISE_TEST_MARKER": marker, **({"COUNT_FILE": str(count)} if count else {})}
             proc = subprocess.Popen([sys.executable, *args], env=_env(**extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             started[name] = (proc, marker)
         deadline = time.monotonic() + 150
-        for name, (args, ready, lines) in _leaders(tmp_path).items():
+        for name, (_args, ready, lines) in _leaders(tmp_path).items():
             while not (ready.exists() and len(ready.read_text().splitlines()) >= lines):
                 assert started[name][0].poll() is None, f"{name}: the leader exited early ({started[name][0].returncode})"
                 assert time.monotonic() < deadline, f"{name}: the workers never started"

@@ -9,7 +9,8 @@ against a hand-written loop in test_batches.py). Many cells run in one launch
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ def _cells_worker(cells: Sequence[Cell], settings: dict[str, Any]) -> list[tuple
 def run_cells(cells: Sequence[Cell], nproc: int = 2, **settings: Any) -> dict[Cell, tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     """Run ``cells`` one after another in one launch of ``nproc`` processes; rank 0's results."""
     results = launch(_cells_worker, list(cells), settings, nproc=nproc, threads_per_proc=1, timeout=600)
-    return {_key(c): r for c, r in zip(cells, results[0])}  # type: ignore[misc]
+    return {_key(c): r for c, r in zip(cells, results[0], strict=True)}  # type: ignore[misc]
 
 
 def _key(cell: Cell) -> Any:

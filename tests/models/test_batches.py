@@ -56,7 +56,7 @@ def test_dict_batch_trains_on_the_models_own_loss_exactly_as_a_hand_loop(name):
     seen = seen[-STEPS * BATCH:]  # the parent reads sample 0 once to check the batch fits the forward
     ORDER[name] = [seen[i * BATCH:(i + 1) * BATCH] for i in range(STEPS)]
     reference = hand_loop(name)
-    for (k, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+    for (k, a), b in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
 
 

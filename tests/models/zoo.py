@@ -15,7 +15,8 @@ samples the way users feed them: a dict with ``labels`` for the Hugging Face mod
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -94,6 +94,9 @@ def test_truncated_and_foreign_files_are_clear_errors(tmp_path):
         ckpt.read(tmp_path, rank=0)
     with pytest.raises(CheckpointError, match="not a directory"):
         ckpt.read(foreign, rank=0)
+    (tmp_path / "manifest.json").write_text("[1, 2]")  # valid JSON, not an object
+    with pytest.raises(CheckpointError, match="is damaged \\(it holds a JSON list, not an object\\)"):
+        ckpt.read(tmp_path, rank=0)
 
 
 def test_pickled_objects_are_refused_on_load(tmp_path):

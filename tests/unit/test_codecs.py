@@ -17,7 +17,7 @@ def _gradients(dtype: torch.dtype, n: int = 997, steps: int = 4) -> list[torch.T
     """Gradients with hard cases: zeros, tiny values next to large ones, ties, a constant run."""
     g = torch.Generator().manual_seed(7)
     out = []
-    for step in range(steps):
+    for _ in range(steps):
         x = torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-6, 2, (n,), generator=g)
         x[::11] = 0.0
         x[5:25] = 0.25  # a tie block
@@ -103,7 +103,7 @@ def test_randomk_ranks_with_one_seed_draw_the_same_fresh_indices_every_call():
     seen = []
     for step in range(4):
         grads = [torch.randn(1000, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(3)]
-        encs = [codec.compress(g, st)[0][0] for g, st in zip(grads, ranks)]
+        encs = [codec.compress(g, st)[0][0] for g, st in zip(grads, ranks, strict=True)]
         assert all(torch.equal(e.local["idx"], encs[0].local["idx"]) for e in encs)
         seen.append(set(encs[0].local["idx"].tolist()))
         # Summing the values is the sum of the sparse tensors: what the allreduce exchange relies on.
@@ -132,7 +132,7 @@ def test_int8_error_is_at_most_half_a_step_of_each_chunk(dtype):
         x = x.clone()
         x[100:200] *= 1000  # chunks with very different ranges
         encs, sent = codec.compress(x, CodecState(), pieces=4)
-        for enc, piece, got in zip(encs, x.tensor_split(4), sent.tensor_split(4)):
+        for enc, piece, got in zip(encs, x.tensor_split(4), sent.tensor_split(4), strict=True):
             scale, zp = enc.parts["meta"].tolist()
             assert enc.parts["q"].dtype == torch.uint8 and zp == int(zp) and 0 <= zp <= 255
             err = (piece.double() - got.double()).abs()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -121,7 +123,7 @@ def test_toml_strategy_options_are_checked_and_typed_against_the_chosen_strategy
 
 def test_config_is_frozen():
     cfg = TrainerConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.nproc = 3  # type: ignore[misc]
 
 

@@ -28,7 +28,7 @@ def _global_steps(n: int, gb: int, world: int, acc: int, epochs: int = 2) -> lis
     steps: list[list[int]] = []
     for _ in range(epochs):
         per_rank = [list(iter(ld)) for ld in loaders]
-        for step in zip(*per_rank):
+        for step in zip(*per_rank, strict=True):
             steps.append([int(v) for rank_micro in step for mb in rank_micro for v in mb[1]])
     return steps
 
@@ -91,8 +91,8 @@ def test_worker_processes_give_the_same_batches():
     steps_a, steps_b = list(iter(a)), list(iter(b))
     b.close()
     assert len(steps_a) == len(steps_b) == 6
-    for sa, sb in zip(steps_a, steps_b):
-        for ma, mb in zip(sa, sb):
+    for sa, sb in zip(steps_a, steps_b, strict=True):
+        for ma, mb in zip(sa, sb, strict=True):
             assert torch.equal(ma[1], mb[1])
     assert a.state_dict() == b.state_dict()
 

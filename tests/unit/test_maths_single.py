@@ -86,12 +86,12 @@ def hand_loop(model: nn.Module, steps: int, *, optimizer: str, clip: float | Non
         scale = lr_at(step) if scheduled else 1.0
         with torch.no_grad():
             if adam is not None:
-                for p, g in zip(params, grads):
+                for p, g in zip(params, grads, strict=True):
                     p.grad = g
                 adam.param_groups[0]["lr"] = 0.05 * scale
                 adam.step()
                 continue
-            for i, (p, g) in enumerate(zip(params, grads)):
+            for i, (p, g) in enumerate(zip(params, grads, strict=True)):
                 d = g + WD * p
                 bufs[i] = d.clone() if bufs[i] is None else MOMENTUM * bufs[i] + d
                 p -= LR * scale * bufs[i]
@@ -150,7 +150,7 @@ def test_engine_bring_your_own_loop_equals_the_hand_loop(accumulate):
     step_fn = lambda m, b: ce(m(b[0]), b)  # noqa: E731
     norms = []
     for _ in range(STEPS):
-        micro = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        micro = list(zip(x.chunk(accumulate), y.chunk(accumulate), strict=True))
         loss = engine.forward_backward(model, micro, step_fn)
         norms.append(float(engine.clip_grad_norm(model, opt, MAX_NORM)))
         assert engine.step(opt)

@@ -4,6 +4,7 @@ and the configurations refused before anything runs. No process group."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -18,7 +19,15 @@ from shardwise.recipes.charlm import CharGPT
 from shardwise.strategies import Batch, get_strategy
 from shardwise.strategies.naive_mp import NaiveModelParallel, apply_naive_mp
 from shardwise.strategies.pipeline import (
-    Pipeline, StageModule, balance, check_rows, check_schedule, concat_batches, sequence_layers, split_batch, split_layers,
+    Pipeline,
+    StageModule,
+    balance,
+    check_rows,
+    check_schedule,
+    concat_batches,
+    sequence_layers,
+    split_batch,
+    split_layers,
 )
 
 
@@ -201,7 +210,7 @@ def test_every_option_has_a_docstring_that_becomes_its_help():
     for cls in (Pipeline, NaiveModelParallel):
         body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
         documented = {
-            a.target.id for a, b in zip(body, body[1:])
+            a.target.id for a, b in itertools.pairwise(body)
             if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)
         }
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in documented]
@@ -241,7 +250,7 @@ def test_the_state_exchange_carries_tensors_and_plain_values_exactly():
                 same(a[k], b[k], f"{where}[{k!r}]")
         elif isinstance(a, (list, tuple)):
             assert len(a) == len(b), where
-            for i, (x, y) in enumerate(zip(a, b)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
                 same(x, y, f"{where}[{i}]")
         else:
             assert a == b, where
@@ -386,8 +395,8 @@ def test_modules_are_placed_by_the_order_the_forward_runs_them_not_by_declaratio
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "nanogpt"])
 def test_nested_stages_chained_in_one_process_give_the_models_output(name):
     """Stage 0 (embeddings, blocks 0-1) then stage 1 (blocks 2-3, norm, head): the model's own logits, bit for bit."""
-    from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, nested_layout, split_blocks
     from shardwise.batches import model_args
+    from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, nested_layout, split_blocks
     from tests.models import zoo
 
     _hf_or_skip()

@@ -6,12 +6,28 @@ import pytest
 import torch
 
 from shardwise.comm.codecs import get_codec
+from shardwise.errors import ConfigError
 from shardwise.strategies.param_server.protocol import (
-    HEADER_BYTES, KIND, LENGTH, LOAD, LR, PUSH, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, partition_by_bytes,
-    path_bytes, path_of, payload_of, unpack_header,
+    HEADER_BYTES,
+    KIND,
+    LENGTH,
+    LOAD,
+    LR,
+    PUSH,
+    STEP,
+    VERSION,
+    WORKER,
+    GradientCoder,
+    ServerStats,
+    header,
+    pack,
+    partition_by_bytes,
+    path_bytes,
+    path_of,
+    payload_of,
+    unpack_header,
 )
 from shardwise.trainer.straggler import Straggler, parse_straggler
-from shardwise.errors import ConfigError
 
 
 def test_partition_is_balanced_by_bytes_deterministic_and_complete() -> None:

@@ -35,3 +35,32 @@ def test_an_unknown_option_names_the_closest() -> None:
     with pytest.raises(ConfigError, match=r"strategy 'ddp' has no option 'bucket_cap' \(did you mean 'bucket_cap_mb'\?\)"):
         get_strategy("ddp", bucket_cap=3)
     assert get_strategy("tp", plan={"fc": "colwise"}).tp_plan == {"fc": "colwise"}  # tp's old option name still works
+
+
+def test_the_package_exports_exactly_its_lazy_names() -> None:
+    import shardwise
+
+    assert shardwise.__all__ == sorted(shardwise._EXPORTS)
+    for name in shardwise.__all__:
+        assert getattr(shardwise, name) is not None, name
+    assert shardwise.available_strategies is strategies.available
+
+
+def test_the_typed_contract_check_names_every_builtin_strategy_and_run() -> None:
+    """tests/typecheck_contract.py (checked by mypy in make lint) must keep up with the registry:
+    the same strategies, the run class each apply declares, and every concrete Parallel."""
+    import inspect
+
+    from shardwise.strategies.contract import Parallel
+    from tests.typecheck_contract import BUILTIN, OTHER_RUNS
+
+    assert sorted(BUILTIN) == available()
+    for name, (cls, run) in BUILTIN.items():
+        assert type(get_strategy(name)) is cls, name
+        assert cls.apply.__annotations__["return"] == run.__name__, name
+
+    def subclasses(c: type) -> list[type]:
+        return [s for d in c.__subclasses__() for s in (d, *subclasses(d))]
+
+    concrete = {c for c in subclasses(Parallel) if c.__module__.startswith("shardwise.") and not inspect.isabstract(c)}
+    assert concrete == {run for _, run in BUILTIN.values()} | set(OTHER_RUNS.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import textwrap
 
 import pytest
@@ -38,7 +39,7 @@ def test_the_registry_builds_the_frozen_options_with_the_same_names_and_defaults
 def test_every_option_has_a_docstring(cls: type) -> None:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     documented = {
-        node.target.id for node, after in zip(body, body[1:])
+        node.target.id for node, after in itertools.pairwise(body)
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
         and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
     }

@@ -140,9 +140,10 @@ Design notes: ranks that serve
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -383,7 +384,8 @@ class PS(Strategy):
     servers: int = 1
     """Processes that hold the parameters and their optimizer state (the last ranks); the others are workers."""
     mode: Literal["sync", "async", "ssp"] = "sync"
-    """sync (every step waits for every worker: equals ddp without clipping), async (each gradient applied on arrival), or ssp (async within a staleness bound)."""
+    """sync (every step waits for every worker: equals ddp without clipping), async (each gradient applied on arrival),
+    or ssp (async within a staleness bound)."""
     staleness: int | None = None
     """ssp only: how many steps a worker may run ahead of the slowest live worker (0 is bulk synchronous without averaging)."""
     compression: str | None = None

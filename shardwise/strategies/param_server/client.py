@@ -27,8 +27,26 @@ from shardwise.comm.collectives import Group, Pending, irecv, isend, recv, send
 from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.errors import CommError, ConfigError
 from shardwise.strategies.param_server.protocol import (
-    BYE, CTRL_TAG, DONE, HEADER_BYTES, KIND, LOAD, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED, STATS_TAG, VERSION,
-    GradientCoder, ServerStats, header, pack, path_bytes, payload_of, unpack_header,
+    BYE,
+    CTRL_TAG,
+    DONE,
+    HEADER_BYTES,
+    KIND,
+    LOAD,
+    PULL_TAG,
+    PUSH,
+    PUSH_TAG,
+    SAVE,
+    SAVED,
+    STATS_TAG,
+    VERSION,
+    GradientCoder,
+    ServerStats,
+    header,
+    pack,
+    path_bytes,
+    payload_of,
+    unpack_header,
 )
 
 
@@ -54,7 +72,7 @@ class Client:
 
     def _grad(self, shard: list[int]) -> torch.Tensor:
         grads = [self.params[i].grad for i in shard]
-        return torch.cat([(g if g is not None else torch.zeros_like(self.params[i])).reshape(-1) for g, i in zip(grads, shard)])
+        return torch.cat([(g if g is not None else torch.zeros_like(self.params[i])).reshape(-1) for g, i in zip(grads, shard, strict=True)])
 
     def _unflatten(self, s: int, flat: torch.Tensor) -> None:
         offset = 0
@@ -78,7 +96,7 @@ class Client:
             msg = pack(header(PUSH, self.worker, step, lr, self.versions[s]), payload, self.message_bytes[s])
             sends.append(isend(msg, self.server_ranks[s], group=self.group, tag=PUSH_TAG))
         replies = [torch.empty(n, dtype=torch.uint8) for n in self.reply_bytes]
-        self._replies = [(irecv(r, src, group=self.group, tag=PULL_TAG), r) for r, src in zip(replies, self.server_ranks)]
+        self._replies = [(irecv(r, src, group=self.group, tag=PULL_TAG), r) for r, src in zip(replies, self.server_ranks, strict=True)]
         for work in sends:
             work.wait()
         self._pushed_at = time.perf_counter()

@@ -40,8 +40,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,8 +53,30 @@ from shardwise.comm.collectives import Group, Pending, irecv, recv, send
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import CheckpointError, CommError
 from shardwise.strategies.param_server.protocol import (
-    BYE, CTRL_TAG, DONE, KIND, LENGTH, LOAD, LR, PARAMS, PULL_TAG, PUSH, PUSH_TAG, SAVE, SAVED,
-    SERVER_FILE, STATS_TAG, STEP, VERSION, WORKER, GradientCoder, ServerStats, header, pack, path_of, unpack_header,
+    BYE,
+    CTRL_TAG,
+    DONE,
+    KIND,
+    LENGTH,
+    LOAD,
+    LR,
+    PARAMS,
+    PULL_TAG,
+    PUSH,
+    PUSH_TAG,
+    SAVE,
+    SAVED,
+    SERVER_FILE,
+    STATS_TAG,
+    STEP,
+    VERSION,
+    WORKER,
+    GradientCoder,
+    ServerStats,
+    header,
+    pack,
+    path_of,
+    unpack_header,
 )
 
 
@@ -301,7 +324,7 @@ class Server:
         if shapes != [tuple(p.shape) for p in self.params]:
             raise CheckpointError(f"{directory}: the servers' files do not hold this model's parameter tensors {self.param_ids} with their shapes")
         with torch.no_grad():
-            for p, g in zip(self.params, self.param_ids):
+            for p, g in zip(self.params, self.param_ids, strict=True):
                 st, k = where[g]
                 p.copy_(st["params"][k])
         same = int(first["servers"]) == self.servers and saved[self.index]["param_ids"] == self.param_ids
@@ -310,7 +333,10 @@ class Server:
         else:
             # Another partition: renumber each tensor's optimizer state into this shard's order.
             if any(len(st["optimizer"]["param_groups"]) != 1 for st in saved) or len(self.optimizer.param_groups) != 1:
-                raise CheckpointError(f"{directory}: resuming with servers={self.servers} (saved with {first['servers']}) needs an optimizer with one parameter group; resume with servers={first['servers']}")
+                raise CheckpointError(
+                    f"{directory}: resuming with servers={self.servers} (saved with {first['servers']}) needs an optimizer with one parameter group; "
+                    f"resume with servers={first['servers']}"
+                )
             group = {**saved[0]["optimizer"]["param_groups"][0], "params": list(range(len(self.param_ids)))}
             state = {j: where[g][0]["optimizer"]["state"][where[g][1]] for j, g in enumerate(self.param_ids)
                      if where[g][1] in where[g][0]["optimizer"]["state"]}

@@ -318,9 +318,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -333,15 +335,22 @@ from shardwise.precision import Precision
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.pipeline.compose import _tensor_parallel, apply_data_parallel, average_grads, clip_grad_norm
 from shardwise.strategies.pipeline.evaluate import _DTYPES, PipelineModule
+from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, check_nested, is_nested, nested_layout, split_blocks
 from shardwise.strategies.pipeline.observe import _Clock, bubble_section, gather_events, mean, record_stage_traffic, write_timeline
 from shardwise.strategies.pipeline.schedule import (
-    _Replay, _schedule_class, batch_rows, check_rows, check_schedule, concat_batches, keep_buffers_through_inference, split_batch,
+    _Replay,
+    _schedule_class,
+    batch_rows,
+    check_rows,
+    check_schedule,
+    concat_batches,
+    keep_buffers_through_inference,
+    split_batch,
 )
-from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, check_nested, is_nested, nested_layout, split_blocks
 from shardwise.strategies.pipeline.split import StageModule, balance, sequence_layers, split_layers
-from shardwise.strategies.pipeline.ties import Tie, _cross_stage_ties, _find_param, sync_tied
 from shardwise.strategies.pipeline.split import _register as _register  # importable from here, as before the split
 from shardwise.strategies.pipeline.state import gather_state, load_local_state
+from shardwise.strategies.pipeline.ties import Tie, _cross_stage_ties, _find_param, sync_tied
 
 __all__ = [
     "Pipeline", "PipelineModule", "PipelineRun", "StageModule", "balance", "batch_rows", "check_rows", "check_schedule",
@@ -603,7 +612,7 @@ class PipelineRun(Parallel):
         dtype = _DTYPES[int(rows[last_rank][4])]  # the last stage's loss dtype, on every rank
         return rows[last_rank][0].to(device=self.mesh.device, dtype=dtype)
 
-    def no_sync(self) -> ContextManager[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # the schedule accumulates over micro-batches; gradients sync once, after it
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

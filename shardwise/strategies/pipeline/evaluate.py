@@ -87,7 +87,7 @@ class PipelineModule(nn.Module):
         return output
 
 
-class PipelineOutput(dict):  # type: ignore[type-arg]
+class PipelineOutput(dict):
     """What a pipeline returns for a keyword call: ``logits`` and, with labels, ``loss``, by key or attribute."""
 
     def __getattr__(self, name: str) -> Any:

@@ -41,7 +41,7 @@ def all_gather_varlen(tensor: torch.Tensor, *, group: Group, recorder: Recorder 
         return [flat[:0] for _ in sizes]
     padded = torch.zeros(longest, dtype=flat.dtype, device=device)
     padded[: flat.numel()] = flat
-    return [part[:size] for part, size in zip(all_gather(padded, group=group, recorder=recorder), sizes)]
+    return [part[:size] for part, size in zip(all_gather(padded, group=group, recorder=recorder), sizes, strict=True)]
 
 
 def all_gather_tree(obj: Any, *, group: Group, recorder: Recorder | None, device: torch.device) -> list[Any]:
@@ -51,7 +51,7 @@ def all_gather_tree(obj: Any, *, group: Group, recorder: Recorder | None, device
     text = torch.frombuffer(bytearray(shape.encode()), dtype=torch.uint8) if shape else torch.zeros(0, dtype=torch.uint8)
     shapes = all_gather_varlen(text, group=group, recorder=recorder, device=device)
     payloads = all_gather_varlen(payload, group=group, recorder=recorder, device=device)
-    return [_decode(s.cpu().numpy().tobytes().decode(), p.cpu()) for s, p in zip(shapes, payloads)]
+    return [_decode(s.cpu().numpy().tobytes().decode(), p.cpu()) for s, p in zip(shapes, payloads, strict=True)]
 
 
 def _encode(obj: Any) -> tuple[str, torch.Tensor]:

@@ -36,8 +36,9 @@ import ast
 import copy
 import inspect
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -111,6 +112,7 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 
 def nested_layout(model: nn.Module, layers: str | None = None) -> NestedLayout:
     """Find the block list, the prelude and the postlude of ``model`` (no process group)."""
+    blocks: str | None
     if layers:
         try:
             found = model.get_submodule(layers)
@@ -164,6 +166,11 @@ def _dotted(node: ast.AST) -> str | None:
     return ".".join([node.id] + bits[::-1]) if isinstance(node, ast.Name) else None
 
 
+def _as_attribute(full: str, prefix: str) -> str:
+    """How the forward of the module at ``prefix`` spells the submodule ``full``: ``self.`` and the rest."""
+    return "self." + (full[len(prefix) + 1:] if prefix else full)
+
+
 def runs_after(model: nn.Module, name: str, path: str) -> bool | None:
     """Whether the forward that uses module ``name`` calls it after it reaches ``path`` (the
     branch holding the blocks), read from that forward's source: the nearest ancestor of both with
@@ -182,14 +189,12 @@ def runs_after(model: nn.Module, name: str, path: str) -> bool | None:
         except (OSError, TypeError, SyntaxError, IndentationError):
             return None
         prefix = ".".join(bits[:depth])
-        rel = lambda full: "self." + (full[len(prefix) + 1:] if prefix else full)  # noqa: E731
-        mine, blocks = rel(name), rel(path)
+        mine, blocks = _as_attribute(name, prefix), _as_attribute(path, prefix)
         called: list[tuple[int, int]] = []
         used: list[tuple[int, int]] = []
         reached: list[tuple[int, int]] = []
         for node in ast.walk(tree):
-            dotted = _dotted(node) if isinstance(node, ast.Attribute) else None
-            if dotted is None:
+            if not isinstance(node, ast.Attribute) or (dotted := _dotted(node)) is None:
                 continue
             where = (node.lineno, node.col_offset)
             if dotted == blocks or dotted.startswith(blocks + "."):
@@ -206,9 +211,17 @@ def runs_after(model: nn.Module, name: str, path: str) -> bool | None:
     return None
 
 
+def block_list(model: nn.Module, layout: NestedLayout) -> nn.ModuleList:
+    """The model's list of repeated blocks, the one `nested_layout` found."""
+    blocks = model.get_submodule(layout.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ConfigError(f"{layout.blocks} in {type(model).__name__} is a {type(blocks).__name__}, not an nn.ModuleList of blocks")
+    return blocks
+
+
 def check_nested(model: nn.Module, layout: NestedLayout, stages: int, microbatches: int) -> None:
     """Refuse what a pipeline cannot run exactly on this model, with the reason for this model."""
-    n = len(model.get_submodule(layout.blocks))
+    n = len(block_list(model, layout))
     if n < stages:
         raise ConfigError(
             f"{type(model).__name__} has {n} blocks in {layout.blocks} but the pipeline needs {stages} stages "
@@ -237,7 +250,7 @@ def split_blocks(model: nn.Module, layout: NestedLayout, stages: int, split_poin
     """Contiguous runs of block indices (as strings, the ModuleList keys), one per stage."""
     from shardwise.strategies.pipeline.split import balance
 
-    blocks = model.get_submodule(layout.blocks)
+    blocks = block_list(model, layout)
     keys = list(blocks._modules)
     if split_points:
         names = [f"{layout.blocks}.{k}" for k in keys]
@@ -352,9 +365,9 @@ def _prune(module: nn.Module, prefix: str, keep: dict[str, nn.Module | None], pa
     """A shallow copy of ``module`` whose children on ``path`` are pruned copies and whose children
     named in ``keep`` are replaced (the same parameters are shared, nothing is copied)."""
     clone = copy.copy(module)
-    clone._modules = dict(module._modules)  # type: ignore[assignment]
-    clone._parameters = dict(module._parameters)  # type: ignore[assignment]
-    clone._buffers = dict(module._buffers)  # type: ignore[assignment]
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
     clone._forward_hooks = type(module._forward_hooks)()
     clone._forward_pre_hooks = type(module._forward_pre_hooks)()
     for name, child in module._modules.items():
@@ -372,13 +385,16 @@ class NestedStage(nn.Module):
     The stage's children are the pruned copy's, so its parameters keep the model's own names
     (``model.layers.2.mlp.up_proj.weight``); ``owned`` lists the modules this stage owns."""
 
+    _last_block: nn.Module
+    """The last of this stage's blocks, kept in ``__dict__``: not a child, it is one of the blocks already."""
+
     def __init__(self, model: nn.Module, layout: NestedLayout, block_keys: Sequence[str], first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last, self.layout = first, last, layout
         self._holder = _Holder()
-        blocks = model.get_submodule(layout.blocks)
+        blocks = block_list(model, layout)
         own = nn.ModuleList()
-        own._modules = {k: blocks._modules[k] for k in block_keys}  # type: ignore[assignment]  # original keys: original names
+        own._modules = {k: blocks._modules[k] for k in block_keys}  # original keys: original names
         keep: dict[str, nn.Module | None] = {layout.blocks: own}
         for name in layout.prelude:
             if not first:
@@ -392,7 +408,7 @@ class NestedStage(nn.Module):
             path |= {".".join(bits[:i]) for i in range(1, len(bits))}
         clone = _prune(model, "", keep, path)
         self.__dict__["_clone"] = clone  # not a child: its children are this stage's (same names)
-        self._modules = clone._modules  # type: ignore[assignment]
+        self._modules = clone._modules
         self.owned = [f"{layout.blocks}.{k}" for k in block_keys]
         self.owned += list(layout.prelude) if first else []
         self.owned += list(layout.postlude) if last else []

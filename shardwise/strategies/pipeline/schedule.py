@@ -11,7 +11,8 @@ ran; ``_Replay`` stands in for the model there, so the user's ``loss_fn`` runs u
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -32,14 +33,20 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"pipeline {name} must be a whole number >= 1; got {value!r}")
     if schedule == "1f1b" and microbatches < pp:
-        raise ConfigError(f"schedule 1f1b needs at least as many micro-batches as stages; got microbatches={microbatches} < pp={pp}; use microbatches >= {pp} or schedule gpipe")
+        raise ConfigError(
+            f"schedule 1f1b needs at least as many micro-batches as stages; got microbatches={microbatches} < pp={pp}; "
+            f"use microbatches >= {pp} or schedule gpipe"
+        )
     if schedule == "interleaved":
         if virtual_stages < 2:
             raise ConfigError(f"schedule interleaved needs virtual_stages >= 2 (model chunks per rank); got {virtual_stages}; use gpipe or 1f1b for one chunk per rank")
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             # torch's interleaved 1F1B runs micro-batches in rounds of about pp (flex schedule).
-            raise ConfigError(f"schedule interleaved needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}; got microbatches={microbatches} with pp={pp}; use a multiple of {pp}")
+            raise ConfigError(
+                f"schedule interleaved needs microbatches to be a multiple of max(1, microbatches // pp) = {rounds}; "
+                f"got microbatches={microbatches} with pp={pp}; use a multiple of {pp}"
+            )
     elif virtual_stages != 1:
         raise ConfigError(f"virtual_stages={virtual_stages} needs schedule interleaved; {schedule} runs one stage per rank")
 
@@ -117,7 +124,7 @@ class _Replay:
         def same(a: Any, b: Any) -> bool:
             return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape)
 
-        fits = (len(args) == len(self.args) and all(same(a, b) for a, b in zip(args, self.args))
+        fits = (len(args) == len(self.args) and all(same(a, b) for a, b in zip(args, self.args, strict=True))
                 and set(kwargs) == set(self.kwargs) and all(same(kwargs[k], self.kwargs[k]) for k in kwargs))
         if not fits:
             raise ConfigError(

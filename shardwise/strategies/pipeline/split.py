@@ -13,7 +13,8 @@ on its own device). No process group here: the Trainer runs these checks in the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -98,7 +99,10 @@ def split_layers(layers: Sequence[tuple[str, nn.Module]], stages: int, split_poi
         if [names.index(s) for s in split_points if s != names[0]] != starts[1:]:
             raise ConfigError(f"split_points must name layers in model order, each once; got {list(split_points)} (layer order: {names})")
         if len(starts) != stages:
-            raise ConfigError(f"split_points {list(split_points)} make {len(starts)} stages but the pipeline has {stages} (pp x virtual stages); name {stages - 1} layers that start stages 1..{stages - 1}")
+            raise ConfigError(
+                f"split_points {list(split_points)} make {len(starts)} stages but the pipeline has {stages} (pp x virtual stages); "
+                f"name {stages - 1} layers that start stages 1..{stages - 1}"
+            )
     else:
         if sum(1 for c in counts if c > 0) < stages:
             raise ConfigError(

@@ -95,7 +95,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     named = ckpt.optimizer_state_by_name(full, all_names)
     local_names = ckpt.parameter_names(model, optimizer)
     first = {n: aliases.get(n, n) for n in local_names}  # this rank's name -> the saved name
-    sub = {
+    sub: dict[str, Any] = {
         "state": {n: dict(named["state"][first[n]]) for n in local_names if first[n] in named["state"]},
         "param_groups": [dict(g, params=[n for n in local_names if first[n] in set(g["params"])]) for g in named["param_groups"]],
     }

@@ -9,8 +9,9 @@ owner), and both copies take the same optimizer step, so they stay equal bit for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,8 +54,8 @@ def _cross_stage_ties(model: nn.Module, layout: Any, block_runs: Sequence[Sequen
             continue
         ranks = [_owner_stage(n, layout, block_runs) % pp for n in group]
         if len(set(ranks)) > 1:
-            p = params[pid]
-            ties.append(Tie(group[0], tuple(sorted(set(ranks))), ranks[0], tuple(p.shape), p.dtype))
+            shared = params[pid]
+            ties.append(Tie(group[0], tuple(sorted(set(ranks))), ranks[0], tuple(shared.shape), shared.dtype))
     return ties
 
 

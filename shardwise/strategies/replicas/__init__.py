@@ -43,7 +43,12 @@ Design notes: replicas that step alone
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real classes for type checkers; at run time they load on first use
+    from shardwise.strategies.replicas.diloco import DiLoCo
+    from shardwise.strategies.replicas.gossip import Gossip
+    from shardwise.strategies.replicas.local_sgd import LocalSGD
 
 _CLASSES = {
     "LocalSGD": "shardwise.strategies.replicas.local_sgd",

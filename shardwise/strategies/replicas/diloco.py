@@ -27,8 +27,9 @@ equals an uninterrupted run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -79,7 +80,7 @@ class OuterState:
 def outer_round(model: nn.Module, outer: OuterState, group: Group, recorder: Recorder | None, codec: Codec | None = None) -> None:
     """One outer round: average the pseudo-gradients, step theta, reset every replica to it."""
     with torch.no_grad():
-        for theta, tensors, state in zip(outer.theta, outer.groups.values(), outer.codec_states):
+        for theta, tensors, state in zip(outer.theta, outer.groups.values(), outer.codec_states, strict=True):
             delta = theta.detach() - flatten(tensors)
             if codec is None:
                 all_reduce(delta, "mean", group=group, recorder=recorder)
@@ -89,7 +90,7 @@ def outer_round(model: nn.Module, outer: OuterState, group: Group, recorder: Rec
     outer.optimizer.step()
     outer.optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
-        for theta, tensors in zip(outer.theta, outer.groups.values()):
+        for theta, tensors in zip(outer.theta, outer.groups.values(), strict=True):
             unflatten_into(theta.detach(), tensors)
 
 
@@ -117,10 +118,10 @@ class DiLoCoRun(ReplicaRun):
 
     def load_mix_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
-            for theta, saved in zip(self.outer.theta, state["theta"]):
+            for theta, saved in zip(self.outer.theta, state["theta"], strict=True):
                 theta.copy_(saved)
         self.outer.optimizer.load_state_dict(state["optimizer"])
-        for theta, codec_state, residual, generator in zip(self.outer.theta, self.outer.codec_states, state["residuals"], state["generators"]):
+        for theta, codec_state, residual, generator in zip(self.outer.theta, self.outer.codec_states, state["residuals"], state["generators"], strict=True):
             codec_state.residual = residual.to(theta.device) if residual is not None else None
             if generator is not None:
                 codec_state.rng(theta.device).set_state(generator)

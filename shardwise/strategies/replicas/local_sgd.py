@@ -19,8 +19,9 @@ Checkpoints keep each rank's replica (`shardwise.strategies.replicas.base`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn

@@ -290,7 +290,7 @@ refused unless the model declares a plan; an attention that derives its head wid
 stays whole. The collective counter is a Python dispatch mode around each step; under
 `torch.compile` turn it off (`count_collectives=False`). Embedding and head are not split (vocabulary parallelism and a loss-parallel cross
 entropy are not built). Mixed precision with tp has no parity test.
-"""
+"""  # noqa: E501 - a Markdown table keeps each row on one line
 
 from __future__ import annotations
 
@@ -298,9 +298,10 @@ import contextlib
 import difflib
 import json
 from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -313,15 +314,26 @@ from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
-from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout
+from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout, tp_info
 from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
 from shardwise.strategies.tensor_parallel.plan import (
-    ATTN_COLWISE, ATTN_ROWWISE, FUSED, MLP_COLWISE, MLP_ROWWISE, STYLES, _sequence_blocks, auto_plan, check_divisible, declared_plan,
-    fused_parts, resolve, resolve_plan,
+    ATTN_COLWISE,
+    ATTN_ROWWISE,
+    FUSED,
+    MLP_COLWISE,
+    MLP_ROWWISE,
+    STYLES,
+    _sequence_blocks,
+    auto_plan,
+    check_divisible,
+    declared_plan,
+    fused_parts,
+    resolve,
+    resolve_plan,
 )
-from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
+from shardwise.strategies.tensor_parallel.roles import roles
 
 __all__ = [
     "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "TensorParallelRun", "auto_plan",
@@ -471,7 +483,9 @@ class TensorParallelRun(Parallel):
         self._strategy, self._recorder = strategy, recorder
         self._tp_group, self._dp_group, self._names = tp_group, dp_group, names
         self.degree, self.dp = tp_group.size, dp_group.size if dp_group is not None else 1
-        info = model._shardwise_tp  # type: ignore[attr-defined]
+        info = tp_info(model)
+        if info is None:
+            raise ValueError(f"{type(model).__name__} was not split by parallelize(): the tp run has no plan to report")
         self.applied: dict[str, str] = dict(info["plan"])
         self.roles: dict[str, Any] = {"plan_source": info["source"], "grad_summed": list(info["sum"]), "whole": list(info["whole"]),
                                       "fused": sorted(info["fused"])}

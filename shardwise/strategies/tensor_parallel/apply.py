@@ -17,7 +17,8 @@ gradients, partial sums over the sequence shards, are reduced by `reduce_partial
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,10 +27,22 @@ from torch import nn
 from shardwise.comm.collectives import Group, broadcast
 from shardwise.comm.recorder import Recorder
 from shardwise.strategies.tensor_parallel.plan import (
-    LOCAL_ATTRS, _is_attention_input, _sequence_blocks, _sublayers, fused_parts, resolve,
+    LOCAL_ATTRS,
+    _is_attention_input,
+    _sequence_blocks,
+    _sublayers,
+    fused_parts,
+    resolve,
 )
 from shardwise.strategies.tensor_parallel.roles import roles
 from shardwise.strategies.tensor_parallel.styles import colwise, get_input, main_output, put_input, replace_output, rowwise
+
+
+def tp_info(module: nn.Module) -> dict[str, Any] | None:
+    """What `parallelize` recorded on ``module`` (plan, degree, source, sum, whole, fused, mesh); None where it did not run."""
+    info = getattr(module, "_shardwise_tp", None)
+    return info if isinstance(info, dict) else None
+
 
 def parallelize(
     module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False, *, recorder: Recorder | None = None,
@@ -80,7 +93,7 @@ def parallelize(
     for name in role["sum"]:
         module.get_parameter(name)._shardwise_tp_sum = tp_mesh  # type: ignore[attr-defined]  # see grads._sum_role_grads
     synchronize_dropout(module, tp_mesh, blocks, role["whole"], recorder=recorder)
-    module._shardwise_tp = {  # type: ignore[assignment]
+    module._shardwise_tp = {  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors and modules; a dict is a plain attribute
         "plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp, "source": source,
         "sum": role["sum"], "whole": role["whole"], "fused": fused, "mesh": tp_mesh,
     }

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -13,7 +13,8 @@ so the run's `Recorder`, when one is passed, sees each byte.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) ->
             all_reduce(flat, "mean" if getattr(pl, "reduce_op", "sum") == "avg" else "sum", group=group, recorder=recorder)
             placements[d] = Replicate()
         offset = 0
-        for p, t in zip(params, locals_):
+        for p, t in zip(params, locals_, strict=True):
             piece = flat[offset: offset + t.numel()].view_as(t)
             offset += t.numel()
             p.grad = DTensor.from_local(piece, mesh, placements, run_check=False)
@@ -74,7 +75,7 @@ def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
     for part in module.modules():
         info = getattr(part, "_shardwise_tp", None) or {}
         found += [(part.get_parameter(n), info["mesh"]) for n in info.get("sum", ())]
-    found += [(p, p._shardwise_tp_sum) for p in module.parameters() if getattr(p, "_shardwise_tp_sum", None) is not None]
+    found += [(p, mesh) for p in module.parameters() if (mesh := getattr(p, "_shardwise_tp_sum", None)) is not None]
     if not found:
         return 0
     group = Group("tp", found[0][1].get_group())

@@ -99,8 +99,14 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
     """The Megatron plan for a module whose linears follow the usual names (see the module docstring).
 
     >>> from shardwise.recipes.charlm import CharGPT
-    >>> auto_plan(CharGPT(11, 8, 16, 2, 1))
-    {'blocks.0.attn.q': 'colwise', 'blocks.0.attn.k': 'colwise', 'blocks.0.attn.v': 'colwise', 'blocks.0.attn.proj': 'rowwise', 'blocks.0.mlp.fc': 'colwise', 'blocks.0.mlp.proj': 'rowwise'}
+    >>> for name, style in auto_plan(CharGPT(11, 8, 16, 2, 1)).items():
+    ...     print(name, style)
+    blocks.0.attn.q colwise
+    blocks.0.attn.k colwise
+    blocks.0.attn.v colwise
+    blocks.0.attn.proj rowwise
+    blocks.0.mlp.fc colwise
+    blocks.0.mlp.proj rowwise
     """
     plan: dict[str, str] = {}
     for prefix, parent in module.named_modules():

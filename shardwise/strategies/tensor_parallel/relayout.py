@@ -17,12 +17,13 @@ from torch import nn
 
 from shardwise.comm.collectives import Group, all_gather
 from shardwise.comm.recorder import Recorder
+from shardwise.strategies.tensor_parallel.apply import tp_info
 from shardwise.strategies.tensor_parallel.styles import fused_permutation, out_dim
 
 
 def _fused_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Parameter name -> (dimension of the output features, parts) for every permuted parameter."""
-    info = getattr(model, "_shardwise_tp", None) or {}
+    info = tp_info(model) or {}
     out: dict[str, tuple[int, int]] = {}
     for name, parts in (info.get("fused") or {}).items():
         mod = model.get_submodule(name)
@@ -48,9 +49,10 @@ def _apply(t: Any, dim: int, parts: int, tp: int, invert: bool, like: Any = None
 
 def _walk(model: nn.Module, state: dict[str, Any], invert: bool) -> dict[str, Any]:
     fused = _fused_tensors(model)
-    if not fused:
+    info = tp_info(model)
+    if not fused or info is None:
         return state
-    tp = model._shardwise_tp["degree"]  # type: ignore[index]
+    tp: int = info["degree"]
     params = dict(model.named_parameters())
     out = dict(state)
     if "model" in out:

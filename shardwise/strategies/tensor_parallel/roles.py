@@ -10,7 +10,7 @@ from shardwise.errors import ConfigError
 from shardwise.strategies.tensor_parallel.plan import _blocks, _join, _splittable, _sublayers
 
 
-def _inside(name: str, prefixes: "set[str] | list[str]") -> bool:
+def _inside(name: str, prefixes: set[str] | list[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 

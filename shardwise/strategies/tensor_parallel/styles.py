@@ -27,11 +27,19 @@ def is_splittable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_transposed(module)
 
 
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """The ``weight`` of a Linear or a Conv1D."""
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor to split (got {type(w).__name__})")
+    return w
+
+
 def features(module: nn.Module) -> tuple[int, int]:
     """``(in_features, out_features)`` of a Linear or a Conv1D."""
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
-    w = module.weight
+    w = weight_of(module)
     return int(w.shape[0]), int(w.shape[1])
 
 
@@ -51,7 +59,7 @@ def _styles() -> tuple[type, type]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    class Colwise(ColwiseParallel):  # type: ignore[misc]
+    class Colwise(ColwiseParallel):
         """``ColwiseParallel`` for Linear and Conv1D, with an optional fused-block permutation."""
 
         def __init__(self, *, fused_parts: int = 0, **kw: Any) -> None:
@@ -82,16 +90,15 @@ def _styles() -> tuple[type, type]:
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
             )
 
-    class Rowwise(RowwiseParallel):  # type: ignore[misc]
+    class Rowwise(RowwiseParallel):
         """``RowwiseParallel`` for Linear and Conv1D (weight split by input features, bias replicated)."""
 
         def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-            w = module.weight
+            w = weight_of(module)
             dim = 0 if is_transposed(module) else 1
             module.register_parameter("weight", nn.Parameter(
                 distribute_tensor(w.detach(), device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank), requires_grad=w.requires_grad))
-            if getattr(module, "bias", None) is not None:
-                b = module.bias
+            if isinstance(b := getattr(module, "bias", None), torch.Tensor):
                 module.register_parameter("bias", nn.Parameter(
                     distribute_tensor(b.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank), requires_grad=b.requires_grad))
 
