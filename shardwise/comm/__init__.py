@@ -132,7 +132,19 @@ import importlib
 from typing import Any
 
 from shardwise.comm.collectives import (
-    WORLD, Group, Pending, all_gather, all_reduce, all_reduce_async, barrier, broadcast, irecv, isend, new_group, recv, send,
+    WORLD,
+    Group,
+    Pending,
+    all_gather,
+    all_reduce,
+    all_reduce_async,
+    barrier,
+    broadcast,
+    irecv,
+    isend,
+    new_group,
+    recv,
+    send,
 )
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 

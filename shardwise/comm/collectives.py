@@ -259,4 +259,5 @@ def all_reduce_async(
             tensor.div_(p)
         return tensor
 
-    return work.get_future().then(finished)
+    future: torch.futures.Future[torch.Tensor] = work.get_future().then(finished)
+    return future

@@ -22,8 +22,9 @@ is small anyway.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
+def allreduce_hook(state, bucket):
     """Average the bucket with ``state.algorithm``; recorded as ``all_reduce:<algorithm>``.
 
     (state: CommHookState, bucket: dist.GradBucket) -> Future[Tensor]. Unannotated on
@@ -95,10 +96,10 @@ def allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
 def _bucket_layout(bucket: Any, buf: torch.Tensor) -> list[tuple[int, int, int]]:
     """(id(param), offset, numel) of each parameter's gradient inside the bucket buffer."""
     base, size = buf.data_ptr(), buf.element_size()
-    return [(id(p), (g.data_ptr() - base) // size, g.numel()) for p, g in zip(bucket.parameters(), bucket.gradients())]
+    return [(id(p), (g.data_ptr() - base) // size, g.numel()) for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)]
 
 
-def compression_hook(state, bucket):  # type: ignore[no-untyped-def]
+def compression_hook(state, bucket):
     """Average the bucket in compressed form with ``state.codec``; recorded as ``compressed:<codec>``.
 
     (state: CommHookState, bucket: dist.GradBucket) -> Future[Tensor], unannotated
@@ -126,7 +127,7 @@ def compression_hook(state, bucket):  # type: ignore[no-untyped-def]
     return _done(buf)
 
 
-def powersgd_hook(state, bucket):  # type: ignore[no-untyped-def]
+def powersgd_hook(state, bucket):
     """torch's ``powerSGD_hook`` with the bucket's traffic recorded as ``compressed:powersgd:<rank>``.
 
     Bytes: the elements torch's hook allreduces (P and Q of each compressed matrix,

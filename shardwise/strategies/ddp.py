@@ -18,9 +18,11 @@ algorithm of `shardwise.comm.algorithms`) and ``compression="int8"`` (or any cod
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, ContextManager, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,7 @@ class _HookState:
     timed: bool = False
 
 
-def recorded_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
+def recorded_allreduce_hook(state, bucket):
     """DDP's default reduction of one bucket (divide by p, then sum across the group), recorded.
 
     (state: _HookState, bucket: dist.GradBucket) -> Future[Tensor]. The bucket is the
@@ -83,19 +85,21 @@ def apply_ddp(
 class DDPRun(Parallel):
     """One rank's DDP replica: torch's DistributedDataParallel around the whole model."""
 
+    model: DistributedDataParallel
+
     def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, strategy: DDP, world_size: int) -> None:
         self.model, self.optimizer = model, optimizer
         self.placement = Placement()
         self._strategy, self._world_size = strategy, world_size
 
     def module(self) -> nn.Module:
-        return self.model.module  # type: ignore[no-any-return]
+        return self.model.module
 
     def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
         return accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
 
-    def no_sync(self) -> ContextManager[None]:
-        return self.model.no_sync()  # type: ignore[no-any-return,operator]
+    def no_sync(self) -> AbstractContextManager[None]:
+        return self.model.no_sync()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # After the allreduce every rank holds the same full gradient: its local norm is global.

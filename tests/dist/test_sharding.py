@@ -215,7 +215,7 @@ def test_a_stage_on_a_model_without_trainable_parameters_is_a_config_error():
 def test_offload_with_a_strategy_that_cannot_is_a_config_error():
     with pytest.raises(ConfigError, match="strategy 'zero1' does not support offload=True.*Use strategy 'zero2', 'zero3' or 'hsdp'"):
         Trainer(strategy="zero1", nproc=2, strategy_options={"offload": True}, loss_fn=ce).fit(mlp(), classification())
-    with pytest.raises(ConfigError, match="bad options for strategy 'ddp'.*offload"):
+    with pytest.raises(ConfigError, match="strategy 'ddp' has no option 'offload'"):
         Trainer(strategy="ddp", nproc=2, strategy_options={"offload": True}, loss_fn=ce).fit(mlp(), classification())
 
 

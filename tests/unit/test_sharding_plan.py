@@ -107,7 +107,7 @@ def test_unknown_units_are_refused_by_the_plan_and_bad_options_by_the_constructo
     ):
         with pytest.raises(ConfigError, match=message):
             get_strategy(name, **options)
-    with pytest.raises(ConfigError, match="bad options for strategy 'zero1'.*wrap"):
+    with pytest.raises(ConfigError, match="strategy 'zero1' has no option 'wrap'.*its options are: offload"):
         get_strategy("zero1", wrap="auto")
 
 
