@@ -94,14 +94,11 @@ def check_batch_fits(model: nn.Module, batch: Any) -> None:
     try:
         signature.bind(*args, **kwargs)
     except TypeError as exc:
-        takes = ", ".join(
-            str(p) for p in signature.parameters.values()
-        )
+        takes = ", ".join(str(p) for p in signature.parameters.values())
         if isinstance(batch, Mapping):
             holds = f"a mapping with keys {sorted(batch)} (passed as model(**batch))"
         elif isinstance(batch, (tuple, list)):
-            holds = (f"a {type(batch).__name__} of {len(batch)} elements (passed as model(*batch[:-1]); the last "
-                     "element is the target)")
+            holds = f"a {type(batch).__name__} of {len(batch)} elements (passed as model(*batch[:-1]); the last element is the target)"
         else:
             holds = f"a {type(batch).__name__} (passed as model(batch))"
         raise ConfigError(

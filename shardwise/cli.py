@@ -62,12 +62,19 @@ def train_arguments(p: argparse.ArgumentParser, strategy_flags: bool) -> None:
     """The trainer's flags, then (``strategy_flags``) one per strategy option."""
     p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
     p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
-    p.add_argument("--nproc", type=int, help="local worker processes (default 1); under torchrun/srun the job's processes are used, and a different N > 1 is an error")
+    p.add_argument(
+        "--nproc", type=int, help="local worker processes (default 1); under torchrun/srun the job's processes are used, and a different N > 1 is an error"
+    )
     p.add_argument("--max-steps", type=int, help="optimizer steps (default: the recipe's, 300 for digits and charlm)")
     p.add_argument("--max-epochs", type=int)
     p.add_argument("--out", help="run directory: metrics.jsonl, summary.json, checkpoints/")
     p.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", default=None, help="start afresh in an --out that holds an earlier run (its files are moved to OUT/replaced-<time>/)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="start afresh in an --out that holds an earlier run (its files are moved to OUT/replaced-<time>/)",
+    )
     p.add_argument("--precision", help="32, 64, bf16-mixed, 16-mixed")
     p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
     p.add_argument("--global-batch-size", type=int)
@@ -127,15 +134,14 @@ def add_strategy_flags(parser: argparse.ArgumentParser) -> None:
             if not flags[option.name].shared:
                 add(group, flags[option.name])
     if known.unlisted:
-        parser.epilog = (
-            "Strategies whose options are not listed here (set them with --set trainer.strategy_options.KEY=VALUE): "
-            + ", ".join(name for name, _ in known.unlisted)
+        parser.epilog = "Strategies whose options are not listed here (set them with --set trainer.strategy_options.KEY=VALUE): " + ", ".join(
+            name for name, _ in known.unlisted
         )
 
 
 def strategy_flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The strategy options given as flags: ``{option name: value}``, flags left out omitted."""
-    return {k[len(_OPTION_DEST):]: v for k, v in vars(args).items() if k.startswith(_OPTION_DEST) and v is not None}
+    return {k[len(_OPTION_DEST) :]: v for k, v in vars(args).items() if k.startswith(_OPTION_DEST) and v is not None}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -165,7 +171,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         from shardwise.trainer.straggler import Straggler
 
         callbacks.append(Straggler.from_spec(args.straggler))
-    trainer = Trainer(config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler, metrics=parts.metrics, callbacks=callbacks)
+    trainer = Trainer(
+        config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler, metrics=parts.metrics, callbacks=callbacks
+    )
     summary = trainer.fit(parts.model, parts.train, parts.val)
     if parts.after_fit is not None and _is_rank_zero():
         print(parts.after_fit(parts.model), flush=True)
@@ -243,10 +251,12 @@ def cmd_run(argv: Sequence[str]) -> int:
     from shardwise.launcher.torchrun import run
 
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: shardwise run [torchrun flags] script.py [args ...]\n\n"
-              "Runs a script on torch.distributed.run (torchrun) with defaults that work:\n"
-              "  --standalone on one machine, fresh rendezvous stores on restart,\n"
-              "  a short last-call wait for --nnodes MIN:MAX. Every torchrun flag is accepted.")
+        print(
+            "usage: shardwise run [torchrun flags] script.py [args ...]\n\n"
+            "Runs a script on torch.distributed.run (torchrun) with defaults that work:\n"
+            "  --standalone on one machine, fresh rendezvous stores on restart,\n"
+            "  a short last-call wait for --nnodes MIN:MAX. Every torchrun flag is accepted."
+        )
         return 0
     return run(argv)
 
@@ -268,13 +278,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     _train_parser(sub, strategy_flags=argv[:1] == ["train"])  # the flags import every strategy module: only for train
     sub.add_parser("run", help="run a script under torchrun with working defaults")
     sub.add_parser("bench", help="benchmarks shipped with the package (`shardwise bench comm --help`)")
-    ex = sub.add_parser("export", help="write a checkpoint's consolidated model weights to one safetensors file",
-                        description="Consolidate a checkpoint's model weights (sharded or not) into one .safetensors file "
-                                    "for use outside shardwise (needs the safetensors package: pip install safetensors).")
+    ex = sub.add_parser(
+        "export",
+        help="write a checkpoint's consolidated model weights to one safetensors file",
+        description="Consolidate a checkpoint's model weights (sharded or not) into one .safetensors file "
+        "for use outside shardwise (needs the safetensors package: pip install safetensors).",
+    )
     ex.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/checkpoints/step-00000300)")
     ex.add_argument("out", help="the .safetensors file to write")
     ex.add_argument("--key", default="model", help="which saved model to export (default: model)")
-    st = sub.add_parser("strategies", help="list the strategies and their options", description="List each strategy with its options: flag, TOML key, default and help.")
+    st = sub.add_parser(
+        "strategies", help="list the strategies and their options", description="List each strategy with its options: flag, TOML key, default and help."
+    )
     st.add_argument("name", nargs="?", help="one strategy only")
     sub.add_parser("recipes", help="list the built-in recipes")
     args = parser.parse_args(argv)

@@ -225,10 +225,7 @@ class ShardedLoader:
         self.accumulate = accumulate
         self.micro = per_rank_batch(global_batch, world_size, accumulate)
         if self.n < global_batch:
-            raise ConfigError(
-                f"the training set has {self.n} samples, fewer than one global batch of {global_batch}; "
-                "lower the global batch size"
-            )
+            raise ConfigError(f"the training set has {self.n} samples, fewer than one global batch of {global_batch}; lower the global batch size")
         self.seed = seed
         self.shuffle = shuffle
         self.collate_fn = collate_fn
@@ -282,8 +279,11 @@ class ShardedLoader:
             self.close()
             sampler = _PlanSampler(self, self.epoch, self.step_in_epoch)
             loader = DataLoader(
-                _SeededBatches(self.dataset, self.collate_fn, self.seed), batch_sampler=sampler,
-                num_workers=self.num_workers, collate_fn=_first, persistent_workers=False,
+                _SeededBatches(self.dataset, self.collate_fn, self.seed),
+                batch_sampler=sampler,
+                num_workers=self.num_workers,
+                collate_fn=_first,
+                persistent_workers=False,
                 # its own generator: starting workers draws their base seed from it, not from the
                 # global one the training step's dropout draws from (every sample is seeded anyway)
                 generator=torch.Generator().manual_seed(self.seed),
@@ -342,7 +342,5 @@ def unpack_data(data: Any) -> tuple[Any, Collate | None, int, int | None]:
         collate = data.collate_fn if data.collate_fn is not default_collate else None
         return data.dataset, collate, data.num_workers, data.batch_size
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
-        raise ConfigError(
-            f"data must be a map-style Dataset (with __getitem__ and __len__) or a DataLoader over one; got {type(data).__name__}"
-        )
+        raise ConfigError(f"data must be a map-style Dataset (with __getitem__ and __len__) or a DataLoader over one; got {type(data).__name__}")
     return data, None, 0, None

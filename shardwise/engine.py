@@ -306,8 +306,15 @@ class Engine:
             meta["strategy"] = self.strategy.name
         extra: Callable[[Path], None] | None = self.parallel.save_extra_state if self.parallel is not None else None
         return ckpt.write(
-            Path(path), rank=self.rank, world_size=self.world_size, shared=shared,
-            own={"rng": ckpt.capture_rng()}, barrier=self.barrier, meta=meta, sharded=sharded, extra=extra,
+            Path(path),
+            rank=self.rank,
+            world_size=self.world_size,
+            shared=shared,
+            own={"rng": ckpt.capture_rng()},
+            barrier=self.barrier,
+            meta=meta,
+            sharded=sharded,
+            extra=extra,
         )
 
     def consolidated_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -51,15 +51,11 @@ class Mesh:
                 raise ConfigError(f"{name} degree must be a whole number >= 1; got {deg!r}")
         if dp is None:
             if world_size % (pp * tp):
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by pp {pp} x tp {tp}; valid shapes: "
-                    + _shapes_text(world_size)
-                )
+                raise ConfigError(f"world size {world_size} is not divisible by pp {pp} x tp {tp}; valid shapes: " + _shapes_text(world_size))
             dp = world_size // (pp * tp)
         if dp * pp * tp != world_size:
             raise ConfigError(
-                f"degrees dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp} do not multiply to the world size "
-                f"{world_size}; valid shapes: {_shapes_text(world_size)}"
+                f"degrees dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp} do not multiply to the world size {world_size}; valid shapes: {_shapes_text(world_size)}"
             )
         return Mesh(world_size=world_size, rank=rank, device=device or torch.device("cpu"), degrees={"dp": dp, "pp": pp, "tp": tp})
 

@@ -111,5 +111,4 @@ def describe_outputs(out: str | None, checkpoint_every: int | None, keep_last: i
     if out is None:
         return "shardwise: no out directory: nothing is saved (metrics, summary and checkpoints need out=... / --out DIR)"
     every = f"every {checkpoint_every} steps and at the end" if checkpoint_every else "at the end"
-    return (f"shardwise: run directory {out}: metrics.jsonl, summary.json, checkpoints/ ({every}, the last {keep_last} "
-            "of this run kept)")
+    return f"shardwise: run directory {out}: metrics.jsonl, summary.json, checkpoints/ ({every}, the last {keep_last} of this run kept)"

@@ -96,9 +96,9 @@ def _measure(algorithms: list[str], codecs: list[str], sizes: list[int], dtype_n
             # One seed on every rank: random-k draws the same indices everywhere (shared randomness).
             codec, state, ws = get_codec(spec), CodecState(seed=0), Workspace()
             assert isinstance(codec, Codec)  # main() turned powersgd away
-            runs[f"compressed:{codec.spec}"] = (
-                lambda b, c, st, w: lambda rec=None: compressed_allreduce(b, c, st, op="sum", recorder=rec, workspace=w)
-            )(buf, codec, state, ws)
+            runs[f"compressed:{codec.spec}"] = (lambda b, c, st, w: lambda rec=None: compressed_allreduce(b, c, st, op="sum", recorder=rec, workspace=w))(
+                buf, codec, state, ws
+            )
         # Rounds inside the backend's allreduce are hidden: native, and the 16-bit casts that ride on it.
         hidden = {"native"} | {f"compressed:{s}" for s in codecs if get_codec(s).exchange == "allreduce"}
         counted: dict[str, tuple[int, int, int]] = {}
@@ -270,9 +270,11 @@ def main(argv: Sequence[str]) -> int:
         bandwidth = model["bandwidth_bytes_per_s"]
         # A fitted beta of 0 (sizes too small for bandwidth to show) has no bandwidth to print.
         bw = f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "no bandwidth term: add a larger size, e.g. 64MB"
-        print(f"\nfit over {', '.join(model['fitted_on'])}: alpha = {model['alpha_s'] * 1e6:.1f} us per step, "
-              f"beta = {model['beta_s_per_byte'] * 1e9:.3f} ns per byte ({bw}); "
-              f"worst relative error {model['max_relative_error']:.0%}")
+        print(
+            f"\nfit over {', '.join(model['fitted_on'])}: alpha = {model['alpha_s'] * 1e6:.1f} us per step, "
+            f"beta = {model['beta_s_per_byte'] * 1e9:.3f} ns per byte ({bw}); "
+            f"worst relative error {model['max_relative_error']:.0%}"
+        )
     Path(args.fit).write_text(json.dumps(model, indent=2) + "\n")
     print(f"saved the fit to {args.fit}")
     if args.json:

@@ -67,7 +67,13 @@ def capture_rng() -> dict[str, Any]:
     np_state: Any = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": {"key": np_state[0], "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached": float(np_state[4]), "state": torch.from_numpy(np_state[1].astype(np.int64))},
+        "numpy": {
+            "key": np_state[0],
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached": float(np_state[4]),
+            "state": torch.from_numpy(np_state[1].astype(np.int64)),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -239,8 +245,7 @@ def load_file(path: Path) -> Any:
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"cannot read {path}: it is truncated, damaged, or not a checkpoint written by shardwise/torch.save "
-            f"of tensors ({first})"
+            f"cannot read {path}: it is truncated, damaged, or not a checkpoint written by shardwise/torch.save of tensors ({first})"
         ) from None
 
 
@@ -270,6 +275,7 @@ def check_model_state(expected: dict[str, Any], found: dict[str, Any], path: Pat
         if shapes:
             parts.append("different shapes for " + ", ".join(f"{k}: checkpoint {got[k]} vs model {exp[k]}" for k in shapes[:3]))
         raise CheckpointError(
-            f"checkpoint {path} was saved from another model: " + "; ".join(parts)
+            f"checkpoint {path} was saved from another model: "
+            + "; ".join(parts)
             + ". Resume with the model it was saved from, or start a fresh run in another --out directory"
         )

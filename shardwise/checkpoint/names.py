@@ -28,7 +28,9 @@ def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str
     """
     numbers = [i for g in state["param_groups"] for i in g["params"]]
     if len(numbers) != len(names):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(numbers)} parameters; this one has {len(names)}. Resume with the same model and optimizer factory")
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(numbers)} parameters; this one has {len(names)}. Resume with the same model and optimizer factory"
+        )
     to_name = dict(zip(numbers, names, strict=True))
     return {
         "state": {to_name[i]: s for i, s in state["state"].items()},

@@ -76,8 +76,9 @@ def split_state(state: dict[str, Any], strategy_state: Callable[[], dict[str, An
     return shared, (sharded or None)
 
 
-def read_sharded(path: Path, template: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 model_key: str, optim_key: str | None) -> dict[str, Any]:
+def read_sharded(
+    path: Path, template: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer | None, model_key: str, optim_key: str | None
+) -> dict[str, Any]:
     """Model (and optimizer) state from a sharded checkpoint, in the form the running strategy loads.
 
     ``template`` is the strategy's own ``state_dict``. A sharding strategy gets its own shards
@@ -107,7 +108,7 @@ def sharded_shapes(path: Path, key: str) -> dict[str, torch.Tensor]:
     meta = dcp.FileSystemReader(str(Path(path) / SHARDED_DIR)).read_metadata()
     prefix = f"{key}."
     return {
-        k[len(prefix):]: torch.empty(tuple(v.size), device="meta")
+        k[len(prefix) :]: torch.empty(tuple(v.size), device="meta")
         for k, v in meta.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
     }
@@ -132,5 +133,7 @@ def read_sharded_full(path: Path) -> dict[str, Any]:
         planner = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]  # torch leaves its __init__ unannotated
         _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
     except Exception as exc:  # DCP wraps every reader failure in its own exception types
-        raise CheckpointError(f"cannot read the sharded state of {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+        raise CheckpointError(
+            f"cannot read the sharded state of {path}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+        ) from None
     return state

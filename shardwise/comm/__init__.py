@@ -169,6 +169,21 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "WORLD", "CommEvent", "Group", "Pending", "Recorder", "all_gather", "all_reduce", "all_reduce_async", "barrier", "broadcast",
-    "irecv", "isend", "new_group", "recv", "send", "wire_bytes", *_LAZY,
+    "WORLD",
+    "CommEvent",
+    "Group",
+    "Pending",
+    "Recorder",
+    "all_gather",
+    "all_reduce",
+    "all_reduce_async",
+    "barrier",
+    "broadcast",
+    "irecv",
+    "isend",
+    "new_group",
+    "recv",
+    "send",
+    "wire_bytes",
+    *_LAZY,
 ]

@@ -166,7 +166,7 @@ def rabenseifner(buf: torch.Tensor, op: str, peers: Peers, ws: Workspace) -> Non
             offsets.append(offsets[-1] + piece.numel())
 
         def block(first: int, count: int) -> torch.Tensor:
-            return buf[offsets[first]: offsets[first + count]]
+            return buf[offsets[first] : offsets[first + count]]
 
         tmp = ws.get("halving", offsets[pof2 // 2] if pof2 > 1 else 0, buf.dtype, buf.device)
         lo, mask = 0, pof2 // 2

@@ -82,7 +82,7 @@ class Encoded:
         out, offset = {}, 0
         for name, t in zip(self._names(), self._ordered(), strict=True):
             nbytes = t.numel() * t.element_size()
-            out[name] = raw[offset: offset + nbytes].view(t.dtype).view(t.shape)
+            out[name] = raw[offset : offset + nbytes].view(t.dtype).view(t.shape)
             offset += nbytes
         return Encoded(out, self.numel, self.dtype)
 
@@ -149,7 +149,9 @@ class Codec(ABC):
         corrected = x
         if self.error_feedback and state.residual is not None:
             if state.residual.shape != x.shape or state.residual.dtype != x.dtype:
-                raise ValueError(f"error-feedback residual {tuple(state.residual.shape)} {state.residual.dtype} does not match the tensor {tuple(x.shape)} {x.dtype}")
+                raise ValueError(
+                    f"error-feedback residual {tuple(state.residual.shape)} {state.residual.dtype} does not match the tensor {tuple(x.shape)} {x.dtype}"
+                )
             # In place: the residual's memory holds the corrected gradient, then the new residual
             # (a 64 MB temporary costs more in page faults than the arithmetic).
             corrected = state.residual.add_(x)

@@ -118,12 +118,12 @@ def compression_hook(state, bucket):
         residual = torch.zeros_like(buf)
         for key, offset, numel in layout:
             if key in state.residuals:
-                residual[offset: offset + numel] = state.residuals[key]
+                residual[offset : offset + numel] = state.residuals[key]
         cstate.residual = residual
     compressed_allreduce(buf, codec, cstate, op="avg", group=state.group, recorder=state.recorder, algorithm=state.algorithm, workspace=state.workspace)
     if layout and cstate.residual is not None:
         for key, offset, numel in layout:
-            state.residuals[key] = cstate.residual[offset: offset + numel]
+            state.residuals[key] = cstate.residual[offset : offset + numel]
     return _done(buf)
 
 
@@ -147,7 +147,9 @@ def powersgd_hook(state, bucket):
     def record(f: torch.futures.Future[Any]) -> torch.Tensor:
         numel = ps.total_numel_after_compression - before if compressing else buf.numel()
         sent, recv = wire_bytes("all_reduce", numel * buf.element_size(), p)
-        state.recorder.add(CommEvent(f"compressed:{state.codec.spec}", state.group.name, p, buf.numel() * buf.element_size(), sent, recv, time.perf_counter() - start))
+        state.recorder.add(
+            CommEvent(f"compressed:{state.codec.spec}", state.group.name, p, buf.numel() * buf.element_size(), sent, recv, time.perf_counter() - start)
+        )
         value = f.value()
         out: torch.Tensor = value[0] if isinstance(value, list) else value
         return out

@@ -130,7 +130,7 @@ def _rabenseifner_core(n: int, pof2: int, v: int) -> int:
     size = 1
     while size < pof2:
         start = (v // size) * size
-        s += sum(c[start:start + size])
+        s += sum(c[start : start + size])
         size <<= 1
     return n - c[v] + s
 

@@ -148,9 +148,7 @@ def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEO
     backend = backend_for(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(
-            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout
-        ) if env.source == "spawn" else None
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout) if env.source == "spawn" else None
         if store is not None:
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         elif env.source == "torchrun":

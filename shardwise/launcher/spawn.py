@@ -134,8 +134,7 @@ def launch(
     if env.distributed:
         return [join_and_run(fn, args, kwargs, nproc=nproc, accelerator=accelerator, timeout_s=collective_timeout_s)]
     try:
-        return _spawn(fn, args, kwargs, nproc, timeout, threads_per_proc or _default_threads(nproc), accelerator,
-                      collective_timeout_s, lost_ok, error_dir)
+        return _spawn(fn, args, kwargs, nproc, timeout, threads_per_proc or _default_threads(nproc), accelerator, collective_timeout_s, lost_ok, error_dir)
     except _WorkerFailed as failed:
         # Raised here, not where it was found: the user's traceback then shows their own call
         # and this line, not the supervisor's internals.
@@ -152,8 +151,7 @@ def check_world_size(nproc: int, world_size: int, source: str, what: str = "laun
         )
 
 
-def join_and_run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, nproc: int,
-                 accelerator: str, timeout_s: float) -> Any:
+def join_and_run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, nproc: int, accelerator: str, timeout_s: float) -> Any:
     """Join the job this process belongs to and run ``fn`` here; the group is left as found."""
     import torch.distributed as dist
 
@@ -219,9 +217,18 @@ def _payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return buf.getvalue()
 
 
-def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], nproc: int, timeout: float | None,
-           threads: int, accelerator: str, collective_timeout_s: float, lost_ok: set[int],
-           error_dir: str | os.PathLike[str] | None) -> list[Any]:
+def _spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nproc: int,
+    timeout: float | None,
+    threads: int,
+    accelerator: str,
+    collective_timeout_s: float,
+    lost_ok: set[int],
+    error_dir: str | os.PathLike[str] | None,
+) -> list[Any]:
     import torch.distributed as dist
 
     main_spec = _main_spec()
@@ -234,22 +241,37 @@ def _spawn(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         (boot / "boot.pkl").write_bytes(pickle.dumps((main_spec, list(sys.path), list(sys.argv))))
         # The parent serves the rendezvous store: port 0 lets the OS choose a free one.
         store = dist.TCPStore(
-            "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
+            "127.0.0.1",
+            0,
+            nproc,
+            is_master=True,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
         for rank in range(nproc):
             # Children speak torch's environment convention, so that user code (and
             # shardwise.launcher.env) sees an ordinary distributed job.
             child_env = dict(
-                os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), SHARDWISE_LAUNCHER="spawn",
-                OMP_NUM_THREADS=str(threads), SHARDWISE_PARENT_PID=str(os.getpid()),
-                SHARDWISE_ACCELERATOR=accelerator, SHARDWISE_COLLECTIVE_TIMEOUT_S=str(collective_timeout_s),
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(store.port),
+                SHARDWISE_LAUNCHER="spawn",
+                OMP_NUM_THREADS=str(threads),
+                SHARDWISE_PARENT_PID=str(os.getpid()),
+                SHARDWISE_ACCELERATOR=accelerator,
+                SHARDWISE_COLLECTIVE_TIMEOUT_S=str(collective_timeout_s),
             )
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "shardwise.launcher.worker", str(boot), str(rank)],
-                env=child_env, stdin=subprocess.DEVNULL,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "shardwise.launcher.worker", str(boot), str(rank)],
+                    env=child_env,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
         return _supervise(procs, boot, timeout, lost_ok, error_dir)
     finally:
         _stop(procs)
@@ -271,8 +293,9 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]], boot: Path, timeout: float | None, expendable: Collection[int],
-               error_dir: str | os.PathLike[str] | None) -> list[Any]:
+def _supervise(
+    procs: list[subprocess.Popen[bytes]], boot: Path, timeout: float | None, expendable: Collection[int], error_dir: str | os.PathLike[str] | None
+) -> list[Any]:
     from shardwise.launcher import report
 
     results: dict[int, Any] = {}
@@ -295,23 +318,21 @@ def _supervise(procs: list[subprocess.Popen[bytes]], boot: Path, timeout: float 
             if not error_file.exists():
                 if rank in expendable:
                     results[rank] = None
-                    report.to_stderr(f"shardwise: rank {rank} died with exit code {code}; the strategy "
-                                     "can lose it, so the run goes on without it")
+                    report.to_stderr(f"shardwise: rank {rank} died with exit code {code}; the strategy can lose it, so the run goes on without it")
                     continue
-                raise LaunchError(f"rank {rank} died with exit code {code} before reporting a result "
-                                  "(killed, out of memory, or a crash in native code)")
+                raise LaunchError(f"rank {rank} died with exit code {code} before reporting a result (killed, out of memory, or a crash in native code)")
             failure, exc_bytes = pickle.loads(error_file.read_bytes())
             if rank in expendable:
                 results[rank] = None
-                report.to_stderr(f"shardwise: rank {rank} failed; the strategy can lose it, so the run goes on "
-                                 f"without it:\n{failure.traceback}")
+                report.to_stderr(f"shardwise: rank {rank} failed; the strategy can lose it, so the run goes on without it:\n{failure.traceback}")
                 continue
             _raise_failure(procs, boot, rank, failure, exc_bytes, error_dir)
     return [results[r] for r in range(len(procs))]
 
 
-def _raise_failure(procs: list[subprocess.Popen[bytes]], boot: Path, rank: int, failure: Any, exc_bytes: bytes,
-                   error_dir: str | os.PathLike[str] | None) -> None:
+def _raise_failure(
+    procs: list[subprocess.Popen[bytes]], boot: Path, rank: int, failure: Any, exc_bytes: bytes, error_dir: str | os.PathLike[str] | None
+) -> None:
     """Stop the other ranks, gather every rank that failed by then, raise the first one's exception."""
     from shardwise.launcher import report
 

@@ -117,7 +117,7 @@ def _load_error(exc: Exception) -> Exception:
     return LaunchError(
         f"the worker could not load the function to run ({type(exc).__name__}: {exc}). Define the function, "
         "and everything it uses, at the top level of a module or script, above the call to launch/fit "
-        "(not inside `if __name__ == \"__main__\":`, where workers do not look)"
+        '(not inside `if __name__ == "__main__":`, where workers do not look)'
     )
 
 

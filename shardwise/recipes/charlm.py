@@ -148,7 +148,7 @@ class CharGPT(nn.Module):
         was_training = self.training
         self.eval()
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.block_size:])[:, -1, :].float() / max(temperature, 1e-6)
+            logits = self(idx[:, -self.block_size :])[:, -1, :].float() / max(temperature, 1e-6)
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
             idx = torch.cat([idx, nxt.to(idx.dtype)], dim=1)
         self.train(was_training)
@@ -203,7 +203,9 @@ class CharWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
-def load_charlm_split(block_size: int, val_fraction: float = 0.1, stride: int | None = None, text: str | None = None) -> tuple[CharVocab, CharWindows, CharWindows]:
+def load_charlm_split(
+    block_size: int, val_fraction: float = 0.1, stride: int | None = None, text: str | None = None
+) -> tuple[CharVocab, CharWindows, CharWindows]:
     """(vocabulary, train windows, validation windows) from Python's own documentation text."""
     text = python_docs_text() if text is None else text
     vocab = CharVocab(text)
@@ -256,8 +258,17 @@ RECIPE = Recipe(
     description="character-level GPT on Python's own documentation text (pydoc_data), for pipeline/tensor parallelism",
     build=build,
     options={
-        "block_size": 64, "d_model": 128, "n_heads": 4, "n_layers": 4, "dropout": 0.0,
-        "lr": 1e-3, "weight_decay": 0.01, "val_fraction": 0.1, "stride": 64, "val_windows": 256, "sample_chars": 200,
+        "block_size": 64,
+        "d_model": 128,
+        "n_heads": 4,
+        "n_layers": 4,
+        "dropout": 0.0,
+        "lr": 1e-3,
+        "weight_decay": 0.01,
+        "val_fraction": 0.1,
+        "stride": 64,
+        "val_windows": 256,
+        "sample_chars": 200,
     },
     trainer_defaults={"global_batch_size": 32, "max_steps": 300, "log_every": 20, "val_every": 100, "checkpoint_every": 100},
 )

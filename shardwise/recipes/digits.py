@@ -25,8 +25,12 @@ class DigitsMLP(nn.Module):
     def __init__(self, hidden: int = 128, dropout: float = 0.1, in_features: int = 64, classes: int = 10) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(in_features, hidden), nn.ReLU(), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(in_features, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(hidden, classes),
         )
 

@@ -41,9 +41,15 @@ class SyncBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics are those of the whole batch across ``group``."""
 
     def __init__(self, bn: _BatchNorm, group: Group, recorder: Recorder | None = None) -> None:
-        super().__init__(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                         device=bn.weight.device if bn.weight is not None else None,
-                         dtype=bn.weight.dtype if bn.weight is not None else None)
+        super().__init__(
+            bn.num_features,
+            bn.eps,
+            bn.momentum,
+            bn.affine,
+            bn.track_running_stats,
+            device=bn.weight.device if bn.weight is not None else None,
+            dtype=bn.weight.dtype if bn.weight is not None else None,
+        )
         self.weight, self.bias = bn.weight, bn.bias  # the same Parameters (optimizers and ties see them)
         if bn.track_running_stats:
             self.running_mean, self.running_var = bn.running_mean, bn.running_var
@@ -66,7 +72,7 @@ class SyncBatchNorm(_BatchNorm):
         c = self.num_features
         n = stats[2 * c]
         mean = stats[:c] / n
-        var = stats[c:2 * c] / n - mean * mean  # biased, as BatchNorm normalizes
+        var = stats[c : 2 * c] / n - mean * mean  # biased, as BatchNorm normalizes
         tracked = self.num_batches_tracked
         if self.track_running_stats and self.running_mean is not None and self.running_var is not None and tracked is not None:
             with torch.no_grad():

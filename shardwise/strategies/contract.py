@@ -134,8 +134,14 @@ def plan_layout(
                 f"do not split into {micro_multiple} micro-batches; choose a global batch whose per-rank share is a multiple of {micro_multiple}"
             )
     return Layout(
-        strategy=strategy, world_size=world_size, degrees=dict(shape.degrees) if servers == 0 else degrees,
-        trainers=trainers, data_parallel=dp, servers=tuple(range(trainers, world_size)), expendable=tuple(expendable), micro_batch=micro,
+        strategy=strategy,
+        world_size=world_size,
+        degrees=dict(shape.degrees) if servers == 0 else degrees,
+        trainers=trainers,
+        data_parallel=dp,
+        servers=tuple(range(trainers, world_size)),
+        expendable=tuple(expendable),
+        micro_batch=micro,
     )
 
 

@@ -68,12 +68,13 @@ class DataParallel(Strategy):
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
         if world_size != 1:
-            raise ConfigError(f"strategy 'dp' drives every GPU from one process; got a world size of {world_size}. "
-                              "Use strategy='ddp' for one process per GPU")
+            raise ConfigError(f"strategy 'dp' drives every GPU from one process; got a world size of {world_size}. Use strategy='ddp' for one process per GPU")
         count = torch.cuda.device_count()
         if count < 2:
-            raise ConfigError(f"strategy 'dp' splits each batch across the GPUs of one process and needs at least 2 CUDA devices; "
-                              f"this machine has {count}. Use strategy='single' for one device, or 'ddp' with nproc=N")
+            raise ConfigError(
+                f"strategy 'dp' splits each batch across the GPUs of one process and needs at least 2 CUDA devices; "
+                f"this machine has {count}. Use strategy='single' for one device, or 'ddp' with nproc=N"
+            )
         wanted = list(self.device_ids or range(count))
         if len(wanted) < 2 or any(not 0 <= d < count for d in wanted):
             raise ConfigError(f"dp device_ids must be 2 or more of 0..{count - 1}; got {wanted}")

@@ -63,8 +63,14 @@ def recorded_allreduce_hook(state, bucket):
 
 
 def apply_ddp(
-    model: nn.Module, mesh: Mesh, recorder: Recorder, *, allreduce: str = "native", compression: str | None = None,
-    record_buckets: bool = False, **ddp_kwargs: Any,
+    model: nn.Module,
+    mesh: Mesh,
+    recorder: Recorder,
+    *,
+    allreduce: str = "native",
+    compression: str | None = None,
+    record_buckets: bool = False,
+    **ddp_kwargs: Any,
 ) -> DistributedDataParallel:
     """Wrap ``model`` (already on its device) in DDP over the mesh's data-parallel group.
 
@@ -160,8 +166,10 @@ class DDP(Strategy):
     def ddp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of torch's DistributedDataParallel these options stand for."""
         kwargs: dict[str, Any] = dict(
-            bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph, gradient_as_bucket_view=True,
+            bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=True,
         )
         if not self.broadcast_buffers:  # passed only when changed: torch 2.13 deprecates the name
             kwargs["broadcast_buffers"] = False
@@ -172,6 +180,13 @@ class DDP(Strategy):
             raise ConfigError("strategy 'ddp' needs a process group; start the run with nproc >= 1 through shardwise (Trainer, launch, or shardwise run)")
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(f"ddp got a model with no trainable parameters ({type(model).__name__}); nothing to synchronize")
-        wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, allreduce=self.allreduce, compression=self.compression,
-                            record_buckets=self.record_buckets, **self.ddp_kwargs())
+        wrapped = apply_ddp(
+            model.to(mesh.device),
+            mesh,
+            recorder,
+            allreduce=self.allreduce,
+            compression=self.compression,
+            record_buckets=self.record_buckets,
+            **self.ddp_kwargs(),
+        )
         return DDPRun(wrapped, make_optimizer(wrapped.parameters()), self, mesh.size("dp"))

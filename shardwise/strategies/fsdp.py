@@ -260,7 +260,6 @@ class _Untimed:
         self.recorder.add(dataclasses.replace(event, seconds=None))
 
 
-
 _FSDP_C10D_OPS = frozenset({"_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"})
 """The c10d operators FSDP2 issues for its all-gathers and reduce-scatters (HSDP's allreduce is
 ``allreduce_`` over the replicate group)."""
@@ -385,9 +384,18 @@ class CollectiveTraffic:
 class FSDPRun(Parallel):
     """One rank of zero3 / hsdp: the module with every unit ``fully_shard``-ed in place."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sharded_params: list[nn.Parameter], *,
-                 strategy: ShardedDataParallel, units: list[str], shape: tuple[int, int], probe: ModelStateProbe,
-                 traffic: CollectiveTraffic) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sharded_params: list[nn.Parameter],
+        *,
+        strategy: ShardedDataParallel,
+        units: list[str],
+        shape: tuple[int, int],
+        probe: ModelStateProbe,
+        traffic: CollectiveTraffic,
+    ) -> None:
         self.model, self.optimizer = model, optimizer
         self.placement = Placement()
         self.sharded_params = sharded_params
@@ -411,12 +419,14 @@ class FSDPRun(Parallel):
         with self.traffic.phase("backward") as mode:
             run = step_fn
             if mode is not None:
+
                 def run(model: nn.Module, batch: Any) -> torch.Tensor:  # forward; the rest is backward (FSDP2's final callback too)
                     mode.phase = "forward"
                     try:
                         return step_fn(model, batch)
                     finally:
                         mode.phase = "backward"
+
             return accumulate_backward(self.model, microbatches, run, precision, no_sync=self.no_sync)
 
     @contextlib.contextmanager
@@ -478,8 +488,13 @@ class FSDPRun(Parallel):
 
     def summary(self) -> dict[str, Any]:
         s = self._strategy
-        section: dict[str, Any] = {"units": len(self.units) + 1, "replicate": self.shape[0], "shard": self.shape[1],
-                   "mixed_precision": s.mixed_precision, "offload": s.offload}
+        section: dict[str, Any] = {
+            "units": len(self.units) + 1,
+            "replicate": self.shape[0],
+            "shard": self.shape[1],
+            "mixed_precision": s.mixed_precision,
+            "offload": s.offload,
+        }
         if self.traffic.enabled:
             section["collectives_per_step"] = self.traffic.per_step(self.steps)
         return {"fsdp": section, **self.probe.summary()}
@@ -549,8 +564,7 @@ class ShardedDataParallel(Strategy):
             object.__setattr__(self, "wrap", tuple(wrap))  # frozen and hashable: a list from TOML becomes a tuple
         elif not (isinstance(wrap, str) and wrap):
             raise ConfigError(
-                f"{self.name}: wrap must be 'auto', 'root', a submodule or class name, or a list of them "
-                f"(e.g. ['layers.0', 'Block']); got {wrap!r}"
+                f"{self.name}: wrap must be 'auto', 'root', a submodule or class name, or a list of them (e.g. ['layers.0', 'Block']); got {wrap!r}"
             )
         for key in ("offload", "count_collectives"):
             if not isinstance(getattr(self, key), bool):
@@ -577,8 +591,12 @@ class ShardedDataParallel(Strategy):
         units = resolve_units(model, self.wrap)
         device_mesh = shard_mesh(mesh, replicate)
         model = apply_fsdp(
-            model.to(mesh.device), device_mesh, units=units,
-            reshard_after_forward=self.reshard_after_forward, mixed_precision=self.mixed_precision, offload=self.offload,
+            model.to(mesh.device),
+            device_mesh,
+            units=units,
+            reshard_after_forward=self.reshard_after_forward,
+            mixed_precision=self.mixed_precision,
+            offload=self.offload,
         )
         sharded_params = list(model.parameters())
         optimizer = make_optimizer(sharded_params)

@@ -57,7 +57,9 @@ class NaiveMP(nn.Module):
         return move(out, self.output_device)
 
 
-def apply_naive_mp(model: nn.Module, devices: Sequence[str | torch.device], split_points: Sequence[str] | None = None, output_device: str | torch.device | None = None) -> NaiveMP:
+def apply_naive_mp(
+    model: nn.Module, devices: Sequence[str | torch.device], split_points: Sequence[str] | None = None, output_device: str | torch.device | None = None
+) -> NaiveMP:
     """Split ``model`` into ``len(devices)`` stages and put stage ``i`` on ``devices[i]``."""
     devs = [torch.device(d) for d in devices]
     if len(devs) < 2:
@@ -118,7 +120,9 @@ class NaiveModelParallel(Strategy):
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
         """One process, two devices or more; refuses a model `split_layers` cannot cut into as many stages. Pure."""
         if world_size != 1:
-            raise ConfigError(f"naive-mp runs in one process that drives several devices; got a world size of {world_size}; use strategy 'pipeline' for one process per stage")
+            raise ConfigError(
+                f"naive-mp runs in one process that drives several devices; got a world size of {world_size}; use strategy 'pipeline' for one process per stage"
+            )
         devices = self._devices()
         if len(devices) < 2:
             raise ConfigError(

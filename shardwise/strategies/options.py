@@ -59,6 +59,7 @@ _FALSE = ("false", "no", "off", "0")
 
 # --- types ------------------------------------------------------------------------------------
 
+
 def _union_args(tp: Any) -> tuple[Any, ...] | None:
     origin = typing.get_origin(tp)
     if origin is Union or (hasattr(types, "UnionType") and origin is types.UnionType):
@@ -285,7 +286,7 @@ def _convert_inner(value: Any, tp: Any) -> Any:
                 raise _Bad from None
         if not isinstance(value, dict):
             raise _Bad
-        key_t, val_t = (typing.get_args(tp) or (Any, Any))
+        key_t, val_t = typing.get_args(tp) or (Any, Any)
         return {_convert(k, key_t): _convert(v, val_t) for k, v in value.items()}
     args = _union_args(tp)
     if args is not None:
@@ -307,6 +308,7 @@ def _convert_inner(value: Any, tp: Any) -> Any:
 
 
 # --- one strategy's options -------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Option:
@@ -348,9 +350,7 @@ class Option:
         if self.choices and isinstance(value, str):
             close = difflib.get_close_matches(value, [format_value(c) for c in self.choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(
-            f"strategy {strategy!r}: option {self.name} ({self.flag}) must be {valid}; got {value!r}{hint}"
-        ) from None
+        raise ConfigError(f"strategy {strategy!r}: option {self.name} ({self.flag}) must be {valid}; got {value!r}{hint}") from None
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -376,8 +376,13 @@ def _own_field_docs(klass: type) -> dict[str, str]:
         return {}
     docs = {}
     for stmt, after in itertools.pairwise(node.body):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[stmt.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
     return docs
 
@@ -418,6 +423,7 @@ def summary_line(obj: Any) -> str:
 
 
 # --- every registered strategy ----------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StrategyOptions:
@@ -477,9 +483,7 @@ class Flag:
         options = _distinct(o for _, o in self.holders)
         texts = _distinct_values((", ".join(n for n, o in self.holders if o is opt), opt.help or "(no description)") for opt in options)
         text = texts[0][1] if len(texts) == 1 else " ".join(f"{names}: {doc}" for names, doc in texts)
-        defaults = _distinct_values(
-            (", ".join(n for n, o in self.holders if o is opt), format_value(opt.default)) for opt in options
-        )
+        defaults = _distinct_values((", ".join(n for n, o in self.holders if o is opt), format_value(opt.default)) for opt in options)
         if len(defaults) == 1:
             default = defaults[0][1]
         else:
@@ -578,7 +582,13 @@ def resolve(strategy: str, values: Mapping[str, Any], *, flags: Collection[str] 
     for name in [n for n in values if n in flags and n not in own]:
         holders = (known or catalog()).flags.get(name)
         owners = (f"strateg{'ies' if len(holders.strategies) > 1 else 'y'} {', '.join(holders.strategies)}") if holders else "another strategy"
-        takes = ", ".join(o.flag for o in own.values()) if own else "no options of its own" if target is not None else "its options through --set trainer.strategy_options.KEY=VALUE"
+        takes = (
+            ", ".join(o.flag for o in own.values())
+            if own
+            else "no options of its own"
+            if target is not None
+            else "its options through --set trainer.strategy_options.KEY=VALUE"
+        )
         raise ConfigError(
             f"{name_to_flag(name)} is an option of {owners}; strategy {strategy!r} does not take it "
             f"(it takes {takes}). Drop the flag or choose a strategy that has it"
@@ -604,6 +614,21 @@ def name_to_flag(name: str) -> str:
 
 
 __all__ = [
-    "REQUIRED", "Catalog", "Flag", "Option", "StrategyOptions", "catalog", "describe", "field_docs", "format_value",
-    "is_options_class", "metavar", "name_to_flag", "options_of", "resolve", "strategy_options", "summary_line", "type_name",
+    "REQUIRED",
+    "Catalog",
+    "Flag",
+    "Option",
+    "StrategyOptions",
+    "catalog",
+    "describe",
+    "field_docs",
+    "format_value",
+    "is_options_class",
+    "metavar",
+    "name_to_flag",
+    "options_of",
+    "resolve",
+    "strategy_options",
+    "summary_line",
+    "type_name",
 ]

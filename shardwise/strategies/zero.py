@@ -138,8 +138,13 @@ class ModelStateProbe:
             return {}
         stage = STAGE_OF[self.strategy]
         predicted = model_state_bytes(stage, self.psi, self.shard_degree, self.per_param)
-        section: dict[str, Any] = {"strategy": self.strategy, "stage": stage, "shard_degree": self.shard_degree, "psi": self.psi,
-                                   "bytes_per_param": vars(self.per_param)}
+        section: dict[str, Any] = {
+            "strategy": self.strategy,
+            "stage": stage,
+            "shard_degree": self.shard_degree,
+            "psi": self.psi,
+            "bytes_per_param": vars(self.per_param),
+        }
         section.update(compare(self.measured, predicted))
         return {"memory_per_rank": section}
 

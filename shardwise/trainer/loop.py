@@ -44,14 +44,18 @@ def make_step_fn(loss_fn: LossFn | None, module: nn.Module) -> StepFn:
     """The per-micro-batch forward: ``loss_fn(model(inputs), batch)``, the module's ``training_step``,
     or else the loss the model returns itself (``model(**batch).loss``, as transformers' models do)."""
     if loss_fn is not None:
+
         def step(model: nn.Module, batch: Any) -> torch.Tensor:
             return loss_fn(call_model(model, batch), batch)
     elif callable(getattr(module, "training_step", None)):
+
         def step(model: nn.Module, batch: Any) -> torch.Tensor:
             return call_through(model, module, "training_step", batch)  # type: ignore[no-any-return]
     else:
+
         def step(model: nn.Module, batch: Any) -> torch.Tensor:
             return loss_from_output(call_model(model, batch), batch)
+
     return step
 
 
@@ -161,10 +165,16 @@ class Trainer:
         needs_group = self.config.strategy != "single"
         if not env.distributed and (self.config.nproc > 1 or needs_group):
             results = launch(
-                _fit_worker, self, model, train_data, val_data,
-                nproc=self.config.nproc, start_method=self.config.start_method,
+                _fit_worker,
+                self,
+                model,
+                train_data,
+                val_data,
+                nproc=self.config.nproc,
+                start_method=self.config.start_method,
                 accelerator="cpu" if self.config.accelerator == "cpu" else "auto",
-                collective_timeout_s=self.config.timeout_s, expendable=self._expendable_ranks(),
+                collective_timeout_s=self.config.timeout_s,
+                expendable=self._expendable_ranks(),
                 error_dir=Path(self.config.out) / "errors" if self.config.out else None,
             )
             summary, state = results[0]
@@ -178,9 +188,16 @@ class Trainer:
         wall_start = time.perf_counter()
         strategy, layout = self._strategy, self._layout
         engine = Engine(
-            strategy=strategy if strategy is not None else cfg.strategy, accelerator=cfg.accelerator, precision=cfg.precision,
-            strategy_options=None if strategy is not None else cfg.strategy_options, mesh=cfg.mesh, seed=cfg.seed,
-            deterministic=cfg.deterministic, timeout_s=cfg.timeout_s, sync_batchnorm=cfg.sync_batchnorm, layout=layout,
+            strategy=strategy if strategy is not None else cfg.strategy,
+            accelerator=cfg.accelerator,
+            precision=cfg.precision,
+            strategy_options=None if strategy is not None else cfg.strategy_options,
+            mesh=cfg.mesh,
+            seed=cfg.seed,
+            deterministic=cfg.deterministic,
+            timeout_s=cfg.timeout_s,
+            sync_batchnorm=cfg.sync_batchnorm,
+            layout=layout,
         )
         self.engine = engine
         try:
@@ -203,8 +220,14 @@ class Trainer:
         dataset, collate, workers, dl_batch = unpack_data(train_data)
         global_batch = self._global_batch(dl_batch)
         loader = ShardedLoader(
-            dataset, global_batch=global_batch, world_size=engine.data_mesh.size("dp"), rank=engine.data_mesh.coordinate("dp"),
-            accumulate=cfg.accumulate, seed=cfg.seed, collate_fn=collate, num_workers=max(workers, cfg.num_workers),
+            dataset,
+            global_batch=global_batch,
+            world_size=engine.data_mesh.size("dp"),
+            rank=engine.data_mesh.coordinate("dp"),
+            accumulate=cfg.accumulate,
+            seed=cfg.seed,
+            collate_fn=collate,
+            num_workers=max(workers, cfg.num_workers),
         )
         total = cfg.max_steps or (cfg.max_epochs or 1) * loader.steps_per_epoch
         counters: dict[str, Any] = {"step": 0, "samples": 0}
@@ -358,8 +381,9 @@ class Trainer:
             ckpt.prune(root, self.config.keep_last, run_id)  # never another run's checkpoints
         return path
 
-    def _already_finished(self, engine: Engine, wrapped: nn.Module, state: dict[str, Any], resumed_from: Path, step: int, total: int,
-                          return_state: bool) -> tuple[dict[str, Any], Any]:
+    def _already_finished(
+        self, engine: Engine, wrapped: nn.Module, state: dict[str, Any], resumed_from: Path, step: int, total: int, return_state: bool
+    ) -> tuple[dict[str, Any], Any]:
         """Resuming a run that already reached its last step: say so, train nothing, return its summary.
         A checkpoint from elsewhere is saved into this run's directory, so ``out`` holds what it continued."""
         cfg = self.config
@@ -378,8 +402,17 @@ class Trainer:
                 summary = json.loads((Path(cfg.out) / "summary.json").read_text())
             except ValueError:
                 summary = {}
-        summary.update({"strategy": cfg.strategy, "world_size": engine.world_size, "steps": step, "steps_this_run": 0,
-                        "already_finished": True, "resumed_from": str(resumed_from), **strategy_section})
+        summary.update(
+            {
+                "strategy": cfg.strategy,
+                "world_size": engine.world_size,
+                "steps": step,
+                "steps_this_run": 0,
+                "already_finished": True,
+                "resumed_from": str(resumed_from),
+                **strategy_section,
+            }
+        )
         summary.pop("samples_per_s", None)
         summary["last_checkpoint"] = str(summary_path)
         model_state = None

@@ -16,8 +16,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 # 300-step figure (2.03) needs a run three times as long and is not checked here.
 def test_charlm_with_ddp_on_two_processes_reaches_the_readme_loss_and_samples(tmp_path):
     proc = shardwise(
-        "train", "--recipe", "charlm", "--strategy", "ddp", "--nproc", "2", "--max-steps", "100", "--out", str(tmp_path),
-        "--set", "recipe.sample_chars=40", timeout=360,  # below the test's own limit: a hang reports its output
+        "train",
+        "--recipe",
+        "charlm",
+        "--strategy",
+        "ddp",
+        "--nproc",
+        "2",
+        "--max-steps",
+        "100",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "recipe.sample_chars=40",
+        timeout=360,  # below the test's own limit: a hang reports its output
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -68,14 +68,32 @@ def test_lists():
 
 def test_generated_strategy_flags_reach_the_strategy_and_the_help_is_the_field_docstring(tmp_path):
     # --bucket-cap-mb and --no-broadcast-buffers had no hand-written flag: they come from DDP's fields.
-    proc = shardwise("train", "--recipe", "digits", "--strategy", "ddp", "--nproc", "2", "--max-steps", "2", "--allreduce", "ring",
-                     "--bucket-cap-mb", "1.5", "--no-broadcast-buffers", "--out", str(tmp_path))
+    proc = shardwise(
+        "train",
+        "--recipe",
+        "digits",
+        "--strategy",
+        "ddp",
+        "--nproc",
+        "2",
+        "--max-steps",
+        "2",
+        "--allreduce",
+        "ring",
+        "--bucket-cap-mb",
+        "1.5",
+        "--no-broadcast-buffers",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ddp"] == {"bucket_cap_mb": 1.5, "world_size": 2, "allreduce": "ring", "compression": None}
     text = " ".join(shardwise("train", "--help").stdout.split())  # argparse wraps to the terminal's width
     assert "strategy ddp: Distributed data parallel: whole model per rank, gradients averaged each step." in text
-    assert "--allreduce ALLREDUCE Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms). (default: native)" in text
+    assert (
+        "--allreduce ALLREDUCE Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms). (default: native)" in text
+    )
 
 
 def test_shardwise_run_restarts_a_crashed_job_and_resumes_from_its_checkpoint(tmp_path):
@@ -91,7 +109,10 @@ def test_plain_torchrun_with_its_shared_agent_store_is_joined(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "flaky_train.py"), str(tmp_path), "--no-crash"],
-        capture_output=True, text=True, timeout=480, env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

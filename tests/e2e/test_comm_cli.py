@@ -35,8 +35,23 @@ def shardwise(*args: str, timeout: int = 180) -> subprocess.CompletedProcess[str
 
 def test_ddp_with_fp16_over_our_ring_records_the_compressed_bytes(tmp_path):
     steps = 60
-    proc = shardwise("train", "--recipe", "digits", "--strategy", "ddp", "--nproc", "2", "--max-steps", str(steps),
-                     "--allreduce", "ring", "--compression", "fp16", "--out", str(tmp_path))
+    proc = shardwise(
+        "train",
+        "--recipe",
+        "digits",
+        "--strategy",
+        "ddp",
+        "--nproc",
+        "2",
+        "--max-steps",
+        str(steps),
+        "--allreduce",
+        "ring",
+        "--compression",
+        "fp16",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ddp"]["allreduce"] == "ring" and summary["ddp"]["compression"] == "fp16"

@@ -80,8 +80,23 @@ def _marked(marker: str) -> list[int]:
 
 def _leaders(tmp: Path) -> dict[str, tuple[list[str], Path, int]]:
     """Path name -> (command, a file that shows the workers are running, lines it needs)."""
-    digits = ["-m", "shardwise", "train", "--recipe", "digits", "--strategy", "ddp", "--nproc", "2", "--max-steps", "100000",
-              "--log-every", "1", "--out", str(tmp / "train")]
+    digits = [
+        "-m",
+        "shardwise",
+        "train",
+        "--recipe",
+        "digits",
+        "--strategy",
+        "ddp",
+        "--nproc",
+        "2",
+        "--max-steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--out",
+        str(tmp / "train"),
+    ]
     return {
         "shardwise train": (digits, tmp / "train" / "metrics.jsonl", 1),
         "Trainer(nproc=2)": ([str(SCRIPTS / "unguarded_trainer.py"), str(tmp / "trainer"), "100000"], tmp / "trainer" / "metrics.jsonl", 1),

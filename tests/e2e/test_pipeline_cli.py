@@ -14,10 +14,33 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 def test_charlm_on_a_two_stage_pipeline_reports_its_bubble_draws_a_timeline_and_samples(tmp_path):
     timeline = tmp_path / "timeline.png"
     proc = shardwise(
-        "train", "--recipe", "charlm", "--strategy", "pipeline", "--pp", "2", "--nproc", "2", "--microbatches", "4",
-        "--schedule", "1f1b", "--max-steps", "6", "--out", str(tmp_path),
-        "--set", "recipe.n_layers=2", "--set", "recipe.d_model=32", "--set", "recipe.val_windows=16", "--set", "recipe.sample_chars=40",
-        "--set", f"trainer.strategy_options.timeline={timeline}",
+        "train",
+        "--recipe",
+        "charlm",
+        "--strategy",
+        "pipeline",
+        "--pp",
+        "2",
+        "--nproc",
+        "2",
+        "--microbatches",
+        "4",
+        "--schedule",
+        "1f1b",
+        "--max-steps",
+        "6",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "recipe.n_layers=2",
+        "--set",
+        "recipe.d_model=32",
+        "--set",
+        "recipe.val_windows=16",
+        "--set",
+        "recipe.sample_chars=40",
+        "--set",
+        f"trainer.strategy_options.timeline={timeline}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -14,8 +14,28 @@ from tests.e2e.test_cli import shardwise
 @pytest.mark.timeout(600)
 def test_ps_ssp_with_a_straggler_trains_digits_keeps_its_bound_and_checkpoints_its_server(tmp_path):
     out = tmp_path / "run"
-    proc = shardwise("train", "--recipe", "digits", "--strategy", "ps", "--nproc", "3", "--servers", "1", "--mode", "ssp",
-                     "--staleness", "2", "--straggler", "1:3", "--max-steps", "100", "--out", str(out), timeout=540)
+    proc = shardwise(
+        "train",
+        "--recipe",
+        "digits",
+        "--strategy",
+        "ps",
+        "--nproc",
+        "3",
+        "--servers",
+        "1",
+        "--mode",
+        "ssp",
+        "--staleness",
+        "2",
+        "--straggler",
+        "1:3",
+        "--max-steps",
+        "100",
+        "--out",
+        str(out),
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     ps = summary["ps"]

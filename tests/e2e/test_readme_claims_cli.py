@@ -19,8 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 def test_config_file_sets_trainer_and_recipe_and_set_overrides_it(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(
-        "[trainer]\nmax_steps = 7\nglobal_batch_size = 32\ncheckpoint_every = 1\nlog_every = 1\nval_every = 100\n\n"
-        "[recipe]\nval_fraction = 0.1\nhidden = 32\n"
+        "[trainer]\nmax_steps = 7\nglobal_batch_size = 32\ncheckpoint_every = 1\nlog_every = 1\nval_every = 100\n\n[recipe]\nval_fraction = 0.1\nhidden = 32\n"
     )
     out = tmp_path / "run"
     # --set wins over the file: 5 steps, not 7 (and not the recipe's 300, whatever the file says).

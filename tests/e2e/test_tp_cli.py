@@ -13,9 +13,32 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 def test_charlm_with_tp2_and_sequence_parallel_trains_and_reports_its_collectives(tmp_path):
     proc = shardwise(
-        "train", "--recipe", "charlm", "--strategy", "tp", "--tp", "2", "--sequence-parallel", "--nproc", "2",
-        "--max-steps", "20", "--val-every", "10", "--log-every", "10", "--out", str(tmp_path),
-        "--set", "recipe.n_layers=2", "--set", "recipe.d_model=64", "--set", "recipe.val_windows=64", "--set", "recipe.sample_chars=20",
+        "train",
+        "--recipe",
+        "charlm",
+        "--strategy",
+        "tp",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--nproc",
+        "2",
+        "--max-steps",
+        "20",
+        "--val-every",
+        "10",
+        "--log-every",
+        "10",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "recipe.n_layers=2",
+        "--set",
+        "recipe.d_model=64",
+        "--set",
+        "recipe.val_windows=64",
+        "--set",
+        "recipe.sample_chars=20",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())

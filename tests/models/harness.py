@@ -41,14 +41,23 @@ def trainer(name: str, strategy: str = "single", options: dict[str, Any] | None 
     """The Trainer every cell uses (float64, clipping, the model's float64 loss; with ``own_loss``
     no loss_fn: the loss the model returns for a batch with labels)."""
     base: dict[str, Any] = dict(
-        strategy=strategy, strategy_options=dict(options or {}), global_batch_size=GLOBAL_BATCH,
-        max_steps=STEPS, precision="64", clip_grad_norm=CLIP, seed=0, progress_bar=False, log_every=1,
+        strategy=strategy,
+        strategy_options=dict(options or {}),
+        global_batch_size=GLOBAL_BATCH,
+        max_steps=STEPS,
+        precision="64",
+        clip_grad_norm=CLIP,
+        seed=0,
+        progress_bar=False,
+        log_every=1,
     )
     base.update(settings)
     return Trainer(optimizer=sgd, loss_fn=None if own_loss else zoo.parity_loss_fn(name), **base)
 
 
-def train(name: str, strategy: str = "single", options: dict[str, Any] | None = None, *, val: int = 0, **settings: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+def train(
+    name: str, strategy: str = "single", options: dict[str, Any] | None = None, *, val: int = 0, **settings: Any
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Train one cell in this process (alone for ``single``, or as one rank of a running job);
     ``val`` samples of validation data when not 0.
 

@@ -51,10 +51,11 @@ class Spy(torch.utils.data.Dataset):
 def test_dict_batch_trains_on_the_models_own_loss_exactly_as_a_hand_loop(name):
     seen: list[int] = []
     model = zoo.build(name)
-    Trainer(strategy="single", global_batch_size=BATCH, max_steps=STEPS, precision="64", progress_bar=False,
-            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)).fit(model, Spy(zoo.dataset(name, STEPS * BATCH), seen))
-    seen = seen[-STEPS * BATCH:]  # the parent reads sample 0 once to check the batch fits the forward
-    ORDER[name] = [seen[i * BATCH:(i + 1) * BATCH] for i in range(STEPS)]
+    Trainer(
+        strategy="single", global_batch_size=BATCH, max_steps=STEPS, precision="64", progress_bar=False, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)
+    ).fit(model, Spy(zoo.dataset(name, STEPS * BATCH), seen))
+    seen = seen[-STEPS * BATCH :]  # the parent reads sample 0 once to check the batch fits the forward
+    ORDER[name] = [seen[i * BATCH : (i + 1) * BATCH] for i in range(STEPS)]
     reference = hand_loop(name)
     for (k, a), b in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(a, b), k

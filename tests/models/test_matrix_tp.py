@@ -82,7 +82,8 @@ def test_what_each_model_split(tp_runs: tuple[dict[Any, Any], str]) -> None:
     assert sections["nanogpt"]["whole"] == [f"transformer.h.{i}.attn" for i in range(4)]
     # Under sequence parallelism every norm inside a block has its gradient summed over tp, whatever its class.
     assert sorted(sections["llama"]["grad_summed"]) == sorted(
-        f"model.layers.{i}.{n}.weight" for i in range(4) for n in ("input_layernorm", "post_attention_layernorm"))
+        f"model.layers.{i}.{n}.weight" for i in range(4) for n in ("input_layernorm", "post_attention_layernorm")
+    )
     assert len(sections["nanogpt"]["grad_summed"]) == 16 and len(sections["bert"]["grad_summed"]) == 16
 
 
@@ -130,7 +131,9 @@ def test_dp2_x_tp2_matches_single() -> None:
 def test_resnet_under_tp_is_refused_before_launch_with_a_true_reason() -> None:
     model = zoo.build("resnet")
     for sp in (False, True):
-        with pytest.raises(ConfigError, match=r"ResNetForImageClassification is a convolutional network .* tensor parallelism splits linear layers, not convolutions"):
+        with pytest.raises(
+            ConfigError, match=r"ResNetForImageClassification is a convolutional network .* tensor parallelism splits linear layers, not convolutions"
+        ):
             TensorParallel(tp=2, sequence_parallel=sp).plan(2, model=model)
     t = harness.trainer("resnet", "tp", {"tp": 2}, nproc=2)
     with pytest.raises(ConfigError, match="convolutional network"):

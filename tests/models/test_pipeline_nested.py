@@ -24,8 +24,11 @@ pytest.importorskip("transformers", reason="the model tests need transformers: p
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
 TIED = ("gpt2", "nanogpt")
-SCHEDULES = {"gpipe": {"pp": 2, "schedule": "gpipe"}, "1f1b": {"pp": 2, "schedule": "1f1b"},
-             "interleaved": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}}
+SCHEDULES = {
+    "gpipe": {"pp": 2, "schedule": "gpipe"},
+    "1f1b": {"pp": 2, "schedule": "1f1b"},
+    "interleaved": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
+}
 FAMILIES = ("mistral", "qwen2", "neox", "phi", "opt")
 
 
@@ -34,8 +37,15 @@ def family(name: str) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
-    c: dict[str, Any] = dict(vocab_size=zoo.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                             num_attention_heads=4, max_position_embeddings=zoo.SEQ, attn_implementation="eager")
+    c: dict[str, Any] = dict(
+        vocab_size=zoo.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=zoo.SEQ,
+        attn_implementation="eager",
+    )
     if name == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, tie_word_embeddings=False, **c))
     elif name == "qwen2":
@@ -45,9 +55,20 @@ def family(name: str) -> torch.nn.Module:
     elif name == "phi":
         model = tf.PhiForCausalLM(tf.PhiConfig(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, **c))
     else:  # OPT declares its final norm before its layers (the forward runs it after them)
-        model = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=zoo.VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=4,
-                                               num_attention_heads=4, max_position_embeddings=zoo.SEQ, dropout=0.0,
-                                               attention_dropout=0.0, word_embed_proj_dim=32, attn_implementation="eager"))
+        model = tf.OPTForCausalLM(
+            tf.OPTConfig(
+                vocab_size=zoo.VOCAB,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                max_position_embeddings=zoo.SEQ,
+                dropout=0.0,
+                attention_dropout=0.0,
+                word_embed_proj_dim=32,
+                attn_implementation="eager",
+            )
+        )
     return model.double()
 
 
@@ -143,4 +164,5 @@ def test_what_cannot_be_split_is_refused_before_launch() -> None:
         Pipeline(pp=2, dp_strategy="fsdp").plan(4, model=zoo.build("nanogpt"))
     with pytest.raises(ConfigError, match="pipeline needs 8 stages"):  # through the Trainer: in the parent, no process started
         harness.trainer("llama", "pipeline", {"pp": 2, "schedule": "interleaved", "virtual_stages": 4, "microbatches": 4}, nproc=2).fit(
-            llama, zoo.dataset("llama", 16))
+            llama, zoo.dataset("llama", 16)
+        )

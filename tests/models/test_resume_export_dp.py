@@ -22,8 +22,7 @@ def _worker(root: str) -> list:
     out = []
     for strategy in ("ddp", "zero3"):
         _, whole = harness.train("gpt2", strategy, out=f"{root}/{strategy}", checkpoint_every=3)
-        _, resumed = harness.train("gpt2", strategy, out=f"{root}/{strategy}-resumed",
-                                   resume=f"{root}/{strategy}/checkpoints/step-00000003")
+        _, resumed = harness.train("gpt2", strategy, out=f"{root}/{strategy}-resumed", resume=f"{root}/{strategy}/checkpoints/step-00000003")
         out.append((strategy, whole, resumed))
     return out
 

@@ -83,12 +83,14 @@ class Block(nn.Module):
 class NanoGPT(nn.Module):
     def __init__(self, vocab: int = VOCAB, block_size: int = SEQ, d: int = 32, heads: int = 4, layers: int = 4) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, d),
-            wpe=nn.Embedding(block_size, d),
-            h=nn.ModuleList([Block(d, heads) for _ in range(layers)]),
-            ln_f=LayerNorm(d),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab, d),
+                wpe=nn.Embedding(block_size, d),
+                h=nn.ModuleList([Block(d, heads) for _ in range(layers)]),
+                ln_f=LayerNorm(d),
+            )
+        )
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         for name, p in self.named_parameters():
@@ -116,23 +118,61 @@ def _hf(name: str, layers: int) -> nn.Module:
         raise ImportError("the model tests need transformers: pip install -e '.[dev]'") from exc
     common: dict[str, Any] = {"attn_implementation": "eager"}
     if name == "llama":
-        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                             tie_word_embeddings=False, **common)
+        cfg = tf.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+            **common,
+        )
         return tf.LlamaForCausalLM(cfg)
     if name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers, n_head=4,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)
+        cfg = tf.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=32,
+            n_layer=layers,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            **common,
+        )
         return tf.GPT2LMHeadModel(cfg)  # lm_head tied to wte
     if name == "bert":
-        cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                            intermediate_size=64, max_position_embeddings=SEQ, num_labels=3,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+        cfg = tf.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=SEQ,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common,
+        )
         return tf.BertForSequenceClassification(cfg)
     if name == "vit":
-        cfg = tf.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=layers,
-                           num_attention_heads=4, intermediate_size=64, num_labels=10,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common)
+        cfg = tf.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common,
+        )
         return tf.ViTForImageClassification(cfg)
     if name == "resnet":
         cfg = tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10)
@@ -155,11 +195,9 @@ def sample(name: str, i: int, seed: int = 0) -> Any:
         return {"input_ids": ids, "labels": ids.clone()}
     if name == "bert":
         ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
-        return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long),
-                "labels": torch.randint(0, 3, (), generator=g)}
+        return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": torch.randint(0, 3, (), generator=g)}
     if name in ("vit", "resnet"):
-        return {"pixel_values": torch.randn(3, 16, 16, generator=g, dtype=torch.float64),
-                "labels": torch.randint(0, 10, (), generator=g)}
+        return {"pixel_values": torch.randn(3, 16, 16, generator=g, dtype=torch.float64), "labels": torch.randint(0, 10, (), generator=g)}
     if name == "nanogpt":
         ids = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
         return ids[:-1], ids[1:]

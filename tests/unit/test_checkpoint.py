@@ -18,7 +18,9 @@ from shardwise.errors import CheckpointError
 
 def _write(root: Path, step: int, value: float) -> Path:
     shared = {"model": {"w": torch.full((4,), value)}, "counters": {"step": step}}
-    return ckpt.write(ckpt.step_dir(root, step), rank=0, world_size=1, shared=shared, own={"rng": ckpt.capture_rng()}, barrier=lambda: None, meta={"step": step})
+    return ckpt.write(
+        ckpt.step_dir(root, step), rank=0, world_size=1, shared=shared, own={"rng": ckpt.capture_rng()}, barrier=lambda: None, meta={"step": step}
+    )
 
 
 def test_write_then_read_round_trips_and_verifies(tmp_path):

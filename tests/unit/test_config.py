@@ -107,15 +107,26 @@ def test_toml_strategy_options_are_checked_and_typed_against_the_chosen_strategy
     # A flag wins over the file; --set values are read the same way as the file's.
     sections = apply_overrides(load_toml(f), ["trainer.strategy_options.compression=int8"])
     assert cli._resolve_strategy_options(sections["trainer"], {"allreduce": "tree"})["strategy_options"] == {
-        "bucket_cap_mb": 2.0, "allreduce": "tree", "broadcast_buffers": False, "compression": "int8"}
+        "bucket_cap_mb": 2.0,
+        "allreduce": "tree",
+        "broadcast_buffers": False,
+        "compression": "int8",
+    }
     # Through the command: an unknown key, a bad value, a misplaced section: one line, exit code 2, nothing run.
     cases = [
-        ('[trainer]\nstrategy = "ddp"\n[trainer.strategy_options]\nbucket_cap = 2\n',
-         "strategy 'ddp' has no option 'bucket_cap' (did you mean 'bucket_cap_mb'?) (in trainer.strategy_options); its options are: bucket_cap_mb, "),
-        ('[trainer]\nstrategy = "ddp"\n[trainer.strategy_options]\nstatic_graph = 3\n',
-         "strategy 'ddp': option static_graph (--static-graph) must be true or false; got 3"),
+        (
+            '[trainer]\nstrategy = "ddp"\n[trainer.strategy_options]\nbucket_cap = 2\n',
+            "strategy 'ddp' has no option 'bucket_cap' (did you mean 'bucket_cap_mb'?) (in trainer.strategy_options); its options are: bucket_cap_mb, ",
+        ),
+        (
+            '[trainer]\nstrategy = "ddp"\n[trainer.strategy_options]\nstatic_graph = 3\n',
+            "strategy 'ddp': option static_graph (--static-graph) must be true or false; got 3",
+        ),
         ('[trainer]\nstrategy = "ddp"\nstrategy_options = 5\n', "trainer.strategy_options must be a table of option = value"),
-        ('[trainer]\nstrategy = "ddp"\n[strategy_options]\nbucket_cap_mb = 2\n', "unknown config sections ['strategy_options']; use [trainer] and [recipe] (strategy options go under [trainer.strategy_options])"),
+        (
+            '[trainer]\nstrategy = "ddp"\n[strategy_options]\nbucket_cap_mb = 2\n',
+            "unknown config sections ['strategy_options']; use [trainer] and [recipe] (strategy options go under [trainer.strategy_options])",
+        ),
     ]
     for text, message in cases:
         f.write_text(text)

@@ -27,8 +27,15 @@ def test_dp_is_refused_before_launch_without_two_gpus(tmp_path) -> None:
     count = torch.cuda.device_count()
     with pytest.raises(ConfigError, match=rf"needs at least 2 CUDA devices; this machine has {count}\. Use strategy='single'"):
         get_strategy("dp").plan(1, batch=Batch(16))
-    trainer = Trainer(strategy="dp", nproc=1, max_steps=2, global_batch_size=16, loss_fn=lambda out, b: nn.functional.cross_entropy(out, b[1]),
-                      out=str(tmp_path / "run"), accelerator="cpu")
+    trainer = Trainer(
+        strategy="dp",
+        nproc=1,
+        max_steps=2,
+        global_batch_size=16,
+        loss_fn=lambda out, b: nn.functional.cross_entropy(out, b[1]),
+        out=str(tmp_path / "run"),
+        accelerator="cpu",
+    )
     with pytest.raises(ConfigError, match="strategy 'dp' splits each batch across the GPUs"):
         trainer.fit(_model(), _data())
     assert not (tmp_path / "run").exists()  # refused before anything was written
@@ -44,9 +51,16 @@ def test_dp_refuses_several_processes() -> None:
 def test_dp_equals_single_on_two_gpus() -> None:
     def fit(strategy: str) -> dict[str, torch.Tensor]:
         model = _model().double()
-        trainer = Trainer(strategy=strategy, nproc=1, max_steps=5, global_batch_size=16, precision="64", seed=0,
-                          loss_fn=lambda out, b: nn.functional.cross_entropy(out, b[1].to(out.device)),
-                          optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        trainer = Trainer(
+            strategy=strategy,
+            nproc=1,
+            max_steps=5,
+            global_batch_size=16,
+            precision="64",
+            seed=0,
+            loss_fn=lambda out, b: nn.functional.cross_entropy(out, b[1].to(out.device)),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )
         trainer.fit(model, _data())
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 

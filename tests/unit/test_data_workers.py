@@ -50,8 +50,16 @@ def loss_fn(out, batch):
 
 def train(workers: int, out=None, **settings) -> dict[str, torch.Tensor]:
     model = WithDropout()
-    Trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss_fn=loss_fn, global_batch_size=16,
-            accumulate=2, num_workers=workers, progress_bar=False, out=str(out) if out else None, **settings).fit(model, Augmented())
+    Trainer(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        loss_fn=loss_fn,
+        global_batch_size=16,
+        accumulate=2,
+        num_workers=workers,
+        progress_bar=False,
+        out=str(out) if out else None,
+        **settings,
+    ).fit(model, Augmented())
     return model.state_dict()
 
 

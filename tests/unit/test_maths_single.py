@@ -39,7 +39,7 @@ def model64(seed: int = 0) -> nn.Module:
 def data(dtype: torch.dtype = torch.float64) -> TensorDataset:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(N, 5, generator=g, dtype=dtype)
-    y = ((x[:, 0] > 0).long() + (x[:, 1] > 0.3).long())
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.3).long()
     return TensorDataset(x, y)
 
 
@@ -106,8 +106,16 @@ def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def fit(accumulate: int, *, optimizer: Any = sgd, clip: float | None = None, scheduled: bool = False, steps: int = STEPS) -> dict[str, torch.Tensor]:
     model = model64()
     trainer = Trainer(
-        optimizer=optimizer, loss_fn=ce, lr_scheduler=schedule if scheduled else None, precision="64",
-        global_batch_size=N, accumulate=accumulate, max_steps=steps, clip_grad_norm=clip, log_every=steps, progress_bar=False,
+        optimizer=optimizer,
+        loss_fn=ce,
+        lr_scheduler=schedule if scheduled else None,
+        precision="64",
+        global_batch_size=N,
+        accumulate=accumulate,
+        max_steps=steps,
+        clip_grad_norm=clip,
+        log_every=steps,
+        progress_bar=False,
     )
     trainer.fit(model, data())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -185,8 +193,16 @@ def test_bf16_mixed_equals_a_hand_written_autocast_loop():
     init = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
     ds = data(torch.float32)
     model = copy.deepcopy(init)
-    Trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9), loss_fn=ce, precision="bf16-mixed",
-            global_batch_size=N, accumulate=2, max_steps=4, log_every=4, progress_bar=False).fit(model, ds)
+    Trainer(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9),
+        loss_fn=ce,
+        precision="bf16-mixed",
+        global_batch_size=N,
+        accumulate=2,
+        max_steps=4,
+        log_every=4,
+        progress_bar=False,
+    ).fit(model, ds)
 
     def by_hand(autocast: bool) -> dict[str, torch.Tensor]:
         m = copy.deepcopy(init)
@@ -217,8 +233,17 @@ def test_16_mixed_equals_a_hand_written_grad_scaler_loop_with_clipping():
     ds = data(torch.float32)
     x, y = ds.tensors
     model = copy.deepcopy(init)
-    Trainer(optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9), loss_fn=ce, precision="16-mixed", clip_grad_norm=MAX_NORM,
-            global_batch_size=N, accumulate=2, max_steps=4, log_every=4, progress_bar=False).fit(model, ds)
+    Trainer(
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9),
+        loss_fn=ce,
+        precision="16-mixed",
+        clip_grad_norm=MAX_NORM,
+        global_batch_size=N,
+        accumulate=2,
+        max_steps=4,
+        log_every=4,
+        progress_bar=False,
+    ).fit(model, ds)
 
     def by_hand(*, unscale: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
         m = copy.deepcopy(init)
@@ -273,15 +298,16 @@ def test_summary_samples_equal_the_samples_the_model_was_fed():
         fed.append(int(output.shape[0]))
         return ce(output, batch)
 
-    summary = Trainer(optimizer=sgd, loss_fn=counted_ce, precision="64", global_batch_size=16, accumulate=2, max_steps=5,
-                      log_every=5, progress_bar=False).fit(model64(), counting)
+    summary = Trainer(optimizer=sgd, loss_fn=counted_ce, precision="64", global_batch_size=16, accumulate=2, max_steps=5, log_every=5, progress_bar=False).fit(
+        model64(), counting
+    )
     assert fed == [8] * 10  # two micro-batches of 8 a step
     # before launch the Trainer reads sample 0 once to check that a batch fits the model's forward
     assert counting.seen[0] == 0
     counting.seen = counting.seen[1:]
     assert len(counting.seen) == sum(fed) == summary["samples"] == 80
     for epoch in range(2):
-        assert len(set(counting.seen[epoch * 32:(epoch + 1) * 32])) == 32
+        assert len(set(counting.seen[epoch * 32 : (epoch + 1) * 32])) == 32
 
 
 class WithSteps(nn.Module):
@@ -311,8 +337,17 @@ def test_training_step_and_validation_step_are_the_ones_used():
     init = copy.deepcopy(model)
     g = torch.Generator().manual_seed(8)
     val = TensorDataset(torch.randn(13, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (13,), generator=g))
-    summary = Trainer(optimizer=sgd, metrics={"accuracy": None}, precision="64", global_batch_size=N, accumulate=2,
-                      max_steps=3, log_every=3, val_batch_size=4, progress_bar=False).fit(model, data(), val)
+    summary = Trainer(
+        optimizer=sgd,
+        metrics={"accuracy": None},
+        precision="64",
+        global_batch_size=N,
+        accumulate=2,
+        max_steps=3,
+        log_every=3,
+        val_batch_size=4,
+        progress_bar=False,
+    ).fit(model, data(), val)
     opt = sgd(init.parameters())
     for _ in range(3):
         init.training_step(data().tensors).backward()

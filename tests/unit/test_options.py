@@ -40,7 +40,7 @@ DDP_DOCS = {
     "broadcast_buffers": "Copy rank 0's buffers (BatchNorm statistics) to every rank before each forward.",
     "allreduce": "Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms).",
     "compression": "Gradient codec with error feedback: fp16, bf16, int8, topk:RATIO, powersgd:RANK, ... (shardwise.comm.codecs).",
-    "record_buckets": "Route each native bucket through a Python hook that records it with its time (a little slower).",
+    "record_buckets": "Also time each native gradient bucket (launch to completion) in the comm record; bytes are recorded either way.",
 }
 """DDP's field docstrings as written in ddp.py: the help its flags must carry word for word."""
 
@@ -138,14 +138,20 @@ def parse(parser: argparse.ArgumentParser, *argv: str) -> dict[str, Any]:
 
 # --- one strategy's options --------------------------------------------------------------------
 
+
 def test_ddp_options_are_its_fields_with_their_docstrings():
     options = options_of(DDP)
     assert [o.name for o in options] == [f.name for f in dataclasses.fields(DDP)] == list(DDP_DOCS)
     assert {o.name: o.help for o in options} == DDP_DOCS
     assert {o.name: o.default for o in options} == {f.name: f.default for f in dataclasses.fields(DDP)}
     assert {o.name: type_name(o.type) for o in options} == {
-        "bucket_cap_mb": "float", "find_unused_parameters": "bool", "static_graph": "bool", "broadcast_buffers": "bool",
-        "allreduce": "str", "compression": "str | None", "record_buckets": "bool",
+        "bucket_cap_mb": "float",
+        "find_unused_parameters": "bool",
+        "static_graph": "bool",
+        "broadcast_buffers": "bool",
+        "allreduce": "str",
+        "compression": "str | None",
+        "record_buckets": "bool",
     }
     assert [o.flag for o in options if o.switch] == ["--find-unused-parameters", "--static-graph", "--broadcast-buffers", "--record-buckets"]
 
@@ -179,12 +185,21 @@ def test_ddp_flags_are_generated_from_its_fields():
 def test_the_flags_that_existed_before_generation_keep_their_spelling_and_meaning():
     # The hand-written list this replaced: flag -> (strategies whose field it sets, field name).
     before = {
-        "--allreduce": (("ddp",), "allreduce"), "--compression": (("ddp",), "compression"),
-        "--offload": (("zero2", "zero3", "fsdp", "hsdp"), "offload"), "--sync-every": (("local-sgd", "diloco", "gossip"), "sync_every"),
-        "--servers": (("ps",), "servers"), "--mode": (("ps",), "mode"), "--staleness": (("ps",), "staleness"),
-        "--pp": (("pipeline",), "pp"), "--tp": (("tp", "pipeline"), "tp"), "--microbatches": (("pipeline",), "microbatches"),
-        "--schedule": (("pipeline",), "schedule"), "--layers": (("pipeline",), "layers"), "--split-points": (("pipeline",), "split_points"),
-        "--sequence-parallel": (("tp",), "sequence_parallel"), "--dp-strategy": (("tp", "pipeline"), "dp_strategy"),
+        "--allreduce": (("ddp",), "allreduce"),
+        "--compression": (("ddp",), "compression"),
+        "--offload": (("zero2", "zero3", "fsdp", "hsdp"), "offload"),
+        "--sync-every": (("local-sgd", "diloco", "gossip"), "sync_every"),
+        "--servers": (("ps",), "servers"),
+        "--mode": (("ps",), "mode"),
+        "--staleness": (("ps",), "staleness"),
+        "--pp": (("pipeline",), "pp"),
+        "--tp": (("tp", "pipeline"), "tp"),
+        "--microbatches": (("pipeline",), "microbatches"),
+        "--schedule": (("pipeline",), "schedule"),
+        "--layers": (("pipeline",), "layers"),
+        "--split-points": (("pipeline",), "split_points"),
+        "--sequence-parallel": (("tp",), "sequence_parallel"),
+        "--dp-strategy": (("tp", "pipeline"), "dp_strategy"),
     }
     actions = train_actions(cli.train_parser())
     flags = catalog().flags
@@ -202,6 +217,7 @@ def test_the_flags_that_existed_before_generation_keep_their_spelling_and_meanin
 
 # --- a new strategy: one line in one place ------------------------------------------------------
 
+
 def test_a_registered_strategy_dataclass_gets_its_flags_help_and_listing_with_no_other_change(extra, capsys):
     extra("knobs", Knobs)
     parser = cli.train_parser()
@@ -210,11 +226,26 @@ def test_a_registered_strategy_dataclass_gets_its_flags_help_and_listing_with_no
         assert option.help and option.help in actions[option.flag].help
         assert group_of(parser, option.flag) == "strategy knobs"
     assert actions["--flavour"].metavar == "{plain,spicy}" and actions["--names"].metavar == "A,B,..."
-    given = parse(parser, "--strategy", "knobs", "--knob", "7", "--flavour", "spicy", "--names", "fc1,fc2", "--portion", "0.25",
-                  "--chatty", "--lookup", '{fc1 = "colwise"}', "--slots", "0,1")
+    given = parse(
+        parser,
+        "--strategy",
+        "knobs",
+        "--knob",
+        "7",
+        "--flavour",
+        "spicy",
+        "--names",
+        "fc1,fc2",
+        "--portion",
+        "0.25",
+        "--chatty",
+        "--lookup",
+        '{fc1 = "colwise"}',
+        "--slots",
+        "0,1",
+    )
     options = resolve("knobs", given, flags=given)
-    assert options == {"knob": 7, "flavour": "spicy", "names": ("fc1", "fc2"), "portion": 0.25, "chatty": True,
-                       "lookup": {"fc1": "colwise"}, "slots": (0, 1)}
+    assert options == {"knob": 7, "flavour": "spicy", "names": ("fc1", "fc2"), "portion": 0.25, "chatty": True, "lookup": {"fc1": "colwise"}, "slots": (0, 1)}
     strategy = get_strategy("knobs", **options)
     assert isinstance(strategy, Knobs) and strategy.options() == options
     assert cli.cmd_strategies("knobs") == 0
@@ -249,7 +280,9 @@ def test_an_option_several_strategies_have_is_one_flag_naming_them(extra):
     assert resolve("pipe-like", {"width": "2"}, flags={"width"}) == {"width": 2}
     with pytest.raises(ConfigError, match=r"strategy 'pipe-like': option width \(--width\) must be a whole number; got 'none'"):
         resolve("pipe-like", {"width": "none"}, flags={"width"})
-    with pytest.raises(ConfigError, match=r"--pace is an option of strategy pipe-like; strategy 'tensor-like' does not take it \(it takes --width, --merge-rule\)"):
+    with pytest.raises(
+        ConfigError, match=r"--pace is an option of strategy pipe-like; strategy 'tensor-like' does not take it \(it takes --width, --merge-rule\)"
+    ):
         resolve("tensor-like", {"pace": "1f1b"}, flags={"pace"})
 
 
@@ -278,16 +311,32 @@ def test_the_registered_strategies_options_agree_in_type_and_no_flag_collides_wi
 
 # --- conversion ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("option", "value", "expected"),
     [
-        ("knob", "7", 7), ("knob", 7, 7), ("knob", " -1 ", -1),
-        ("portion", "0.5", 0.5), ("portion", 2, 2.0), ("portion", "none", None), ("portion", None, None), ("portion", "1e-3", 0.001),
-        ("chatty", "true", True), ("chatty", "no", False), ("chatty", True, True), ("chatty", "1", True),
-        ("flavour", "spicy", "spicy"), ("flavour", "plain", "plain"),
-        ("names", "a, b,,c", ("a", "b", "c")), ("names", ["a"], ("a",)), ("names", "", ()),
-        ("slots", "0,1", (0, 1)), ("slots", [2, 3], (2, 3)), ("slots", "none", None),
-        ("lookup", '{fc1 = "colwise", "fc*2" = "rowwise"}', {"fc1": "colwise", "fc*2": "rowwise"}), ("lookup", {"a": "b"}, {"a": "b"}),
+        ("knob", "7", 7),
+        ("knob", 7, 7),
+        ("knob", " -1 ", -1),
+        ("portion", "0.5", 0.5),
+        ("portion", 2, 2.0),
+        ("portion", "none", None),
+        ("portion", None, None),
+        ("portion", "1e-3", 0.001),
+        ("chatty", "true", True),
+        ("chatty", "no", False),
+        ("chatty", True, True),
+        ("chatty", "1", True),
+        ("flavour", "spicy", "spicy"),
+        ("flavour", "plain", "plain"),
+        ("names", "a, b,,c", ("a", "b", "c")),
+        ("names", ["a"], ("a",)),
+        ("names", "", ()),
+        ("slots", "0,1", (0, 1)),
+        ("slots", [2, 3], (2, 3)),
+        ("slots", "none", None),
+        ("lookup", '{fc1 = "colwise", "fc*2" = "rowwise"}', {"fc1": "colwise", "fc*2": "rowwise"}),
+        ("lookup", {"a": "b"}, {"a": "b"}),
     ],
 )
 def test_command_line_text_and_toml_values_convert_to_the_field_type(option, value, expected):
@@ -334,8 +383,11 @@ def test_a_bad_value_names_the_option_the_strategy_and_the_valid_values(option, 
 
 def test_toml_keys_are_checked_against_the_chosen_strategys_fields():
     assert resolve("ddp", {"bucket_cap_mb": 2, "allreduce": "ring"}) == {"bucket_cap_mb": 2.0, "allreduce": "ring"}
-    with pytest.raises(ConfigError, match=r"strategy 'ddp' has no option 'bucket_cap' \(did you mean 'bucket_cap_mb'\?\) \(in trainer.strategy_options\); "
-                                          r"its options are: bucket_cap_mb, find_unused_parameters, static_graph, broadcast_buffers, allreduce, compression, record_buckets"):
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy 'ddp' has no option 'bucket_cap' \(did you mean 'bucket_cap_mb'\?\) \(in trainer.strategy_options\); "
+        r"its options are: bucket_cap_mb, find_unused_parameters, static_graph, broadcast_buffers, allreduce, compression, record_buckets",
+    ):
         resolve("ddp", {"bucket_cap": 2})
     with pytest.raises(ConfigError, match=r"strategy 'single' has no option 'x' \(in trainer.strategy_options\); its options are: none"):
         resolve("single", {"x": 1})
@@ -378,6 +430,7 @@ def test_field_docstrings_are_read_from_the_source_subclass_first():
 
 
 # --- every registered strategy --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", available())
 def test_every_registered_strategy_class_has_documented_options_with_flags(name):

@@ -193,9 +193,12 @@ def test_options_are_a_frozen_dataclass_normalized_and_checked_when_built():
         p.pp = 4  # type: ignore[misc]
     assert dataclasses.replace(p, pp=4, microbatches=4).num_stages == 8
     for bad, message in [
-        (dict(tp=0), "tp must be a whole number >= 1; got 0"), (dict(sequence_parallel=True), "sequence_parallel needs tp > 1"),
-        (dict(warmup_steps=-1), "warmup_steps must be a whole number >= 0; got -1"), (dict(split_points=[2]), "split_points must be layer names"),
-        (dict(tp_plan="blocks.*"), "tp_plan must map"), (dict(pp=0), "pp must be a whole number >= 1"),
+        (dict(tp=0), "tp must be a whole number >= 1; got 0"),
+        (dict(sequence_parallel=True), "sequence_parallel needs tp > 1"),
+        (dict(warmup_steps=-1), "warmup_steps must be a whole number >= 0; got -1"),
+        (dict(split_points=[2]), "split_points must be layer names"),
+        (dict(tp_plan="blocks.*"), "tp_plan must map"),
+        (dict(pp=0), "pp must be a whole number >= 1"),
     ]:
         with pytest.raises(ConfigError, match=message):
             Pipeline(**bad)
@@ -210,8 +213,13 @@ def test_every_option_has_a_docstring_that_becomes_its_help():
     for cls in (Pipeline, NaiveModelParallel):
         body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
         documented = {
-            a.target.id for a, b in itertools.pairwise(body)
-            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)
+            a.target.id
+            for a, b in itertools.pairwise(body)
+            if isinstance(a, ast.AnnAssign)
+            and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)
+            and isinstance(b.value.value, str)
         }
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in documented]
         assert not missing, f"{cls.__name__} options without a docstring: {missing}"
@@ -234,9 +242,20 @@ def test_the_state_exchange_carries_tensors_and_plain_values_exactly():
 
     state = (
         {0: {"w": torch.randn(2, 3, dtype=torch.float64), "mask": torch.tensor([True, False])}, 3: {}},
-        {"state": {"w": {"step": torch.tensor(5.0), "exp_avg": torch.zeros(0, 4), "calls": 7}},
-         "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "eps": float("inf"), "fused": None, "tag": "déjà",
-                           "params": ["w", "mask"], "scale": torch.ones(2, dtype=torch.bfloat16)}]},
+        {
+            "state": {"w": {"step": torch.tensor(5.0), "exp_avg": torch.zeros(0, 4), "calls": 7}},
+            "param_groups": [
+                {
+                    "lr": 0.1,
+                    "betas": (0.9, 0.999),
+                    "eps": float("inf"),
+                    "fused": None,
+                    "tag": "déjà",
+                    "params": ["w", "mask"],
+                    "scale": torch.ones(2, dtype=torch.bfloat16),
+                }
+            ],
+        },
     )
     [back] = all_gather_tree(state, group=WORLD, recorder=None, device=torch.device("cpu"))
 
@@ -318,8 +337,15 @@ def test_fit_refuses_a_model_it_cannot_split_in_the_parent(monkeypatch, make_mod
 
     monkeypatch.setattr(loop, "launch", no_launch)
     data = TensorDataset(torch.randn(8, 8), torch.randint(0, 11, (8,)))
-    trainer = Trainer(strategy="pipeline", strategy_options=options, nproc=2, global_batch_size=8, max_steps=1,
-                      progress_bar=False, loss_fn=lambda out, batch: F.cross_entropy(out, batch[1]))
+    trainer = Trainer(
+        strategy="pipeline",
+        strategy_options=options,
+        nproc=2,
+        global_batch_size=8,
+        max_steps=1,
+        progress_bar=False,
+        loss_fn=lambda out, batch: F.cross_entropy(out, batch[1]),
+    )
     with pytest.raises(ConfigError, match=message):
         trainer.fit(make_model(), data)
 
@@ -371,8 +397,18 @@ def _hf_or_skip():
 def _opt():
     tf = _hf_or_skip()
     torch.manual_seed(0)
-    cfg = tf.OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
-                       max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=32, attn_implementation="eager")
+    cfg = tf.OPTConfig(
+        vocab_size=64,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        word_embed_proj_dim=32,
+        attn_implementation="eager",
+    )
     return tf.OPTForCausalLM(cfg).double().eval()
 
 
@@ -421,8 +457,12 @@ def test_a_module_placed_before_the_blocks_that_runs_after_them_fails_loudly():
     from shardwise.strategies.pipeline.nested import NestedLayout, NestedStage
 
     opt = _opt()
-    wrong = NestedLayout(blocks="model.decoder.layers", prelude=("model.decoder.embed_tokens", "model.decoder.embed_positions",
-                         "model.decoder.final_layer_norm"), postlude=("lm_head",), source="test")
+    wrong = NestedLayout(
+        blocks="model.decoder.layers",
+        prelude=("model.decoder.embed_tokens", "model.decoder.embed_positions", "model.decoder.final_layer_norm"),
+        postlude=("lm_head",),
+        source="test",
+    )
     last = NestedStage(opt, wrong, ["2", "3"], False, True)
     ids = torch.randint(0, 64, (2, 16))
     with pytest.raises(ConfigError, match="took model.decoder.final_layer_norm for a module that runs before the blocks"):
@@ -436,7 +476,18 @@ def test_encoder_decoder_models_are_refused_not_split_wrong(family):
     if family == "t5":
         model = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
     else:
-        model = tf.BartForConditionalGeneration(tf.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                                                              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16))
+        model = tf.BartForConditionalGeneration(
+            tf.BartConfig(
+                vocab_size=64,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_position_embeddings=16,
+            )
+        )
     with pytest.raises(ConfigError, match=r"runs a second stack of blocks before .*decoder.*\.(block|layers) .*encoder.*cross-attention"):
         get_strategy("pipeline", pp=2).plan(2, model=model)

@@ -114,9 +114,20 @@ def test_a_server_drops_silent_workers_it_owes_nothing_but_never_worker_zero() -
     params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
     coder = GradientCoder(4, torch.float64, None)
     for mode, staleness in (("async", None), ("ssp", 1), ("sync", None)):
-        server = Server(params, lambda p: torch.optim.SGD(p, lr=0.1), index=0, worker_ranks=[0, 1, 2, 3], mode=mode, staleness=staleness,
-                        coder=coder, message_bytes=HEADER_BYTES + 32, reply_bytes=HEADER_BYTES + 32, worker_timeout_s=5.0,
-                        recorder=Recorder(), group=Group("ps"))
+        server = Server(
+            params,
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            index=0,
+            worker_ranks=[0, 1, 2, 3],
+            mode=mode,
+            staleness=staleness,
+            coder=coder,
+            message_bytes=HEADER_BYTES + 32,
+            reply_bytes=HEADER_BYTES + 32,
+            worker_timeout_s=5.0,
+            recorder=Recorder(),
+            group=Group("ps"),
+        )
         now = time.monotonic()
         server.last_seen = [now - 3600, now - 3600, now - 3600, now]  # 0, 1, 2 silent for an hour, 3 just spoke
         if mode == "ssp":  # worker 2 is two clocks ahead: it waits for an answer we owe it

@@ -39,9 +39,13 @@ def test_the_registry_builds_the_frozen_options_with_the_same_names_and_defaults
 def test_every_option_has_a_docstring(cls: type) -> None:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     documented = {
-        node.target.id for node, after in itertools.pairwise(body)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-        and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+        node.target.id
+        for node, after in itertools.pairwise(body)
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
     }
     assert documented == {f.name for f in dataclasses.fields(cls)}
 

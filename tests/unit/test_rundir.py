@@ -89,8 +89,9 @@ def test_a_callback_stop_between_log_steps_still_logs_the_train_loss(tmp_path):
         def on_train_step_end(self, trainer, engine, step, loss):
             trainer.should_stop = step >= 3
 
-    trainer = Trainer(optimizer=adam, loss_fn=ce, progress_bar=False, out=str(tmp_path), global_batch_size=16,
-                      max_steps=50, log_every=10, callbacks=[StopAt3()])
+    trainer = Trainer(
+        optimizer=adam, loss_fn=ce, progress_bar=False, out=str(tmp_path), global_batch_size=16, max_steps=50, log_every=10, callbacks=[StopAt3()]
+    )
     summary = trainer.fit(mlp(dtype=torch.float32), classification(128, dtype=torch.float32))
     assert summary["steps"] == 3 and steps_logged(tmp_path) == [3] and summary["train_loss"] == summary["train_loss"]
 

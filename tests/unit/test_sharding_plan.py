@@ -76,7 +76,9 @@ def test_hsdp_shapes():
     assert HSDP().shape(4) == (2, 2) and HSDP().shape(8) == (2, 4) and HSDP().shape(2) == (1, 2) and HSDP().shape(3) == (1, 3)
     assert HSDP(replicate=4).shape(4) == (4, 1) and HSDP(shard=4).shape(8) == (2, 4)
     assert FSDP().shape(4) == (1, 4) and Zero2().shape(6) == (1, 6)
-    with pytest.raises(ConfigError, match=r"hsdp shape replicate=3 x shard=None does not divide the world size 4; choose replicate x shard = 4 \(one of 1x4, 2x2, 4x1\)"):
+    with pytest.raises(
+        ConfigError, match=r"hsdp shape replicate=3 x shard=None does not divide the world size 4; choose replicate x shard = 4 \(one of 1x4, 2x2, 4x1\)"
+    ):
         HSDP(replicate=3).plan(4)
     with pytest.raises(ConfigError, match="replicate=2 x shard=2 does not divide the world size 2"):
         get_strategy("hsdp", replicate=2, shard=2).plan(2)
@@ -84,7 +86,10 @@ def test_hsdp_shapes():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_model_a_stage_cannot_shard_is_refused_by_the_plan(name):
-    with pytest.raises(ConfigError, match=rf"strategy '{'zero3' if name == 'fsdp' else name}' shards .* _Frozen has no trainable parameters \(21 parameters, none with requires_grad\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"strategy '{'zero3' if name == 'fsdp' else name}' shards .* _Frozen has no trainable parameters \(21 parameters, none with requires_grad\)",
+    ):
         get_strategy(name).plan(2, model=_Frozen())
     with pytest.raises(ConfigError, match="the model Tanh has no parameters; there is nothing to train"):
         get_strategy(name).plan(2, model=nn.Tanh())

@@ -96,17 +96,36 @@ class Fused(nn.Module):
 
 def test_charlm_plan_splits_attention_by_heads_and_the_mlp_leaving_embed_and_head_whole():
     plan = auto_plan(CharGPT(11, 8, 16, 2, 2))
-    assert plan == {f"blocks.{i}.{n}": s for i in range(2) for n, s in (
-        ("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"), ("attn.proj", "rowwise"),
-        ("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))}
+    assert plan == {
+        f"blocks.{i}.{n}": s
+        for i in range(2)
+        for n, s in (
+            ("attn.q", "colwise"),
+            ("attn.k", "colwise"),
+            ("attn.v", "colwise"),
+            ("attn.proj", "rowwise"),
+            ("mlp.fc", "colwise"),
+            ("mlp.proj", "rowwise"),
+        )
+    }
     assert not any(name.startswith(("embed", "head")) for name in plan)
 
 
 def test_llama_names():
     plan = auto_plan(Llama())
-    assert plan == {f"layers.{i}.{n}": s for i in range(2) for n, s in (
-        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"), ("self_attn.o_proj", "rowwise"),
-        ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"), ("mlp.down_proj", "rowwise"))}
+    assert plan == {
+        f"layers.{i}.{n}": s
+        for i in range(2)
+        for n, s in (
+            ("self_attn.q_proj", "colwise"),
+            ("self_attn.k_proj", "colwise"),
+            ("self_attn.v_proj", "colwise"),
+            ("self_attn.o_proj", "rowwise"),
+            ("mlp.gate_proj", "colwise"),
+            ("mlp.up_proj", "colwise"),
+            ("mlp.down_proj", "rowwise"),
+        )
+    }
     assert "lm_head" not in plan
 
 
@@ -146,7 +165,11 @@ def test_user_plans_with_patterns():
     plan = resolve_plan(BertAttention(), {"self.[qkv]*": "colwise", "output.0": "rowwise"}, tp=2)
     assert plan == {"self.query": "colwise", "self.key": "colwise", "self.value": "colwise", "output.0": "rowwise"}
     assert resolve_plan(Llama(), {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}) == {
-        "layers.0.mlp.up_proj": "colwise", "layers.1.mlp.up_proj": "colwise", "layers.0.mlp.down_proj": "rowwise", "layers.1.mlp.down_proj": "rowwise"}
+        "layers.0.mlp.up_proj": "colwise",
+        "layers.1.mlp.up_proj": "colwise",
+        "layers.0.mlp.down_proj": "rowwise",
+        "layers.1.mlp.down_proj": "rowwise",
+    }
 
 
 def test_a_plan_naming_a_missing_module_is_a_config_error():
@@ -204,10 +227,15 @@ def test_the_options_are_a_frozen_dataclass_with_help_and_fixed_choices():
 
     strategy = get_strategy("tp", tp=2, dp_strategy="fsdp")
     assert isinstance(strategy, TensorParallel) and isinstance(strategy, Strategy)
-    assert [f.name for f in dataclasses.fields(TensorParallel)] == [
-        "tp", "sequence_parallel", "tp_plan", "dp_strategy", "count_collectives", "check_replicas"]
-    assert strategy.options() == {"tp": 2, "sequence_parallel": False, "tp_plan": None, "dp_strategy": "fsdp",
-                                  "count_collectives": True, "check_replicas": False}
+    assert [f.name for f in dataclasses.fields(TensorParallel)] == ["tp", "sequence_parallel", "tp_plan", "dp_strategy", "count_collectives", "check_replicas"]
+    assert strategy.options() == {
+        "tp": 2,
+        "sequence_parallel": False,
+        "tp_plan": None,
+        "dp_strategy": "fsdp",
+        "count_collectives": True,
+        "check_replicas": False,
+    }
     with pytest.raises(dataclasses.FrozenInstanceError):
         strategy.tp = 4  # type: ignore[misc]
     hints = typing.get_type_hints(TensorParallel)
@@ -301,8 +329,15 @@ def test_a_model_the_plan_does_not_fit_is_refused_in_the_parent_before_launch(mo
     monkeypatch.setattr(loop, "launch", no_launch)
     ids = torch.randint(0, 11, (16, 9), generator=torch.Generator().manual_seed(0))
     data = TensorDataset(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
-    trainer = Trainer(strategy="tp", strategy_options={"tp": 2}, nproc=2, global_batch_size=8, max_steps=1, progress_bar=False,
-                      loss_fn=lambda out, batch: F.cross_entropy(out.reshape(-1, out.shape[-1]), batch[1].reshape(-1)))
+    trainer = Trainer(
+        strategy="tp",
+        strategy_options={"tp": 2},
+        nproc=2,
+        global_batch_size=8,
+        max_steps=1,
+        progress_bar=False,
+        loss_fn=lambda out, batch: F.cross_entropy(out.reshape(-1, out.shape[-1]), batch[1].reshape(-1)),
+    )
     with pytest.raises(ConfigError, match=r"blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks.*choose tp in \[1, 3\]"):
         trainer.fit(CharGPT(11, 8, 12, 3, 1), data)
 
@@ -363,8 +398,16 @@ def test_grouped_query_kv_heads_must_divide_by_tp():
 
 def test_a_declared_per_head_norm_has_its_gradient_summed_and_unknown_declared_styles_are_refused():
     tf = pytest.importorskip("transformers")
-    cfg = tf.Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=16)
+    cfg = tf.Qwen3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=16,
+    )
     model = tf.Qwen3ForCausalLM(cfg)
     plan, grad_sum, _ = resolve(model, None, 2)
     assert grad_sum == ["model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"]
@@ -378,8 +421,11 @@ def test_gpt2_conv1d_and_its_stacked_c_attn_split_by_heads():
     model = _zoo("gpt2")
     plan, _, source = resolve(model, None, 2)
     assert source == "auto"
-    assert plan == {f"transformer.h.{i}.{n}": s for i in range(2) for n, s in
-                    (("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))}
+    assert plan == {
+        f"transformer.h.{i}.{n}": s
+        for i in range(2)
+        for n, s in (("attn.c_attn", "colwise"), ("attn.c_proj", "rowwise"), ("mlp.c_fc", "colwise"), ("mlp.c_proj", "rowwise"))
+    }
     with pytest.raises(ConfigError, match=r"transformer.h.0.attn.c_attn has 4 attention heads, which do not split across tp=8"):
         resolve(model, None, 8)
 
@@ -402,7 +448,8 @@ def test_norms_are_chosen_by_their_place_in_the_block_not_their_class():
     llama = _zoo("llama")
     plan, grad_sum, _ = resolve(llama, None, 2)
     assert roles(llama, plan, grad_sum, True)["sum"] == [
-        f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
+        f"model.layers.{i}.{n}.weight" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")
+    ]
 
 
 class ScaledAttention(nn.Module):
@@ -442,15 +489,18 @@ def test_a_fused_projection_of_unknown_layout_is_still_refused():
 
 def test_other_families_get_a_plan_or_a_true_refusal():
     tf = pytest.importorskip("transformers")
-    opt = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=32, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
-                                         max_position_embeddings=16, word_embed_proj_dim=16))
+    opt = tf.OPTForCausalLM(
+        tf.OPTConfig(vocab_size=32, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=16)
+    )
     plan, grad_sum, source = resolve(opt, None, 2)
     assert source == "auto" and plan["model.decoder.layers.0.fc1"] == "colwise" and plan["model.decoder.layers.0.fc2"] == "rowwise"
     # fc1 sits in the decoder layer next to the norms: it is its own sublayer, and the norms are the layer's.
     assert roles(opt, plan, grad_sum, True)["sum"] == [
-        f"model.decoder.layers.0.{n}.{p}" for n in ("self_attn_layer_norm", "final_layer_norm") for p in ("weight", "bias")]
-    neox = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                  num_attention_heads=2, max_position_embeddings=16))
+        f"model.decoder.layers.0.{n}.{p}" for n in ("self_attn_layer_norm", "final_layer_norm") for p in ("weight", "bias")
+    ]
+    neox = tf.GPTNeoXForCausalLM(
+        tf.GPTNeoXConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=16)
+    )
     assert resolve(neox, None, 2)[2] == "declared"  # its fused query_key_value is per-head interleaved: colwise gives whole heads
     falcon = tf.FalconForCausalLM(tf.FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ConfigError, match="query_key_value is a fused q|k|v projection whose layout"):

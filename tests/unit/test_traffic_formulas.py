@@ -54,7 +54,12 @@ def test_recursive_doubling_folds_extra_ranks_as_mpich():
     assert [real_rank(v, 6) for v in range(4)] == [1, 3, 4, 5]
     N = 400
     assert _all("recursive-doubling", 100, 6) == [
-        Traffic(N, N, 2), Traffic(3 * N, 3 * N, 4), Traffic(N, N, 2), Traffic(3 * N, 3 * N, 4), Traffic(2 * N, 2 * N, 2), Traffic(2 * N, 2 * N, 2)
+        Traffic(N, N, 2),
+        Traffic(3 * N, 3 * N, 4),
+        Traffic(N, N, 2),
+        Traffic(3 * N, 3 * N, 4),
+        Traffic(2 * N, 2 * N, 2),
+        Traffic(2 * N, 2 * N, 2),
     ]
 
 
@@ -159,9 +164,21 @@ def test_the_benchmark_fit_recovers_alpha_and_beta_and_reads_sizes():
     for algo in ("ring", "tree", "recursive-doubling", "native"):
         for size in (1 << 10, 1 << 16, 1 << 20, 1 << 24):
             t = allreduce_traffic(algo, size // 4, 4, 4, 0)
-            rows.append({"algorithm": algo, "kind": "allreduce", "world_size": 4, "dtype": "float32", "size_bytes": size,
-                         "bytes_sent_per_rank": t.sent, "steps": t.steps, "time_s": alpha * t.steps + beta * t.sent + (1e-4 if algo == "native" else 0),
-                         "algbw": 1.0, "busbw": 1.5, "ratio_to_native": 1.0})
+            rows.append(
+                {
+                    "algorithm": algo,
+                    "kind": "allreduce",
+                    "world_size": 4,
+                    "dtype": "float32",
+                    "size_bytes": size,
+                    "bytes_sent_per_rank": t.sent,
+                    "steps": t.steps,
+                    "time_s": alpha * t.steps + beta * t.sent + (1e-4 if algo == "native" else 0),
+                    "algbw": 1.0,
+                    "busbw": 1.5,
+                    "ratio_to_native": 1.0,
+                }
+            )
     model = fit(rows)
     assert model["fitted_on"] == ["recursive-doubling", "ring", "tree"]  # native's rounds are hidden: not fitted
     assert model["alpha_s"] == pytest.approx(alpha, rel=1e-9) and model["beta_s_per_byte"] == pytest.approx(beta, rel=1e-9)

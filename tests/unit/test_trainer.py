@@ -44,8 +44,17 @@ def test_epochs_scheduler_callbacks_and_run_files(tmp_path):
             seen["end"] = summary["steps"]
 
     trainer = Trainer(
-        optimizer=adam, loss_fn=ce, lr_scheduler=step_lr, metrics={"accuracy": accuracy}, callbacks=[Recorder()],
-        global_batch_size=32, max_epochs=2, val_every=3, log_every=2, out=str(tmp_path), progress_bar=False,
+        optimizer=adam,
+        loss_fn=ce,
+        lr_scheduler=step_lr,
+        metrics={"accuracy": accuracy},
+        callbacks=[Recorder()],
+        global_batch_size=32,
+        max_epochs=2,
+        val_every=3,
+        log_every=2,
+        out=str(tmp_path),
+        progress_bar=False,
     )
     summary = trainer.fit(mlp(dtype=torch.float32), classification(100, dtype=torch.float32), classification(40, seed=9, dtype=torch.float32))
     assert summary["steps"] == 6  # 100 // 32 = 3 steps an epoch, 2 epochs

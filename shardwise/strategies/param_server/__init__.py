@@ -181,8 +181,9 @@ class ServerSettings:
     def __post_init__(self) -> None:
         name = self.name
         if isinstance(self.servers, bool) or not isinstance(self.servers, int) or self.servers < 1:
-            raise ConfigError(f"{name}: servers must be a whole number >= 1; got {self.servers!r}. "
-                              "Example: servers=1 (and at least one more process for a worker)")
+            raise ConfigError(
+                f"{name}: servers must be a whole number >= 1; got {self.servers!r}. Example: servers=1 (and at least one more process for a worker)"
+            )
         if self.mode not in MODES:
             raise ConfigError(f"{name}: mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         s = self.staleness
@@ -196,8 +197,7 @@ class ServerSettings:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ConfigError(f"{name}: worker_timeout_s must be a number of seconds > 0; got {t!r}")
         if self.compression is not None and isinstance(get_codec(self.compression), PowerSGD):
-            raise ConfigError(f"{name}: compression {self.compression!r} runs inside DDP's hook; "
-                              "choose fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign")
+            raise ConfigError(f"{name}: compression {self.compression!r} runs inside DDP's hook; choose fp16, bf16, int8, topk:RATIO, randomk:RATIO or sign")
 
     @property
     def alone(self) -> bool:
@@ -221,27 +221,32 @@ def check_model(name: str, model: nn.Module, servers: int) -> None:
     if not all(p.is_floating_point() for p in params):
         raise ConfigError(f"{name} sends floating-point parameters; this model has {sorted({str(p.dtype) for p in params})}")
     if len(params) < servers:
-        raise ConfigError(f"{name}: servers={servers} but the model has only {len(params)} parameter tensors to share out; "
-                          f"use at most {max(len(params), 1)} servers")
+        raise ConfigError(
+            f"{name}: servers={servers} but the model has only {len(params)} parameter tensors to share out; use at most {max(len(params), 1)} servers"
+        )
 
 
-def plan_servers(settings: ServerSettings, world_size: int, model: nn.Module | None = None, batch: Batch | None = None,
-                 mesh: Mapping[str, int] | None = None) -> Layout:
+def plan_servers(
+    settings: ServerSettings, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None
+) -> Layout:
     """The layout of a parameter-server job: the last ``servers`` ranks serve, the global batch is split over
     the workers only, asynchronous workers other than rank 0 may be lost. Pure."""
     name, servers = settings.name, settings.servers
     if isinstance(world_size, int) and not isinstance(world_size, bool) and servers >= world_size:
-        raise ConfigError(f"{name}: servers={servers} leaves no worker in a world of {world_size} processes; "
-                          f"use nproc >= {servers + 1} or fewer servers")
+        raise ConfigError(f"{name}: servers={servers} leaves no worker in a world of {world_size} processes; use nproc >= {servers + 1} or fewer servers")
     requested = dict(mesh or {})
     split = {k: v for k, v in requested.items() if k != "dp" and v != 1}
     if split:
-        raise ConfigError(f"{name}: every worker holds the whole model, so the only mesh dimension is dp (the workers); "
-                          f"got mesh={requested}. Drop the {', '.join(sorted(split))} setting(s)")
+        raise ConfigError(
+            f"{name}: every worker holds the whole model, so the only mesh dimension is dp (the workers); "
+            f"got mesh={requested}. Drop the {', '.join(sorted(split))} setting(s)"
+        )
     workers = world_size - servers if isinstance(world_size, int) else 0
     if "dp" in requested and requested["dp"] != workers:
-        raise ConfigError(f"{name}: the data-parallel degree is the number of workers, {workers} "
-                          f"({world_size} processes less {servers} server(s)); got mesh={requested}. Drop the dp setting")
+        raise ConfigError(
+            f"{name}: the data-parallel degree is the number of workers, {workers} "
+            f"({world_size} processes less {servers} server(s)); got mesh={requested}. Drop the dp setting"
+        )
     expendable = range(1, workers) if settings.alone else ()
     layout = plan_layout(name, world_size, batch=batch, servers=servers, expendable=expendable)
     if model is not None:
@@ -249,8 +254,7 @@ def plan_servers(settings: ServerSettings, world_size: int, model: nn.Module | N
     return layout
 
 
-def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh,
-                  recorder: Recorder) -> ServerRun:
+def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> ServerRun:
     """Share the model out over the servers and build this process's run.
 
     On a server rank this serves (inside this call) until every worker is done or lost, and
@@ -265,8 +269,7 @@ def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: Op
     params = list(model.parameters())
     if len({p.dtype for p in params}) != 1:
         # Known only now: the precision converts the model after the plan.
-        raise ConfigError(f"{name} sends one floating-point dtype per model; this model has {sorted({str(p.dtype) for p in params})}. "
-                          "Convert it to one dtype")
+        raise ConfigError(f"{name} sends one floating-point dtype per model; this model has {sorted({str(p.dtype) for p in params})}. Convert it to one dtype")
     model = model.to(mesh.device)
     params = list(model.parameters())
     world, servers = mesh.world_size, settings.servers
@@ -282,32 +285,53 @@ def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: Op
     if mesh.rank >= workers:
         s = mesh.rank - workers
         owned = [nn.Parameter(params[i].detach().clone()) for i in shards[s]]
-        server = Server(owned, make_optimizer, index=s, worker_ranks=list(range(workers)), mode=settings.mode,
-                        staleness=settings.staleness, coder=client.coders[s], message_bytes=client.message_bytes[s],
-                        reply_bytes=client.reply_bytes[s], worker_timeout_s=settings.worker_timeout_s,
-                        recorder=recorder, group=PS_GROUP, param_ids=shards[s], servers=servers)
+        server = Server(
+            owned,
+            make_optimizer,
+            index=s,
+            worker_ranks=list(range(workers)),
+            mode=settings.mode,
+            staleness=settings.staleness,
+            coder=client.coders[s],
+            message_bytes=client.message_bytes[s],
+            reply_bytes=client.reply_bytes[s],
+            worker_timeout_s=settings.worker_timeout_s,
+            recorder=recorder,
+            group=PS_GROUP,
+            param_ids=shards[s],
+            servers=servers,
+        )
         stats = server.serve()
         server.report_to(0)
-        return ServerRun(model, server.optimizer, Placement(trains=False), settings=settings, world_size=world,
-                         shard_bytes=shard_bytes, stats=[stats])
+        return ServerRun(model, server.optimizer, Placement(trains=False), settings=settings, world_size=world, shard_bytes=shard_bytes, stats=[stats])
     lr = float(make_optimizer(model.parameters()).param_groups[0]["lr"])  # the user's rate, for the scheduler
-    worker_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": workers, "pp": 1, "tp": 1},
-                       _groups={"dp": workers_group})
+    worker_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": workers, "pp": 1, "tp": 1}, _groups={"dp": workers_group})
     placement = Placement(trains=True, mesh=worker_mesh, group=workers_group, data_mesh=worker_mesh)
     if settings.alone:
         own = solo[mesh.rank]
         alone_mesh = Mesh(world_size=world, rank=mesh.rank, device=mesh.device, degrees={"dp": 1, "pp": 1, "tp": 1}, _groups={"dp": own})
         placement = Placement(trains=True, mesh=alone_mesh, group=own, data_mesh=worker_mesh)
-    return ServerRun(model, RemoteOptimizer(model.parameters(), lr, client), placement, settings=settings, world_size=world,
-                     shard_bytes=shard_bytes, client=client)
+    return ServerRun(
+        model, RemoteOptimizer(model.parameters(), lr, client), placement, settings=settings, world_size=world, shard_bytes=shard_bytes, client=client
+    )
 
 
 class ServerRun(LocalParallel):
     """One process of a parameter-server job: a worker (the whole model, a `RemoteOptimizer`) or a
     server that has already served (``placement.trains`` is False)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, placement: Placement, *, settings: ServerSettings,
-                 world_size: int, shard_bytes: list[int], client: Client | None = None, stats: list[ServerStats] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        placement: Placement,
+        *,
+        settings: ServerSettings,
+        world_size: int,
+        shard_bytes: list[int],
+        client: Client | None = None,
+        stats: list[ServerStats] | None = None,
+    ) -> None:
         super().__init__(model, optimizer, placement)
         self.settings, self.world_size, self.shard_bytes = settings, world_size, shard_bytes
         self.client = client
@@ -344,16 +368,23 @@ class ServerRun(LocalParallel):
         self.stats = self.client.finish(report=self.client.worker == 0)
         lost = sorted({w for st in self.stats for w in st.lost})
         if lost:
-            print(f"shardwise ps: lost worker(s) {lost} during the run (silent for worker_timeout_s={self.settings.worker_timeout_s:g}s "
-                  "or gone); the servers applied the others' gradients and the run finished without them", flush=True)
+            print(
+                f"shardwise ps: lost worker(s) {lost} during the run (silent for worker_timeout_s={self.settings.worker_timeout_s:g}s "
+                "or gone); the servers applied the others' gradients and the run finished without them",
+                flush=True,
+            )
 
     def summary(self) -> dict[str, Any]:
         """The ``ps`` section: options and shard sizes, and on worker 0 after ``finish`` what the servers applied."""
         st = self.settings
         workers = self.world_size - st.servers
         section: dict[str, Any] = {
-            "servers": st.servers, "workers": workers, "mode": st.mode,
-            "staleness_bound": st.staleness, "compression": st.compression, "shard_bytes": self.shard_bytes,
+            "servers": st.servers,
+            "workers": workers,
+            "mode": st.mode,
+            "staleness_bound": st.staleness,
+            "compression": st.compression,
+            "shard_bytes": self.shard_bytes,
         }
         if self.stats:
             merged = ServerStats(workers)
@@ -363,15 +394,17 @@ class ServerRun(LocalParallel):
                 for i, c in enumerate(stats.version_lag_hist):
                     merged.version_lag_hist[i] += c
             report = merged.report()
-            section.update({
-                "updates_per_server": [s.updates for s in self.stats],
-                "gradients_per_server": [s.gradients for s in self.stats],
-                "max_staleness": max(s.max_staleness for s in self.stats),
-                "max_version_lag": max(s.max_version_lag for s in self.stats),
-                "staleness_hist": report["staleness_hist"],
-                "version_lag_hist": report["version_lag_hist"],
-                "lost_workers": sorted({w for s in self.stats for w in s.lost}),
-            })
+            section.update(
+                {
+                    "updates_per_server": [s.updates for s in self.stats],
+                    "gradients_per_server": [s.gradients for s in self.stats],
+                    "max_staleness": max(s.max_staleness for s in self.stats),
+                    "max_version_lag": max(s.max_version_lag for s in self.stats),
+                    "staleness_hist": report["staleness_hist"],
+                    "version_lag_hist": report["version_lag_hist"],
+                    "lost_workers": sorted({w for s in self.stats for w in s.lost}),
+                }
+            )
         return {"ps": section}
 
 

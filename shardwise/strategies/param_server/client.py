@@ -53,8 +53,9 @@ from shardwise.strategies.param_server.protocol import (
 class Client:
     """A worker's side of the protocol with every server (the coders and message sizes are the servers' too)."""
 
-    def __init__(self, params: list[nn.Parameter], shards: list[list[int]], server_ranks: list[int], worker: int,
-                 codec: Codec | None, recorder: Recorder, group: Group) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], shards: list[list[int]], server_ranks: list[int], worker: int, codec: Codec | None, recorder: Recorder, group: Group
+    ) -> None:
         self.params, self.shards, self.server_ranks, self.worker = params, shards, server_ranks, worker
         self.recorder, self.group = recorder, group
         dtype = params[0].dtype
@@ -79,7 +80,7 @@ class Client:
         with torch.no_grad():
             for i in self.shards[s]:
                 p = self.params[i]
-                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     def push_pull(self, step: int, lr: float) -> None:
@@ -117,8 +118,7 @@ class Client:
             self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
         self._replies = []
         dense = sum(self.numels) * self.params[0].element_size()
-        self.recorder.add(CommEvent("pull", self.group.name, len(self.shards) + 1, dense, 0, sum(self.reply_bytes),
-                                    time.perf_counter() - self._pushed_at, 1))
+        self.recorder.add(CommEvent("pull", self.group.name, len(self.shards) + 1, dense, 0, sum(self.reply_bytes), time.perf_counter() - self._pushed_at, 1))
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         send(tensor, dst, group=self.group, recorder=self.recorder, tag=tag)

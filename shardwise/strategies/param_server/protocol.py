@@ -90,7 +90,7 @@ def pack(head: torch.Tensor, payload: torch.Tensor | None, size: int) -> torch.T
     msg[:HEADER_BYTES] = head.view(torch.uint8)
     if payload is not None:
         raw = payload.contiguous().view(-1).view(torch.uint8)
-        msg[HEADER_BYTES: HEADER_BYTES + raw.numel()] = raw
+        msg[HEADER_BYTES : HEADER_BYTES + raw.numel()] = raw
     return msg
 
 
@@ -101,7 +101,7 @@ def unpack_header(msg: torch.Tensor) -> torch.Tensor:
 def payload_of(msg: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
     """The dense payload (``numel`` values of ``dtype``) that follows the header, copied out."""
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    return msg[HEADER_BYTES: HEADER_BYTES + nbytes].clone().view(dtype)
+    return msg[HEADER_BYTES : HEADER_BYTES + nbytes].clone().view(dtype)
 
 
 @dataclass
@@ -135,7 +135,7 @@ class GradientCoder:
         if self.codec is None:
             return payload_of(msg, self.dtype, self.numel)
         assert self._template is not None
-        raw = msg[HEADER_BYTES: HEADER_BYTES + self.payload_bytes].clone()
+        raw = msg[HEADER_BYTES : HEADER_BYTES + self.payload_bytes].clone()
         return self.codec.decode(self._template.unpack_like(raw))
 
 
@@ -182,13 +182,20 @@ class ServerStats:
         v = [int(x) for x in t.tolist()]
         lost = [w for w in range(workers) if v[4 + w]]
         o = 4 + workers
-        return cls(workers, v[0], v[1], v[2], v[3], lost, v[o: o + HIST_BUCKETS], v[o + HIST_BUCKETS: o + 2 * HIST_BUCKETS])
+        return cls(workers, v[0], v[1], v[2], v[3], lost, v[o : o + HIST_BUCKETS], v[o + HIST_BUCKETS : o + 2 * HIST_BUCKETS])
 
     def report(self) -> dict[str, Any]:
         """JSON-friendly: histograms as {value: count}, zeros left out (the last key means '>= 63')."""
+
         def hist(h: list[int]) -> dict[str, int]:
             return {str(i): c for i, c in enumerate(h) if c}
 
-        return {"updates": self.updates, "gradients": self.gradients, "max_staleness": self.max_staleness,
-                "max_version_lag": self.max_version_lag, "lost_workers": self.lost,
-                "staleness_hist": hist(self.staleness_hist), "version_lag_hist": hist(self.version_lag_hist)}
+        return {
+            "updates": self.updates,
+            "gradients": self.gradients,
+            "max_staleness": self.max_staleness,
+            "max_version_lag": self.max_version_lag,
+            "lost_workers": self.lost,
+            "staleness_hist": hist(self.staleness_hist),
+            "version_lag_hist": hist(self.version_lag_hist),
+        }

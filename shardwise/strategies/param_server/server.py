@@ -249,7 +249,7 @@ class Server:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = grad[offset: offset + n].view_as(p).to(p.dtype)
+            p.grad = grad[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
         for group in self.optimizer.param_groups:
             group["lr"] = lr  # the worker's scheduler sets the rate
@@ -295,9 +295,15 @@ class Server:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this server: its shard, its optimizer state, its version."""
-        return {"index": self.index, "servers": self.servers, "param_ids": self.param_ids,
-                "params": [p.detach().clone() for p in self.params], "optimizer": self.optimizer.state_dict(),
-                "version": self.version, "clocks": list(self.completed)}
+        return {
+            "index": self.index,
+            "servers": self.servers,
+            "param_ids": self.param_ids,
+            "params": [p.detach().clone() for p in self.params],
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "clocks": list(self.completed),
+        }
 
     def _save(self, w: int, directory: Path) -> None:
         write_file(directory / SERVER_FILE.format(index=self.index), self.state())
@@ -338,8 +344,9 @@ class Server:
                     f"resume with servers={first['servers']}"
                 )
             group = {**saved[0]["optimizer"]["param_groups"][0], "params": list(range(len(self.param_ids)))}
-            state = {j: where[g][0]["optimizer"]["state"][where[g][1]] for j, g in enumerate(self.param_ids)
-                     if where[g][1] in where[g][0]["optimizer"]["state"]}
+            state = {
+                j: where[g][0]["optimizer"]["state"][where[g][1]] for j, g in enumerate(self.param_ids) if where[g][1] in where[g][0]["optimizer"]["state"]
+            }
             self.optimizer.load_state_dict({"state": state, "param_groups": [group]})
         self.version = max(int(st["version"]) for st in saved) if not same else int(saved[self.index]["version"])
 

@@ -353,8 +353,20 @@ from shardwise.strategies.pipeline.state import gather_state, load_local_state
 from shardwise.strategies.pipeline.ties import Tie, _cross_stage_ties, _find_param, sync_tied
 
 __all__ = [
-    "Pipeline", "PipelineModule", "PipelineRun", "StageModule", "balance", "batch_rows", "check_rows", "check_schedule",
-    "concat_batches", "mean", "sequence_layers", "split_batch", "split_layers", "write_timeline",
+    "Pipeline",
+    "PipelineModule",
+    "PipelineRun",
+    "StageModule",
+    "balance",
+    "batch_rows",
+    "check_rows",
+    "check_schedule",
+    "concat_batches",
+    "mean",
+    "sequence_layers",
+    "split_batch",
+    "split_layers",
+    "write_timeline",
 ]
 
 
@@ -598,8 +610,9 @@ class PipelineRun(Parallel):
         end = time.perf_counter()
         self._chunks = []
         sync_tied(self._tied, self._tie_params, self._group, self.mesh.coordinate("pp"), grads=True, device=self.mesh.device, recorder=self.recorder)
-        average_grads(self.model, self.mesh, dp_strategy=self.options.dp_strategy, tp=self.tp, sequence_parallel=self.options.sequence_parallel,
-                      recorder=self.recorder)
+        average_grads(
+            self.model, self.mesh, dp_strategy=self.options.dp_strategy, tp=self.tp, sequence_parallel=self.options.sequence_parallel, recorder=self.recorder
+        )
         busy = sum(e - s for _, _, _, s, e in self._clock.events)
         loss = torch.stack([self._losses[i] for i in sorted(self._losses)]).double().mean() if self.holds_last else torch.zeros((), dtype=torch.float64)
         # One small all_gather per step: the loss (from the last stage) and every stage's timing.
@@ -626,8 +639,9 @@ class PipelineRun(Parallel):
     def state_dict(self, optimizer: bool) -> dict[str, Any]:
         """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
         parameters), gathered from every pipeline rank to every rank of the group."""
-        return gather_state(self.model, self.optimizer if optimizer else None, self._group, self._all_names, self._aliases,
-                            device=self.mesh.device, recorder=self.recorder)
+        return gather_state(
+            self.model, self.optimizer if optimizer else None, self._group, self._all_names, self._aliases, device=self.mesh.device, recorder=self.recorder
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``)."""
@@ -655,9 +669,14 @@ class PipelineRun(Parallel):
         """The ``pipeline`` section: the schedule, the mesh (pp, tp, dp), the split, the bubble measured and predicted."""
         o = self.options
         section = bubble_section(
-            self._steps, schedule=o.schedule, pp=self.pp, microbatches=int(o.microbatches or 1),
-            virtual_stages=int(o.virtual_stages or 1), num_stages=self.num_stages,
-            stage_layers=self.stage_layers, warmup_steps=o.warmup_steps,
+            self._steps,
+            schedule=o.schedule,
+            pp=self.pp,
+            microbatches=int(o.microbatches or 1),
+            virtual_stages=int(o.virtual_stages or 1),
+            num_stages=self.num_stages,
+            stage_layers=self.stage_layers,
+            warmup_steps=o.warmup_steps,
         )
         section.update({"tp": self.tp, "dp": self.dp, "dp_strategy": o.dp_strategy, "sequence_parallel": o.sequence_parallel})
         if self._timeline is not None:

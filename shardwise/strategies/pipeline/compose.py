@@ -63,12 +63,18 @@ def average_grads(module: nn.Module, mesh: Mesh, *, dp_strategy: str, tp: int, s
     all_reduce(flat, "mean", group=mesh.group("dp"), recorder=recorder)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, device: torch.device, pp_group: Group | None, skip: set[int] = frozenset(),  # type: ignore[assignment]
-                   recorder: Recorder | None = None) -> torch.Tensor:
+def clip_grad_norm(
+    model: nn.Module,
+    max_norm: float,
+    device: torch.device,
+    pp_group: Group | None,
+    skip: set[int] = frozenset(),  # type: ignore[assignment]
+    recorder: Recorder | None = None,
+) -> torch.Tensor:
     """Clip by the global norm: a gradient's squared norm counts once, summed over the tp ranks
     that hold shards of it and over the pp ranks (each parameter lives on one stage), never
     over replicas (dp, or tp for replicated tensors). Same coefficient as torch's

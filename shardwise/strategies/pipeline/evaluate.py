@@ -30,8 +30,9 @@ class PipelineModule(nn.Module):
     (``Engine.forward_backward``), not through this forward.
     """
 
-    def __init__(self, stages: dict[int, nn.Module], runners: dict[int, nn.Module], num_stages: int, group: Group, device: torch.device,
-                 recorder: Recorder | None = None) -> None:
+    def __init__(
+        self, stages: dict[int, nn.Module], runners: dict[int, nn.Module], num_stages: int, group: Group, device: torch.device, recorder: Recorder | None = None
+    ) -> None:
         super().__init__()
         for idx in sorted(stages):
             for name in stages[idx].layer_names:  # type: ignore[union-attr]
@@ -120,13 +121,13 @@ def _header(t: torch.Tensor) -> torch.Tensor:
         raise ConfigError(f"a pipeline stage boundary must carry one tensor of at most {_HEADER - 2} dims; got {type(t).__name__}")
     h = torch.zeros(_HEADER, dtype=torch.int64)
     h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
-    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return h
 
 
 def _empty_from(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     ndim = int(h[1])
-    return torch.empty([int(s) for s in h[2:2 + ndim]], dtype=_DTYPES[int(h[0])], device=device)
+    return torch.empty([int(s) for s in h[2 : 2 + ndim]], dtype=_DTYPES[int(h[0])], device=device)
 
 
 def _send_tensor(t: torch.Tensor, group: Group, dst: int, recorder: Recorder | None = None) -> None:

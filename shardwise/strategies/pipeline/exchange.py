@@ -24,10 +24,23 @@ import torch
 from shardwise.comm import Group, Recorder, all_gather
 from shardwise.errors import ConfigError
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def all_gather_varlen(tensor: torch.Tensor, *, group: Group, recorder: Recorder | None, device: torch.device) -> list[torch.Tensor]:
@@ -102,7 +115,7 @@ def _decode(shape: str, payload: torch.Tensor) -> Any:
             for d in dims:
                 numel *= d
             nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            raw = payload[offset: offset + nbytes].clone()
+            raw = payload[offset : offset + nbytes].clone()
             offset += nbytes
             return raw.view(dtype).reshape(dims)
         if kind == "d":

@@ -152,7 +152,7 @@ def nested_layout(model: nn.Module, layers: str | None = None) -> NestedLayout:
                 continue
             if not any(True for _ in child.parameters()):
                 continue  # rotary embeddings, dropout, activations: every stage keeps them
-            after = runs_after(model, full, ".".join(parts[:depth + 1]))
+            after = runs_after(model, full, ".".join(parts[: depth + 1]))
             (postlude if (seen_path if after is None else after) else prelude).append(full)
     return NestedLayout(blocks=blocks, prelude=tuple(prelude), postlude=tuple(postlude), source=source, aliases=tied_aliases(model))
 
@@ -168,7 +168,7 @@ def _dotted(node: ast.AST) -> str | None:
 
 def _as_attribute(full: str, prefix: str) -> str:
     """How the forward of the module at ``prefix`` spells the submodule ``full``: ``self.`` and the rest."""
-    return "self." + (full[len(prefix) + 1:] if prefix else full)
+    return "self." + (full[len(prefix) + 1 :] if prefix else full)
 
 
 def runs_after(model: nn.Module, name: str, path: str) -> bool | None:
@@ -227,8 +227,12 @@ def check_nested(model: nn.Module, layout: NestedLayout, stages: int, microbatch
             f"{type(model).__name__} has {n} blocks in {layout.blocks} but the pipeline needs {stages} stages "
             "(pp x virtual stages), each with at least one block; use fewer stages or a model with more blocks"
         )
-    stacks = [f"{p}.{n}" for p in layout.prelude for n, m in model.get_submodule(p).named_modules()
-              if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1]
+    stacks = [
+        f"{p}.{n}"
+        for p in layout.prelude
+        for n, m in model.get_submodule(p).named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
+    ]
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or stacks:
         raise ConfigError(
             f"{type(model).__name__} runs a second stack of blocks before {layout.blocks} "
@@ -256,14 +260,12 @@ def split_blocks(model: nn.Module, layout: NestedLayout, stages: int, split_poin
         names = [f"{layout.blocks}.{k}" for k in keys]
         unknown = [s for s in split_points if s not in names]
         if unknown or len(split_points) != stages - 1:
-            raise ConfigError(
-                f"split_points must name {stages - 1} blocks that start stages 1..{stages - 1}, from {names}; got {list(split_points)}"
-            )
+            raise ConfigError(f"split_points must name {stages - 1} blocks that start stages 1..{stages - 1}, from {names}; got {list(split_points)}")
         starts = [0] + sorted(names.index(s) for s in split_points)
     else:
         starts = balance([max(1, sum(p.numel() for p in blocks[i].parameters())) for i in range(len(keys))], stages)
     bounds = starts + [len(keys)]
-    return [keys[bounds[i]:bounds[i + 1]] for i in range(stages)]
+    return [keys[bounds[i] : bounds[i + 1]] for i in range(stages)]
 
 
 class _Holder:

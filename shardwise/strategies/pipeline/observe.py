@@ -100,8 +100,9 @@ def record_stage_traffic(stage: Any, group: Group, recorder: Recorder) -> None:
 _KINDS = ("F", "B")
 
 
-def gather_events(events: Sequence[tuple[int, int, str, float, float]], group: Group, recorder: Recorder | None,
-                  device: torch.device) -> list[tuple[int, int, str, float, float]]:
+def gather_events(
+    events: Sequence[tuple[int, int, str, float, float]], group: Group, recorder: Recorder | None, device: torch.device
+) -> list[tuple[int, int, str, float, float]]:
     """Every rank's timeline events (stage, micro-batch, F|B, start, end), as float64 rows (collective over ``group``)."""
     from shardwise.strategies.pipeline.exchange import all_gather_varlen
 
@@ -114,8 +115,15 @@ def gather_events(events: Sequence[tuple[int, int, str, float, float]], group: G
 
 
 def bubble_section(
-    steps: Sequence[Sequence[tuple[float, float, float]]], *, schedule: str, pp: int, microbatches: int,
-    virtual_stages: int, num_stages: int, stage_layers: list[list[str]] | None, warmup_steps: int,
+    steps: Sequence[Sequence[tuple[float, float, float]]],
+    *,
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int,
+    num_stages: int,
+    stage_layers: list[list[str]] | None,
+    warmup_steps: int,
 ) -> dict[str, Any]:
     """The ``pipeline`` summary section from each step's per-rank ``(busy, start, end)`` times:
     the bubble measured over the steps after ``warmup_steps`` (all of them if none are left), and
@@ -132,8 +140,11 @@ def bubble_section(
             per_stage[i].append(b)
             busy[i].append(rows[i][0])
     section: dict[str, Any] = {
-        "schedule": schedule, "pp": pp, "microbatches": microbatches,
-        "virtual_stages": virtual_stages, "stages": num_stages,
+        "schedule": schedule,
+        "pp": pp,
+        "microbatches": microbatches,
+        "virtual_stages": virtual_stages,
+        "stages": num_stages,
         "stage_layers": stage_layers,
         "bubble_measured": mean([mean(s) for s in per_stage]) if measured_steps else None,
         # The median step resists a step the OS stalled (shared machines); the mean is the headline.
@@ -158,7 +169,10 @@ def write_timeline(path: str, events: list[tuple[int, int, str, float, float]], 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = min((e[3] for e in events), default=0.0)
-    rows: list[dict[str, Any]] = [{"stage": st, "rank": st % pp, "microbatch": mb, "kind": k, "start_s": s - t0, "end_s": e - t0} for st, mb, k, s, e in sorted(events, key=lambda e: e[3])]
+    rows: list[dict[str, Any]] = [
+        {"stage": st, "rank": st % pp, "microbatch": mb, "kind": k, "start_s": s - t0, "end_s": e - t0}
+        for st, mb, k, s, e in sorted(events, key=lambda e: e[3])
+    ]
     out.with_suffix(out.suffix + ".json").write_text(json.dumps({"schedule": schedule, "pp": pp, "events": rows}, indent=1))
     try:
         import matplotlib
@@ -173,7 +187,9 @@ def write_timeline(path: str, events: list[tuple[int, int, str, float, float]], 
     for r in rows:
         shade = 0.35 if r["kind"] == "F" else 0.85
         color = cmap(r["stage"] // pp % 10)
-        ax.barh(r["rank"], (r["end_s"] - r["start_s"]) * 1e3, left=r["start_s"] * 1e3, height=0.8, color=color, alpha=shade + 0.15, edgecolor="black", linewidth=0.3)
+        ax.barh(
+            r["rank"], (r["end_s"] - r["start_s"]) * 1e3, left=r["start_s"] * 1e3, height=0.8, color=color, alpha=shade + 0.15, edgecolor="black", linewidth=0.3
+        )
         ax.text((r["start_s"] + r["end_s"]) / 2 * 1e3, r["rank"], f"{r['kind']}{r['microbatch']}", ha="center", va="center", fontsize=6)
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {i}" for i in range(pp)])

@@ -39,7 +39,9 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: in
         )
     if schedule == "interleaved":
         if virtual_stages < 2:
-            raise ConfigError(f"schedule interleaved needs virtual_stages >= 2 (model chunks per rank); got {virtual_stages}; use gpipe or 1f1b for one chunk per rank")
+            raise ConfigError(
+                f"schedule interleaved needs virtual_stages >= 2 (model chunks per rank); got {virtual_stages}; use gpipe or 1f1b for one chunk per rank"
+            )
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             # torch's interleaved 1F1B runs micro-batches in rounds of about pp (flex schedule).
@@ -124,8 +126,12 @@ class _Replay:
         def same(a: Any, b: Any) -> bool:
             return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape)
 
-        fits = (len(args) == len(self.args) and all(same(a, b) for a, b in zip(args, self.args, strict=True))
-                and set(kwargs) == set(self.kwargs) and all(same(kwargs[k], self.kwargs[k]) for k in kwargs))
+        fits = (
+            len(args) == len(self.args)
+            and all(same(a, b) for a, b in zip(args, self.args, strict=True))
+            and set(kwargs) == set(self.kwargs)
+            and all(same(kwargs[k], self.kwargs[k]) for k in kwargs)
+        )
         if not fits:
             raise ConfigError(
                 "the pipeline strategy computes the loss on its last stage from the model's output: the step "

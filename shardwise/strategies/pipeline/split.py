@@ -112,7 +112,7 @@ def split_layers(layers: Sequence[tuple[str, nn.Module]], stages: int, split_poi
             )
         starts = balance(counts, stages)
     bounds = starts + [len(layers)]
-    runs = [list(layers[bounds[i]:bounds[i + 1]]) for i in range(stages)]
+    runs = [list(layers[bounds[i] : bounds[i + 1]]) for i in range(stages)]
     for i, run in enumerate(runs):
         if not any(p.requires_grad for _, m in run for p in m.parameters()):
             raise ConfigError(f"pipeline stage {i} ({[n for n, _ in run]}) has no trainable parameters; move its split point")

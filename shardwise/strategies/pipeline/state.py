@@ -21,8 +21,16 @@ from shardwise.strategies.pipeline.evaluate import PipelineModule
 from shardwise.strategies.pipeline.exchange import all_gather_tree
 
 
-def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, group: Group, all_names: list[str],
-                 aliases: dict[str, str] | None = None, *, device: torch.device, recorder: Recorder | None = None) -> dict[str, Any]:
+def gather_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    group: Group,
+    all_names: list[str],
+    aliases: dict[str, str] | None = None,
+    *,
+    device: torch.device,
+    recorder: Recorder | None = None,
+) -> dict[str, Any]:
     """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
     parameters), gathered from every pipeline rank to every rank of the group.
 
@@ -69,8 +77,9 @@ def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grou
     return out
 
 
-def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], all_names: list[str],
-                     aliases: dict[str, str] | None = None) -> None:
+def load_local_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any], all_names: list[str], aliases: dict[str, str] | None = None
+) -> None:
     """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``); a copy of a
     tied weight takes the optimizer state saved under the weight's first name."""
     aliases = aliases or {}

@@ -69,8 +69,9 @@ def _find_param(stages: dict[int, nn.Module], name: str, aliases: dict[str, str]
     return None
 
 
-def sync_tied(ties: Sequence[Tie], params: dict[str, nn.Parameter | None], group: Group, me: int, *, grads: bool,
-              device: torch.device, recorder: Recorder | None = None) -> None:
+def sync_tied(
+    ties: Sequence[Tie], params: dict[str, nn.Parameter | None], group: Group, me: int, *, grads: bool, device: torch.device, recorder: Recorder | None = None
+) -> None:
     """Start the copies equal (``grads=False``) or sum their gradients over the owners (``grads=True``).
 
     One collective per tied weight over the pipeline group: ranks that hold no copy take part

@@ -115,7 +115,7 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     offset = 0
     for t in tensors:
         n = t.numel()
-        t.copy_(flat[offset: offset + n].view_as(t))
+        t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
 
 
@@ -128,8 +128,9 @@ class ReplicaRun(LocalParallel):
     rounds (`mix_state`, `load_mix_state`, `restart_mix`) and reports its options (`report`).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str, section: str,
-                 sync_every: int, group: Group, recorder: Recorder) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str, section: str, sync_every: int, group: Group, recorder: Recorder
+    ) -> None:
         super().__init__(model, optimizer)
         self.strategy_name, self.section = strategy, section
         self.sync_every = check_sync_every(strategy, sync_every)
@@ -168,8 +169,13 @@ class ReplicaRun(LocalParallel):
 
     def save_extra_state(self, directory: Path) -> None:
         """This rank's replica, into the checkpoint's temporary directory (every rank)."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "mixer": self.mix_state(), "steps": self.steps, "rounds": self.rounds}
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "mixer": self.mix_state(),
+            "steps": self.steps,
+            "rounds": self.rounds,
+        }
         write_file(Path(directory) / REPLICA_FILE.format(rank=self.rank), state)
 
     def load_extra_state(self, path: Path) -> None:
@@ -178,8 +184,9 @@ class ReplicaRun(LocalParallel):
         file = Path(path) / REPLICA_FILE.format(rank=self.rank)
         if not file.is_file():
             if self.rank == 0:
-                print(f"shardwise {self.strategy_name}: {path} has no state for this rank's replica; every replica "
-                      "starts from the checkpoint's model", flush=True)
+                print(
+                    f"shardwise {self.strategy_name}: {path} has no state for this rank's replica; every replica starts from the checkpoint's model", flush=True
+                )
             self.restart_mix()
             return
         state = load_file(file)

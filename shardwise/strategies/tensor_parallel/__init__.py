@@ -336,9 +336,31 @@ from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_ori
 from shardwise.strategies.tensor_parallel.roles import roles
 
 __all__ = [
-    "ATTN_COLWISE", "ATTN_ROWWISE", "FUSED", "MLP_COLWISE", "MLP_ROWWISE", "STYLES", "TensorParallel", "TensorParallelRun", "auto_plan",
-    "check_divisible", "check_model_fits", "check_replicas", "clip_grad_norm_", "count_collectives", "declared_plan", "group_names", "ns_is_input_shard", "parallelize",
-    "reduce_partial_grads", "replicate_grads", "resolve", "resolve_plan", "roles", "shard_data_parallel", "synchronize_dropout",
+    "ATTN_COLWISE",
+    "ATTN_ROWWISE",
+    "FUSED",
+    "MLP_COLWISE",
+    "MLP_ROWWISE",
+    "STYLES",
+    "TensorParallel",
+    "TensorParallelRun",
+    "auto_plan",
+    "check_divisible",
+    "check_model_fits",
+    "check_replicas",
+    "clip_grad_norm_",
+    "count_collectives",
+    "declared_plan",
+    "group_names",
+    "ns_is_input_shard",
+    "parallelize",
+    "reduce_partial_grads",
+    "replicate_grads",
+    "resolve",
+    "resolve_plan",
+    "roles",
+    "shard_data_parallel",
+    "synchronize_dropout",
 ]
 
 
@@ -359,8 +381,9 @@ def check_model_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, seq
         _sequence_blocks(model, resolved)
     roles(model, resolved, grad_sum, sequence_parallel)  # the backstop: a module no rule covers
     if dp_strategy == "fsdp" and any(fused_parts(model, n) for n, st in resolved.items() if st == "colwise"):
-        raise ConfigError("a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; "
-                          "got dp_strategy 'fsdp'. Use dp_strategy='ddp'")
+        raise ConfigError(
+            "a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; got dp_strategy 'fsdp'. Use dp_strategy='ddp'"
+        )
 
 
 @dataclass(frozen=True, init=False)
@@ -388,14 +411,26 @@ class TensorParallel(Strategy):
     """After every step, compare the replicated parameters across the tp ranks bit for bit (a debug check)."""
 
     def __init__(
-        self, tp: int | None = None, sequence_parallel: bool = False, tp_plan: dict[str, str] | str | None = None,
-        dp_strategy: Literal["ddp", "fsdp"] = "ddp", count_collectives: bool = True, check_replicas: bool = False, *,
+        self,
+        tp: int | None = None,
+        sequence_parallel: bool = False,
+        tp_plan: dict[str, str] | str | None = None,
+        dp_strategy: Literal["ddp", "fsdp"] = "ddp",
+        count_collectives: bool = True,
+        check_replicas: bool = False,
+        *,
         plan: dict[str, str] | str | None = None,
     ) -> None:
         if plan is not None and tp_plan is not None:
             raise ConfigError("the tensor-parallel plan was given twice, as tp_plan and as plan (its old name); give tp_plan only")
-        values = dict(tp=tp, sequence_parallel=sequence_parallel, tp_plan=tp_plan if plan is None else plan, dp_strategy=dp_strategy,
-                      count_collectives=count_collectives, check_replicas=check_replicas)
+        values = dict(
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            tp_plan=tp_plan if plan is None else plan,
+            dp_strategy=dp_strategy,
+            count_collectives=count_collectives,
+            check_replicas=check_replicas,
+        )
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.__post_init__()
@@ -419,7 +454,9 @@ class TensorParallel(Strategy):
             for key, style in plan.items():
                 if style not in STYLES:
                     close = difflib.get_close_matches(str(style), STYLES, n=1)
-                    raise ConfigError(f"plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'")
+                    raise ConfigError(
+                        f"plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'"
+                    )
             plan = dict(plan)
         object.__setattr__(self, "tp_plan", plan)
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel))
@@ -475,8 +512,14 @@ class TensorParallelRun(Parallel):
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: TensorParallel, tp_group: Group,
-        dp_group: Group | None, names: dict[str, tuple[str, int]], recorder: Recorder,
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        strategy: TensorParallel,
+        tp_group: Group,
+        dp_group: Group | None,
+        names: dict[str, tuple[str, int]],
+        recorder: Recorder,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.placement = Placement()  # every rank trains; tp ranks of one dp coordinate read the same data shard
@@ -487,8 +530,12 @@ class TensorParallelRun(Parallel):
         if info is None:
             raise ValueError(f"{type(model).__name__} was not split by parallelize(): the tp run has no plan to report")
         self.applied: dict[str, str] = dict(info["plan"])
-        self.roles: dict[str, Any] = {"plan_source": info["source"], "grad_summed": list(info["sum"]), "whole": list(info["whole"]),
-                                      "fused": sorted(info["fused"])}
+        self.roles: dict[str, Any] = {
+            "plan_source": info["source"],
+            "grad_summed": list(info["sum"]),
+            "whole": list(info["whole"]),
+            "fused": sorted(info["fused"]),
+        }
         self.params = list(model.parameters())
         self.counts: Counter[tuple[str, str, str]] = Counter()
         self.steps = 0
@@ -525,8 +572,10 @@ class TensorParallelRun(Parallel):
         if precision.mode == "16-mixed" and not self._fsdp():
             # torch's GradScaler unscales all gradients in one foreach call, which refuses a mix of
             # DTensor (split linears) and plain tensors (embedding, head): fail before the first step.
-            raise ConfigError("strategy 'tp' does not run with precision '16-mixed' (torch's GradScaler cannot unscale a mix of "
-                              "DTensor and plain gradients); use precision 'bf16-mixed', which needs no scaler, or '32'")
+            raise ConfigError(
+                "strategy 'tp' does not run with precision '16-mixed' (torch's GradScaler cannot unscale a mix of "
+                "DTensor and plain gradients); use precision 'bf16-mixed', which needs no scaler, or '32'"
+            )
         mode = _collective_counter_mode()(self._recorder, self._names) if self._strategy.count_collectives else None
         if mode is not None:
             inner = step_fn
@@ -537,6 +586,7 @@ class TensorParallelRun(Parallel):
                     return inner(model, batch)
                 finally:
                     mode.phase = "backward"
+
         with mode if mode is not None else contextlib.nullcontext():
             loss = accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
         if mode is not None:
@@ -606,8 +656,15 @@ class TensorParallelRun(Parallel):
         per_step: dict[str, dict[str, float]] = {}
         for (group, kind, phase), n in sorted(self.counts.items()):
             per_step.setdefault(f"{group}/{kind}", {})[phase] = n / steps
-        return {"tp": {
-            "degree": self.degree, "dp": self.dp, "dp_strategy": s.dp_strategy if self.dp > 1 else None,
-            "sequence_parallel": s.sequence_parallel, "plan": self.applied, **self.roles,
-            "collectives_per_step": per_step if s.count_collectives else None, "counted_steps": self.steps if s.count_collectives else 0,
-        }}
+        return {
+            "tp": {
+                "degree": self.degree,
+                "dp": self.dp,
+                "dp_strategy": s.dp_strategy if self.dp > 1 else None,
+                "sequence_parallel": s.sequence_parallel,
+                "plan": self.applied,
+                **self.roles,
+                "collectives_per_step": per_step if s.count_collectives else None,
+                "counted_steps": self.steps if s.count_collectives else 0,
+            }
+        }

@@ -45,7 +45,12 @@ def tp_info(module: nn.Module) -> dict[str, Any] | None:
 
 
 def parallelize(
-    module: nn.Module, tp_mesh: Any, plan: dict[str, str] | None = None, sequence_parallel: bool = False, *, recorder: Recorder | None = None,
+    module: nn.Module,
+    tp_mesh: Any,
+    plan: dict[str, str] | None = None,
+    sequence_parallel: bool = False,
+    *,
+    recorder: Recorder | None = None,
 ) -> nn.Module:
     """Split ``module``'s linear pairs across ``tp_mesh`` (a 1D DeviceMesh), in place; returns it.
 
@@ -94,8 +99,14 @@ def parallelize(
         module.get_parameter(name)._shardwise_tp_sum = tp_mesh  # type: ignore[attr-defined]  # see grads._sum_role_grads
     synchronize_dropout(module, tp_mesh, blocks, role["whole"], recorder=recorder)
     module._shardwise_tp = {  # type: ignore[assignment]  # Module.__setattr__ is typed for tensors and modules; a dict is a plain attribute
-        "plan": resolved, "sequence_parallel": sequence_parallel, "degree": tp, "source": source,
-        "sum": role["sum"], "whole": role["whole"], "fused": fused, "mesh": tp_mesh,
+        "plan": resolved,
+        "sequence_parallel": sequence_parallel,
+        "degree": tp,
+        "source": source,
+        "sum": role["sum"],
+        "whole": role["whole"],
+        "fused": fused,
+        "mesh": tp_mesh,
     }
     return module
 
@@ -199,7 +210,12 @@ def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str], seq
 
 
 def synchronize_dropout(
-    module: nn.Module, tp_mesh: Any, sharded_blocks: Sequence[str] = (), whole: Sequence[str] = (), *, recorder: Recorder | None = None,
+    module: nn.Module,
+    tp_mesh: Any,
+    sharded_blocks: Sequence[str] = (),
+    whole: Sequence[str] = (),
+    *,
+    recorder: Recorder | None = None,
 ) -> int:
     """Make the ``nn.Dropout`` modules of ``module`` draw the same masks on every tp rank where
     their input is replicated, and different ones where it is sequence-sharded.

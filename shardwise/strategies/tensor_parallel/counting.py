@@ -20,13 +20,26 @@ import torch.distributed as dist
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 
 _KINDS = {
-    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "allreduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
     "allreduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather", "allgather_": "all_gather",
-    "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
 }
 
 

@@ -57,7 +57,7 @@ def reduce_partial_grads(module: nn.Module, recorder: Recorder | None = None) ->
             placements[d] = Replicate()
         offset = 0
         for p, t in zip(params, locals_, strict=True):
-            piece = flat[offset: offset + t.numel()].view_as(t)
+            piece = flat[offset : offset + t.numel()].view_as(t)
             offset += t.numel()
             p.grad = DTensor.from_local(piece, mesh, placements, run_check=False)
     return sum(len(v) for v in groups.values()) + _sum_role_grads(module, recorder)
@@ -92,7 +92,7 @@ def _sum_role_grads(module: nn.Module, recorder: Recorder | None) -> int:
         all_reduce(flat, "sum", group=group, recorder=recorder)
         offset = 0
         for t in tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
     return sum(len(v) for v in by_dtype.values())
 
@@ -125,7 +125,7 @@ def replicate_grads(module: nn.Module, dp_group: Any, recorder: Recorder | None 
         all_reduce(flat, "mean", group=group, recorder=recorder)  # a sum, then a division by the group size
         offset = 0
         for t in tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
 

@@ -67,8 +67,19 @@ def _join(prefix: str, name: str) -> str:
 STACKED_QKV = frozenset({"c_attn"})
 _HEAD_WIDTH_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "split_size", "all_head_size", "hidden_size")
-LOCAL_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_kv_heads",
-               "split_size", "embed_dim", "all_head_size", "inner_dim")
+LOCAL_ATTRS = (
+    "num_heads",
+    "n_head",
+    "n_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "split_size",
+    "embed_dim",
+    "all_head_size",
+    "inner_dim",
+)
 """Attributes of a head-split attention module set to this rank's value (divided by tp) after the split."""
 
 
@@ -167,8 +178,9 @@ def _encoder_plan(module: nn.Module, found: dict[str, str]) -> dict[str, str]:
 
 # transformers' tensor-parallel styles that concern modules shardwise keeps whole (embeddings, the
 # output head: every tp rank computes them on the same batch) or handles by role (norms).
-_HF_SKIPPED = frozenset({"embedding_rowwise", "colwise_gather_output", "gather", "sequence_parallel", "replicate",
-                         "colwise_rep", "rowwise_rep", "isolated", "local"})
+_HF_SKIPPED = frozenset(
+    {"embedding_rowwise", "colwise_gather_output", "gather", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep", "isolated", "local"}
+)
 _HF_GRAD_SUM = "replicated_with_grad_allreduce"
 
 
@@ -217,7 +229,8 @@ def _expand(module: nn.Module, plan: dict[str, str], what: str = "plan", lenient
             close = difflib.get_close_matches(pattern, names, n=3)
             raise ConfigError(
                 f"{what} names {pattern!r}, which matches no module of {type(module).__name__}"
-                + (f"; close names: {close}" if close else "") + "; see model.named_modules() for the names"
+                + (f"; close names: {close}" if close else "")
+                + "; see model.named_modules() for the names"
             )
         for n in matched:
             resolved[n] = style
@@ -242,7 +255,9 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
     elif (declared := declared_plan(module)) is not None:
         resolved, source = _expand(module, declared[0], f"the tensor-parallel plan {type(module).__name__} declares", lenient=True), "declared"
         if not resolved:
-            raise ConfigError(f"the tensor-parallel plan {type(module).__name__} declares ({sorted(declared[0])}) matches none of its modules; pass plan={{...}}")
+            raise ConfigError(
+                f"the tensor-parallel plan {type(module).__name__} declares ({sorted(declared[0])}) matches none of its modules; pass plan={{...}}"
+            )
         names = [n for n, _ in module.named_modules() if n]
         grad_sum = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in declared[1])]
     else:
@@ -261,7 +276,7 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
                 "out/o_proj/proj/out_proj/wo/c_proj, MLP fc/fc1/up_proj/gate_proj/w1/w3/c_fc next to proj/fc2/down_proj/w2/c_proj, "
                 "and BERT's intermediate.dense/output.dense. Pass a plan instead, e.g. "
                 "plan={'layers.*.ff.lin1': 'colwise', 'layers.*.ff.lin2': 'rowwise'}, or on the command line "
-                "--set 'trainer.strategy_options.plan={\"layers.*.ff.lin1\" = \"colwise\", \"layers.*.ff.lin2\" = \"rowwise\"}'"
+                '--set \'trainer.strategy_options.plan={"layers.*.ff.lin1" = "colwise", "layers.*.ff.lin2" = "rowwise"}\''
             )
     for name, style in resolved.items():
         sub = module.get_submodule(name)
@@ -312,8 +327,9 @@ def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
             parts = fused_parts(module, name) or 1
             heads = _heads(attn, lin, parts)
             counts = {"heads": heads} if heads is not None else {}
-            counts.update({a: v for a in _HEAD_ATTRS + ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
-                           if isinstance(v := getattr(attn, a, None), int) and v > 0})
+            counts.update(
+                {a: v for a in _HEAD_ATTRS + ("num_key_value_heads", "num_kv_heads", "n_kv_heads") if isinstance(v := getattr(attn, a, None), int) and v > 0}
+            )
             for what, n in counts.items():
                 if n % tp:
                     options = [d for d in range(1, n + 1) if n % d == 0]

@@ -67,8 +67,9 @@ def _walk(model: nn.Module, state: dict[str, Any], invert: bool) -> dict[str, An
         for name, (dim, parts) in fused.items():
             entry = osd["state"].get(name)
             if isinstance(entry, dict):
-                osd["state"][name] = {k: _apply(v, dim, parts, tp, invert, params[name].data)
-                                      if isinstance(v, torch.Tensor) and v.dim() > dim else v for k, v in entry.items()}
+                osd["state"][name] = {
+                    k: _apply(v, dim, parts, tp, invert, params[name].data) if isinstance(v, torch.Tensor) and v.dim() > dim else v for k, v in entry.items()
+                }
         out["optimizer"] = osd
     return out
 
@@ -106,5 +107,4 @@ def check_replicas(model: nn.Module, group: Any, *, recorder: Recorder | None = 
     for i, name in enumerate(names):
         values = {int(g[i]) for g in gathered}
         if len(values) > 1:
-            raise RuntimeError(f"replicated parameter {name} differs across the {size} tp ranks (check_replicas): "
-                               "a rule for its gradient is missing or wrong")
+            raise RuntimeError(f"replicated parameter {name} differs across the {size} tp ranks (check_replicas): a rule for its gradient is missing or wrong")

@@ -57,8 +57,10 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
             continue
         if name in sublayers and name:
             if own_params:
-                raise ConfigError(f"{name} ({type(m).__name__}) holds parameters {own_params} of its own next to its split linears; "
-                                  "no rule says how their gradients combine across tp ranks. Train this model without tp, or split them")
+                raise ConfigError(
+                    f"{name} ({type(m).__name__}) holds parameters {own_params} of its own next to its split linears; "
+                    "no rule says how their gradients combine across tp ranks. Train this model without tp, or split them"
+                )
             continue
         if not sequence_parallel or not _inside(name, blocks) or name in blocks and not own_params and not own_buffers:
             continue

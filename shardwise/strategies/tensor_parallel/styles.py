@@ -85,7 +85,9 @@ def _styles() -> tuple[type, type]:
             if not is_splittable(module):
                 raise NotImplementedError(f"column split takes nn.Linear or Conv1D; got {type(module).__name__}")
             return distribute_module(
-                module, device_mesh, self._partition_linear_fn,
+                module,
+                device_mesh,
+                self._partition_linear_fn,
                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
             )
@@ -96,11 +98,15 @@ def _styles() -> tuple[type, type]:
         def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
             w = weight_of(module)
             dim = 0 if is_transposed(module) else 1
-            module.register_parameter("weight", nn.Parameter(
-                distribute_tensor(w.detach(), device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank), requires_grad=w.requires_grad))
+            module.register_parameter(
+                "weight",
+                nn.Parameter(distribute_tensor(w.detach(), device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank), requires_grad=w.requires_grad),
+            )
             if isinstance(b := getattr(module, "bias", None), torch.Tensor):
-                module.register_parameter("bias", nn.Parameter(
-                    distribute_tensor(b.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank), requires_grad=b.requires_grad))
+                module.register_parameter(
+                    "bias",
+                    nn.Parameter(distribute_tensor(b.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank), requires_grad=b.requires_grad),
+                )
 
         def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
             from functools import partial
@@ -111,7 +117,9 @@ def _styles() -> tuple[type, type]:
                 raise NotImplementedError(f"row split takes nn.Linear or Conv1D; got {type(module).__name__}")
             self.desired_input_layouts = (Shard(-1),)
             return distribute_module(
-                module, device_mesh, self._partition_linear_fn,
+                module,
+                device_mesh,
+                self._partition_linear_fn,
                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
             )

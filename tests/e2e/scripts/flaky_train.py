@@ -28,8 +28,17 @@ def main() -> None:
     data = TensorDataset(x, (x.sum(1) > 0).long())
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     trainer = shardwise.Trainer(
-        strategy="ddp", global_batch_size=32, max_steps=8, checkpoint_every=2, out=out, resume="auto",
-        loss_fn=loss_fn, callbacks=[CrashOnce()], progress_bar=False, log_every=2, timeout_s=60,
+        strategy="ddp",
+        global_batch_size=32,
+        max_steps=8,
+        checkpoint_every=2,
+        out=out,
+        resume="auto",
+        loss_fn=loss_fn,
+        callbacks=[CrashOnce()],
+        progress_bar=False,
+        log_every=2,
+        timeout_s=60,
     )
     summary = trainer.fit(model, data)
     if trainer.engine is None and summary["world_size"] != int(os.environ["WORLD_SIZE"]):

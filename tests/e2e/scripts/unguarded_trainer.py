@@ -27,8 +27,7 @@ def loss_fn(output, batch):
 torch.manual_seed(0)
 data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-trainer = shardwise.Trainer(strategy="ddp", nproc=2, global_batch_size=8, max_steps=steps, log_every=1,
-                            loss_fn=loss_fn, out=sys.argv[1], progress_bar=False)
+trainer = shardwise.Trainer(strategy="ddp", nproc=2, global_batch_size=8, max_steps=steps, log_every=1, loss_fn=loss_fn, out=sys.argv[1], progress_bar=False)
 model = TinyNet()
 summary = trainer.fit(model, data)
 print("fit done", summary["steps"], summary["world_size"], flush=True)
