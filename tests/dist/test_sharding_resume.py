@@ -108,7 +108,7 @@ def test_a_ddp_checkpoint_resumes_under_zero3(runs):
 def _crash_before_manifest(root: str) -> str:
     """A sharded write that dies after the shards, before the manifest: nothing appears under a final name."""
     from shardwise import Engine
-    import shardwise.checkpoint as ckpt
+    import shardwise.checkpoint.files as ckpt  # where write() hashes the files
 
     engine = Engine(strategy="zero3", precision="64")
     model, opt = engine.setup(mlp(), adam)
