@@ -28,7 +28,7 @@ lint: setup-dev
 	$(VENV)/bin/mypy shardwise tests/typecheck_contract.py
 
 test: setup-dev lint
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench: setup-dev
 	$(VENV)/bin/python benchmarks/overhead.py
