@@ -63,6 +63,11 @@ def main(boot_dir: str, rank: int) -> int:
     from pathlib import Path
 
     _pin_to_parent()
+    # A crash in native code (SIGSEGV, or SIGABRT from "terminate called without an active exception")
+    # leaves no Python traceback; with faulthandler each rank prints where its threads were.
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)
     boot = Path(boot_dir)
     with open(boot / "boot.pkl", "rb") as f:
         main_spec, sys_path, argv = pickle.load(f)

@@ -26,4 +26,4 @@ if __name__ == "__main__":
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     trainer = shardwise.Trainer(strategy="ddp", nproc=2, global_batch_size=8, max_steps=4, loss_fn=loss_fn, out=sys.argv[1], progress_bar=False)
     summary = trainer.fit(TinyNet(), data)
-    print("fit done", summary["steps"], summary["world_size"], flush=True)
+    print(f"fit done {summary['steps']} {summary['world_size']}", flush=True)  # one write

@@ -26,4 +26,4 @@ def main(seconds: float):
     return engine.rank, engine.world_size, t.item()
 
 
-print("results", launch(main, float(sys.argv[1]) if len(sys.argv) > 1 else 0.0, nproc=2), flush=True)
+print(f"results {launch(main, float(sys.argv[1]) if len(sys.argv) > 1 else 0.0, nproc=2)}", flush=True)  # one write: the torchrun processes share stdout

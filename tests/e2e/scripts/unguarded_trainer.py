@@ -30,4 +30,4 @@ steps = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 trainer = shardwise.Trainer(strategy="ddp", nproc=2, global_batch_size=8, max_steps=steps, log_every=1, loss_fn=loss_fn, out=sys.argv[1], progress_bar=False)
 model = TinyNet()
 summary = trainer.fit(model, data)
-print("fit done", summary["steps"], summary["world_size"], flush=True)
+print(f"fit done {summary['steps']} {summary['world_size']}", flush=True)  # one write: torchrun processes share stdout
