@@ -74,8 +74,10 @@ and an optimizer step post-hook that reshards and gathers again: the parameters 
 ZeRO-2's do, and the gather after the step is the one ZeRO-2 makes. (Without that, FSDP2's
 `reshard_after_forward=False` alone frees the gathered parameters after backward, so at rest it
 holds what zero3 holds and differs only at peak.) Clipping takes the norm over the sharded
-parameters' DTensor gradients: `get_total_norm` gives a partial norm, `full_tensor()` reduces it
-(the classic bug, clipping by the local shard's norm, is what the parity tests would catch).
+parameters' DTensor gradients: `get_total_norm` reduces the shards' partial norms across the shard
+group (on torch 2.13 it returns a replicated DTensor; `full_tensor()` makes it a plain tensor).
+The classic bug, clipping by the norm of the local shards, is what the parity tests catch
+(`make mutants`).
 
 Options: `wrap` (`auto`: one unit per block of the model's largest `ModuleList`, else each
 child with >= 5% of the parameters, looking through single-child containers; `root`; or names /
