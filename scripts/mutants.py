@@ -128,8 +128,8 @@ MUTANTS = [
            '        state["optimizer"] = get_optimizer_state_dict(model, optimizer)', "        pass",
            ("tests/dist/test_sharding_resume.py",)),
     Mutant("tp skips the sum of sequence-parallel norm gradients (a skipped reduce)", "shardwise/strategies/tensor_parallel/grads.py",
-           '            all_reduce(flat, "mean" if getattr(pl, "reduce_op", "sum") == "avg" else "sum", group=group, recorder=recorder)\n',
-           "            pass\n", ("tests/dist/test_tensor_parallel.py",)),
+           '        all_reduce(flat, "sum", group=group, recorder=recorder)\n',  # the role sum over tp (sequence-parallel norms)
+           "        pass\n", ("tests/dist/test_tensor_parallel.py",)),
     Mutant("tp/pipeline data parallelism sums gradients over dp instead of averaging (a wrong scale)",
            "shardwise/strategies/tensor_parallel/grads.py",
            'all_reduce(flat, "mean", group=group, recorder=recorder)  # a sum, then a division by the group size',
