@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import DIM_ORDER, Mesh
 from shardwise.strategies.common import LocalParallel
-from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, plan_layout
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strategy, plan_layout
 
 REPLICA_FILE = "replica-{rank:05d}.pt"
 """Each rank's own replica in a checkpoint directory: model, optimizer, the round's state, counters."""
@@ -80,6 +81,21 @@ def plan_replicas(strategy: str, world_size: int, model: nn.Module | None, batch
     if model is not None:
         check_trainable(strategy, model)
     return plan_layout(strategy, world_size, batch=batch, mesh=mesh)
+
+
+@dataclass(frozen=True)
+class ReplicaStrategy(Strategy):
+    """What local SGD, DiLoCo and gossip share as strategies: ``sync_every`` checked when built, and
+    one plan (`plan_replicas`). A subclass re-declares ``sync_every`` with its own default and help."""
+
+    sync_every: int = 8
+    """Optimizer steps each replica takes alone between rounds (H)."""
+
+    def __post_init__(self) -> None:
+        check_sync_every(self.name, self.sync_every)
+
+    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        return plan_replicas(self.name, world_size, model, batch, mesh)
 
 
 def place_replica(strategy: str, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh) -> tuple[nn.Module, torch.optim.Optimizer, Group]:
@@ -201,3 +217,16 @@ class ReplicaRun(LocalParallel):
 
     def summary(self) -> dict[str, Any]:
         return {self.section: {"sync_every": self.sync_every, "rounds": self.rounds, "steps": self.steps, **self.report()}}
+
+
+class StatelessRun(ReplicaRun):
+    """A replica whose round keeps nothing between rounds (local SGD's average, gossip's neighbour mean)."""
+
+    def mix_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_mix_state(self, state: dict[str, Any]) -> None:
+        return None  # nothing kept
+
+    def restart_mix(self) -> None:
+        return None  # nothing kept

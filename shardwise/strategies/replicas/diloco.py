@@ -27,7 +27,6 @@ equals an uninterrupted run.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -40,14 +39,13 @@ from shardwise.comm.compressed import compressed_allreduce
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
-from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strategy
+from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
     ReplicaRun,
+    ReplicaStrategy,
     by_dtype,
-    check_sync_every,
     flatten,
     place_replica,
-    plan_replicas,
     replica_tensors,
     unflatten_into,
 )
@@ -134,7 +132,7 @@ class DiLoCoRun(ReplicaRun):
 
 
 @dataclass(frozen=True)
-class DiLoCo(Strategy):
+class DiLoCo(ReplicaStrategy):
     """DiLoCo: the inner optimizer for ``sync_every`` steps, then outer Nesterov SGD on the mean pseudo-gradient."""
 
     name: ClassVar[str] = "diloco"
@@ -149,16 +147,13 @@ class DiLoCo(Strategy):
     """Codec for the pseudo-gradient's exchange, with error feedback: fp16, bf16, int8, topk:RATIO, randomk:RATIO, sign."""
 
     def __post_init__(self) -> None:
-        check_sync_every(self.name, self.sync_every)
+        super().__post_init__()
         lr, mu = self.outer_lr, self.outer_momentum
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
             raise ConfigError(f"diloco: outer_lr must be > 0 (the paper uses 0.7); got {lr!r}")
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
             raise ConfigError(f"diloco: outer_momentum must be in [0, 1) (the paper uses 0.9; 0 turns Nesterov off); got {mu!r}")
         pseudo_gradient_codec(self.compression)  # a bad name fails here, before any process starts
-
-    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
-        return plan_replicas(self.name, world_size, model, batch, mesh)
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> DiLoCoRun:
         model, optimizer, group = place_replica(self.name, model, make_optimizer, mesh)

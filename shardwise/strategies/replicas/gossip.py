@@ -20,7 +20,6 @@ and received that many per neighbour, one step per dtype.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,14 +30,13 @@ from shardwise.comm.collectives import Group
 from shardwise.comm.p2p import Peers
 from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.mesh import Mesh
-from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strategy
+from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
-    ReplicaRun,
+    ReplicaStrategy,
+    StatelessRun,
     by_dtype,
-    check_sync_every,
     flatten,
     place_replica,
-    plan_replicas,
     replica_tensors,
     unflatten_into,
 )
@@ -77,39 +75,24 @@ def gossip_round(model: nn.Module, group: Group, recorder: Recorder | None) -> N
         recorder.add(CommEvent("gossip", group.name, p, payload, peers.sent, peers.received, time.perf_counter() - start, peers.steps))
 
 
-class GossipRun(ReplicaRun):
+class GossipRun(StatelessRun):
     """A replica mixed with its ring neighbours every ``sync_every`` steps."""
 
     def mix(self) -> None:
         gossip_round(self.model, self.group, self.recorder)
-
-    def mix_state(self) -> dict[str, Any]:
-        return {}  # a neighbour average keeps nothing between rounds
-
-    def load_mix_state(self, state: dict[str, Any]) -> None:
-        return None  # nothing kept
-
-    def restart_mix(self) -> None:
-        return None  # nothing kept
 
     def report(self) -> dict[str, Any]:
         return {"topology": "ring"}
 
 
 @dataclass(frozen=True)
-class Gossip(Strategy):
+class Gossip(ReplicaStrategy):
     """Gossip (decentralized) SGD on a ring: neighbour averaging every ``sync_every`` steps (Lian et al. 2017)."""
 
     name: ClassVar[str] = "gossip"
 
     sync_every: int = 1
     """Average with the two ring neighbours every this many optimizer steps (1: after every step)."""
-
-    def __post_init__(self) -> None:
-        check_sync_every(self.name, self.sync_every)
-
-    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
-        return plan_replicas(self.name, world_size, model, batch, mesh)
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> GossipRun:
         model, optimizer, group = place_replica(self.name, model, make_optimizer, mesh)

@@ -19,7 +19,6 @@ Checkpoints keep each rank's replica (`shardwise.strategies.replicas.base`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,14 +28,13 @@ from torch import nn
 from shardwise.comm.collectives import Group, all_reduce
 from shardwise.comm.recorder import Recorder
 from shardwise.mesh import Mesh
-from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strategy
+from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
-    ReplicaRun,
+    ReplicaStrategy,
+    StatelessRun,
     by_dtype,
-    check_sync_every,
     flatten,
     place_replica,
-    plan_replicas,
     replica_tensors,
     unflatten_into,
 )
@@ -51,39 +49,24 @@ def average_replicas(model: nn.Module, group: Group, recorder: Recorder | None) 
             unflatten_into(flat, tensors)
 
 
-class LocalSGDRun(ReplicaRun):
+class LocalSGDRun(StatelessRun):
     """A replica averaged with all the others every ``sync_every`` steps."""
 
     def mix(self) -> None:
         average_replicas(self.model, self.group, self.recorder)
-
-    def mix_state(self) -> dict[str, Any]:
-        return {}  # an average keeps nothing between rounds
-
-    def load_mix_state(self, state: dict[str, Any]) -> None:
-        return None  # nothing kept
-
-    def restart_mix(self) -> None:
-        return None  # nothing kept
 
     def report(self) -> dict[str, Any]:
         return {}  # sync_every is the only option
 
 
 @dataclass(frozen=True)
-class LocalSGD(Strategy):
+class LocalSGD(ReplicaStrategy):
     """Local SGD: replicas step alone and are averaged every ``sync_every`` steps (Stich 2019; Lin et al. 2020)."""
 
     name: ClassVar[str] = "local-sgd"
 
     sync_every: int = 8
     """Average the replicas every this many optimizer steps (H); 1 averages after every step."""
-
-    def __post_init__(self) -> None:
-        check_sync_every(self.name, self.sync_every)
-
-    def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
-        return plan_replicas(self.name, world_size, model, batch, mesh)
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> LocalSGDRun:
         model, optimizer, group = place_replica(self.name, model, make_optimizer, mesh)
