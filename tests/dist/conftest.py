@@ -1,5 +1,6 @@
 import pytest
 
+
 # Every multi-process test has a hard timeout so a hang fails instead of stalling CI;
 # shardwise.launch also stops all workers as soon as one fails.
 def pytest_collection_modifyitems(items):

@@ -15,7 +15,9 @@ COMMON = dict(precision="64", global_batch_size=16, accumulate=2, max_steps=10, 
 
 def _fit(strategy: str, nproc: int, *, clip: float | None = 0.05, model=None, loss=ce, val=None):
     model = model if model is not None else mlp()
-    trainer = Trainer(strategy=strategy, nproc=nproc, clip_grad_norm=clip, optimizer=adam, loss_fn=loss, metrics={"accuracy": accuracy} if loss else None, **COMMON)
+    trainer = Trainer(
+        strategy=strategy, nproc=nproc, clip_grad_norm=clip, optimizer=adam, loss_fn=loss, metrics={"accuracy": accuracy} if loss else None, **COMMON
+    )
     summary = trainer.fit(model, classification(), val)
     return params(model), summary
 

@@ -19,9 +19,7 @@ CAP_MB = 0.3  # small enough for two buckets once DDP rebuilds them after the fi
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
-    ).double()
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).double()
 
 
 def _loop(model: torch.nn.Module, **options) -> dict:

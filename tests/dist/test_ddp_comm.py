@@ -24,8 +24,8 @@ from torch import nn
 
 from shardwise import launch
 from shardwise.comm.algorithms import ALGORITHMS
-from shardwise.comm.compressed import compressed_traffic
 from shardwise.comm.codecs import get_codec
+from shardwise.comm.compressed import compressed_traffic
 from shardwise.comm.recorder import Recorder
 from shardwise.comm.traffic import allreduce_traffic
 from shardwise.mesh import Mesh
@@ -77,7 +77,7 @@ def _algorithms_and_codecs() -> list[str]:
     n = sum(p.numel() for p in ref)  # one bucket: the model is far below 25 MB
     for algo in ALGORITHMS:
         params, _, rec = _train({"allreduce": algo}, steps, torch.float64)
-        worst = max((a - b).abs().max().item() for a, b in zip(params, ref))
+        worst = max((a - b).abs().max().item() for a, b in zip(params, ref, strict=True))
         if worst > 1e-12:
             fails.append(f"{algo}: parameters after {steps} steps differ from native ddp by {worst:.3g}")
         tot = rec.totals()["all_reduce" if algo == "native" else f"all_reduce:{algo}"]  # native: ddp's default hook
@@ -106,7 +106,7 @@ def _algorithms_and_codecs() -> list[str]:
         if tot["sent_bytes"] >= fp32_sent:
             fails.append(f"{spec}: sent {tot['sent_bytes']} bytes, no fewer than uncompressed {fp32_sent}")
         if spec == "fp16":
-            worst = max((a - b).abs().max().item() for a, b in zip(params, base))
+            worst = max((a - b).abs().max().item() for a, b in zip(params, base, strict=True))
             if worst > 2e-3:
                 fails.append(f"fp16: parameters differ from uncompressed by {worst:.3g} after {long} steps")
     return fails
@@ -152,9 +152,7 @@ def _digits_accuracy(compression: str | None, train: Any, val: Any, steps: int =
     torch.manual_seed(0)
     model = DigitsMLP(hidden=128, dropout=0.0)
     rec = Recorder()
-    run = DDP(compression=compression).apply(
-        model, lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=1e-4), Mesh.build(world_size=world, rank=rank), rec
-    )
+    run = DDP(compression=compression).apply(model, lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=1e-4), Mesh.build(world_size=world, rank=rank), rec)
     ddp, opt = run.model, run.optimizer
     x, y = train.tensors
     g = torch.Generator().manual_seed(0)

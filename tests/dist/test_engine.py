@@ -58,7 +58,7 @@ def _engine_loop(out: str, steps: int) -> dict:
     # The timed variant: each bucket through a Python hook, recorded with its time.
     timed = Engine(strategy="ddp", accelerator="cpu", precision="64", strategy_options={"record_buckets": True})
     tmodel, topt = timed.setup(mlp(), sgd)
-    for step in range(3):
+    for _ in range(3):
         with timed.no_sync(tmodel):
             timed.backward(ce(tmodel(x[:4]), (None, y[:4])))
         timed.backward(ce(tmodel(x[4:8]), (None, y[4:8])))

@@ -91,8 +91,12 @@ def test_the_same_error_on_every_rank_is_one_entry_of_the_original_type_with_a_t
     with pytest.raises(ConfigError, match="bad setting x=3") as info:
         launch(_config_error_everywhere, nproc=2)
     text = str(info.value.__cause__)
-    assert text.splitlines()[0] in ("ranks 0, 1 failed: ConfigError: bad setting x=3", "ranks 1, 0 failed: ConfigError: bad setting x=3",
-                                    "rank 0 failed: ConfigError: bad setting x=3", "rank 1 failed: ConfigError: bad setting x=3")
+    assert text.splitlines()[0] in (
+        "ranks 0, 1 failed: ConfigError: bad setting x=3",
+        "ranks 1, 0 failed: ConfigError: bad setting x=3",
+        "rank 0 failed: ConfigError: bad setting x=3",
+        "rank 1 failed: ConfigError: bad setting x=3",
+    )
     paths = [Path(p) for p in text.splitlines()[-1].split("full traceback: ")[1].split(", ")]
     try:
         assert all(p.is_file() and "bad setting x=3" in p.read_text() for p in paths)
@@ -121,7 +125,9 @@ def test_a_shape_mismatch_in_the_users_forward_is_reported_at_that_line_in_out_e
         trainer.fit(_TensorOnly(), data)
     lines = str(info.value.__cause__).splitlines()
     forward_line = inspect.getsourcelines(_TensorOnly.forward)[1] + 1
-    assert lines[0].startswith(("ranks 0, 1 failed: RuntimeError", "ranks 1, 0 failed: RuntimeError", "rank 0 failed: RuntimeError", "rank 1 failed: RuntimeError"))
+    assert lines[0].startswith(
+        ("ranks 0, 1 failed: RuntimeError", "ranks 1, 0 failed: RuntimeError", "rank 0 failed: RuntimeError", "rank 1 failed: RuntimeError")
+    )
     assert lines[1] == f"  at {os.path.relpath(__file__)}:{forward_line} in forward"
     assert (tmp_path / "errors").is_dir() and any((tmp_path / "errors").glob("rank-*.txt"))
 

@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise import Trainer
 from shardwise.engine import Engine
-from tests.dist.models import accuracy, ce, classification, max_diff, mlp, params
+from tests.dist.models import ce, classification, max_diff, mlp, params
 
 COMMON = dict(precision="64", global_batch_size=16, accumulate=2, max_steps=10, log_every=5, progress_bar=False)
 
@@ -29,7 +28,7 @@ def _train(strategy: str, options: dict[str, Any], steps: int = 10) -> dict[str,
     r, p = engine.rank, engine.world_size
     for step in range(steps):
         lo = (step * 16) % 96 + r * 16 // p
-        micro = [(x[lo + i * 4: lo + (i + 1) * 4], y[lo + i * 4: lo + (i + 1) * 4]) for i in range(2)]
+        micro = [(x[lo + i * 4 : lo + (i + 1) * 4], y[lo + i * 4 : lo + (i + 1) * 4]) for i in range(2)]
         engine.forward_backward(model, micro, lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad(set_to_none=True)
@@ -81,7 +80,7 @@ def _replica_rounds(strategy: str, options: dict[str, Any], steps: int) -> dict[
     data = classification(n=64, seed=10 + engine.rank)  # every rank sees different data
     identical, spread = [], []
     for step in range(steps):
-        x, y = data.tensors[0][step * 8:(step + 1) * 8], data.tensors[1][step * 8:(step + 1) * 8]
+        x, y = data.tensors[0][step * 8 : (step + 1) * 8], data.tensors[1][step * 8 : (step + 1) * 8]
         engine.forward_backward(model, [(x, y)], lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad()
@@ -102,10 +101,10 @@ def _gossip_mix() -> dict[str, Any]:
     model = torch.nn.Linear(3, 2).double()
     with torch.no_grad():
         for i, t in enumerate(model.parameters()):
-            t.fill_(float(10 ** i * (k + 1)))
+            t.fill_(float(10**i * (k + 1)))
     rec = Recorder()
     gossip_round(model, WORLD, rec)
-    expected = [float(10 ** i * ((k - 1) % p + 1 + k + 1 + (k + 1) % p + 1)) / 3 for i in range(2)]
+    expected = [float(10**i * ((k - 1) % p + 1 + k + 1 + (k + 1) % p + 1)) / 3 for i in range(2)]
     got = [t.detach().flatten().unique().tolist() for t in model.parameters()]
     return {"got": got, "expected": expected, "totals": rec.totals()}
 
@@ -156,7 +155,7 @@ def _digits(strategy: str, options: dict[str, Any], steps: int) -> float:
         if step % steps_per_epoch == 0:
             perm = torch.randperm(len(x), generator=g)  # the same order on every rank
         lo = (step % steps_per_epoch) * 64 + engine.rank * per
-        idx = perm[lo: lo + per]
+        idx = perm[lo : lo + per]
         engine.forward_backward(model, [(x[idx], y[idx])], lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad(set_to_none=True)
@@ -178,4 +177,3 @@ def test_diloco_every_eight_steps_on_digits_is_within_one_point_of_ddp():
     accs = shardwise.launch(_digits_ddp_and_diloco, nproc=2, threads_per_proc=1, timeout=150)[0]
     assert accs["ddp"] > 90
     assert abs(accs["diloco"] - accs["ddp"]) <= 1.0, accs
-

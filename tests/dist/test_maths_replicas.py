@@ -43,7 +43,7 @@ def rank_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = rank_data(rank)
-    return x[step * PER:(step + 1) * PER], y[step * PER:(step + 1) * PER]
+    return x[step * PER : (step + 1) * PER], y[step * PER : (step + 1) * PER]
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
@@ -130,7 +130,7 @@ def set_flat(model: nn.Module, value: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(value[offset: offset + p.numel()].view_as(p))
+            p.copy_(value[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
 
@@ -185,7 +185,7 @@ def hand_central() -> list[torch.Tensor]:
 
 
 def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 def test_local_sgd_diloco_and_the_parameter_server_equal_their_maths_by_hand():

@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from shardwise import Engine, Trainer, launch
 from shardwise.errors import ConfigError
-import torch.nn.functional as F
-
 from shardwise.recipes.charlm import CharGPT
 from shardwise.strategies.pipeline import PipelineRun
 from tests.dist.models import max_diff
@@ -64,8 +63,15 @@ class Consolidate:
 def fit(strategy: str, options: dict[str, Any] | None = None, **settings: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     grab = Consolidate()
     model = gpt()
-    trainer = Trainer(strategy=strategy, optimizer=adamw, loss_fn=lm_loss, metrics={"accuracy": char_accuracy},
-                      strategy_options=options or {}, callbacks=[grab], **{**COMMON, **settings})
+    trainer = Trainer(
+        strategy=strategy,
+        optimizer=adamw,
+        loss_fn=lm_loss,
+        metrics={"accuracy": char_accuracy},
+        strategy_options=options or {},
+        callbacks=[grab],
+        **{**COMMON, **settings},
+    )
     summary = trainer.fit(model, tokens(), tokens(VAL, seed=3))
     state = getattr(grab, "state", None) or {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, summary
@@ -124,8 +130,17 @@ def _traffic(options: dict[str, Any]) -> dict[str, Any]:
     """A run with no evaluation and no checkpoint: every pp/send and pp/recv is the schedule's."""
     g = torch.Generator().manual_seed(2)
     data = TensorDataset(torch.randn(32, WIDTH, generator=g, dtype=torch.float64), torch.randn(32, WIDTH, generator=g, dtype=torch.float64))
-    trainer = Trainer(strategy="pipeline", strategy_options=options, optimizer=adamw, loss_fn=mse, precision="64",
-                      global_batch_size=8, max_steps=TRAFFIC_STEPS, log_every=TRAFFIC_STEPS, progress_bar=False)
+    trainer = Trainer(
+        strategy="pipeline",
+        strategy_options=options,
+        optimizer=adamw,
+        loss_fn=mse,
+        precision="64",
+        global_batch_size=8,
+        max_steps=TRAFFIC_STEPS,
+        log_every=TRAFFIC_STEPS,
+        progress_bar=False,
+    )
     summary = trainer.fit(chain(), data)
     return {"by_op": summary["comm"]["by_op"], "stage_layers": summary["pipeline"]["stage_layers"]}
 

@@ -107,7 +107,7 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
     x, y = classification().tensors
     for step in range(steps):
         lo = (step * 12) % 96
-        ce(model(x[lo: lo + 12]), (None, y[lo: lo + 12])).backward()
+        ce(model(x[lo : lo + 12]), (None, y[lo : lo + 12])).backward()
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -133,7 +133,7 @@ def _ps_run(strategy: str, options: dict[str, Any], steps: int, marks: Marks | N
     seen = 0
     for step in range(steps):
         lo = (step * 12) % 96 + w * per
-        engine.forward_backward(model, [(x[lo: lo + per], y[lo: lo + per])], lambda m, b: ce(m(b[0]), b))
+        engine.forward_backward(model, [(x[lo : lo + per], y[lo : lo + per])], lambda m, b: ce(m(b[0]), b))
         if marks is not None and w == 1:
             if options["mode"] == "ssp":
                 marks.wait("w0-push", min(step + 2, steps))  # worker 0's push of step + 1 is out: it waits on us
@@ -243,7 +243,7 @@ def _ps_digits(mode: str, steps: int = 300) -> float | None:
     for step in range(steps):
         if step % steps_per_epoch == 0:
             perm = torch.randperm(len(x), generator=g)
-        idx = perm[(step % steps_per_epoch) * 64 + w * per:][:per]
+        idx = perm[(step % steps_per_epoch) * 64 + w * per :][:per]
         engine.forward_backward(model, [(x[idx], y[idx])], lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad(set_to_none=True)
@@ -269,7 +269,7 @@ def _lost_worker(marks: Marks) -> dict[str, Any] | None:
     w = engine.data_mesh.coordinate("dp")
     for step in range(30 if w == 0 else 5):
         lo = (step * 8) % 96 + w * 4
-        engine.forward_backward(model, [(x[lo: lo + 4], y[lo: lo + 4])], lambda m, b: ce(m(b[0]), b))
+        engine.forward_backward(model, [(x[lo : lo + 4], y[lo : lo + 4])], lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad(set_to_none=True)
     if w != 0:
@@ -281,7 +281,9 @@ def _lost_worker(marks: Marks) -> dict[str, Any] | None:
 
 def _three_processes(root: Path) -> dict[str, Any]:
     return {
-        "sync": _ps_digits("sync"), "async": _ps_digits("async"), "lost": _lost_worker(Marks(root, "lost")),
+        "sync": _ps_digits("sync"),
+        "async": _ps_digits("async"),
+        "lost": _lost_worker(Marks(root, "lost")),
         "one_server": _ps_run("ps", {"servers": 1, "mode": "sync"}, 6),
         "one_server_int8": _ps_run("ps", {"servers": 1, "mode": "sync", "compression": "int8"}, 4),
     }
@@ -314,10 +316,18 @@ def test_sync_with_a_clip_that_clips_differs_from_the_reference_as_the_readme_sa
     """Each worker clips its own gradient before the push, ddp and single clip the mean once: with a
     clip that clips, sync is not ddp (README, `ps` row). If this starts to pass as equal, ps clips the
     mean and the README should say sync equals ddp again."""
+
     def fit(strategy: str, nproc: int, **options: Any) -> dict[str, torch.Tensor]:
         model = mlp()
-        trainer = Trainer(strategy=strategy, strategy_options=options, nproc=nproc, optimizer=adam, loss_fn=ce,
-                          clip_grad_norm=0.05, **{**COMMON, "accumulate": 1, "max_steps": 5})
+        trainer = Trainer(
+            strategy=strategy,
+            strategy_options=options,
+            nproc=nproc,
+            optimizer=adam,
+            loss_fn=ce,
+            clip_grad_norm=0.05,
+            **{**COMMON, "accumulate": 1, "max_steps": 5},
+        )
         trainer.fit(model, classification())
         return params(model)
 

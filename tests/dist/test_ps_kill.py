@@ -53,7 +53,7 @@ def _process(rank: int, port: int, conn: Any, marker: str) -> None:
             if w == 0 and step == 10:
                 _wait_for(marker)
             lo = (step * 8) % 96 + w * 4
-            engine.forward_backward(model, [(x[lo: lo + 4], y[lo: lo + 4])], lambda m, b: ce(m(b[0]), b))
+            engine.forward_backward(model, [(x[lo : lo + 4], y[lo : lo + 4])], lambda m, b: ce(m(b[0]), b))
             engine.step(opt)
             opt.zero_grad(set_to_none=True)
         if w == 0:
@@ -112,9 +112,21 @@ def _trainer(mode: str, out: Any, worker_timeout_s: float) -> Any:
 
     out.mkdir(parents=True, exist_ok=True)
     return Trainer(
-        strategy="ps", strategy_options={"servers": 1, "mode": mode, "worker_timeout_s": worker_timeout_s}, nproc=3, precision="64",
-        global_batch_size=8, max_steps=30, log_every=5, val_every=10, optimizer=adam, loss_fn=ce, out=str(out),
-        checkpoint_every=10, keep_last=3, progress_bar=False, callbacks=[KillWorker(1, 5, str(out / "killed"))],
+        strategy="ps",
+        strategy_options={"servers": 1, "mode": mode, "worker_timeout_s": worker_timeout_s},
+        nproc=3,
+        precision="64",
+        global_batch_size=8,
+        max_steps=30,
+        log_every=5,
+        val_every=10,
+        optimizer=adam,
+        loss_fn=ce,
+        out=str(out),
+        checkpoint_every=10,
+        keep_last=3,
+        progress_bar=False,
+        callbacks=[KillWorker(1, 5, str(out / "killed"))],
     )
 
 

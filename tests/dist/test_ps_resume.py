@@ -37,9 +37,22 @@ def _fit(out: Path, max_steps: int, resume: str | None, options: dict[str, Any])
     # Dropout draws from each worker's RNG every step: a resume that lost it would differ.
     model = mlp(dropout=0.2)
     trainer = Trainer(
-        strategy="ps", strategy_options=options, precision="64", global_batch_size=12, accumulate=2,
-        max_steps=max_steps, clip_grad_norm=1.0, optimizer=adam, loss_fn=ce, lr_scheduler=step_lr, out=str(out),
-        checkpoint_every=N, resume=resume, deterministic=True, log_every=3, progress_bar=False,
+        strategy="ps",
+        strategy_options=options,
+        precision="64",
+        global_batch_size=12,
+        accumulate=2,
+        max_steps=max_steps,
+        clip_grad_norm=1.0,
+        optimizer=adam,
+        loss_fn=ce,
+        lr_scheduler=step_lr,
+        out=str(out),
+        checkpoint_every=N,
+        resume=resume,
+        deterministic=True,
+        log_every=3,
+        progress_bar=False,
     )
     summary = trainer.fit(model, classification(100))
     return {"params": params(model), "summary": summary}
@@ -56,9 +69,21 @@ REPLICAS = {
 
 def _fit_replicas(strategy: str, out: Path, max_steps: int, resume: str | None) -> dict[str, Any]:
     model = mlp(dropout=0.2)  # dropout: each rank's RNG stream must come back too
-    trainer = Trainer(strategy=strategy, strategy_options=REPLICAS[strategy], precision="64", global_batch_size=16,
-                      max_steps=max_steps, optimizer=adam, loss_fn=ce, out=str(out), checkpoint_every=R,
-                      resume=resume, deterministic=True, log_every=R, progress_bar=False)
+    trainer = Trainer(
+        strategy=strategy,
+        strategy_options=REPLICAS[strategy],
+        precision="64",
+        global_batch_size=16,
+        max_steps=max_steps,
+        optimizer=adam,
+        loss_fn=ce,
+        out=str(out),
+        checkpoint_every=R,
+        resume=resume,
+        deterministic=True,
+        log_every=R,
+        progress_bar=False,
+    )
     summary = trainer.fit(model, classification(100))
     return {"params": params(model), "summary": summary}
 

@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 from shardwise import Engine, Trainer, launch
 from shardwise.recipes.charlm import CharGPT
 from shardwise.trainer.straggler import Straggler
-from tests.dist.models import accuracy, adam, ce, classification, max_diff, mlp
+from tests.dist.models import adam, ce, classification, max_diff, mlp
 
 # Each module fixture is one launch; its own limit (600 s) stays below the test's, so a hang is
 # reported with the ranks still running instead of being cut off by pytest.
@@ -79,8 +79,9 @@ def fit(strategy: str, model: nn.Module, data: TensorDataset, *, options: dict[s
     keep = Keep(model)
     cfg = {**COMMON, "precision": "64", **settings}
     callbacks = [keep, *cfg.pop("callbacks", [])]
-    trainer = Trainer(strategy=strategy, optimizer=cfg.pop("optimizer", adam), loss_fn=cfg.pop("loss_fn", ce), strategy_options=options or {},
-                      callbacks=callbacks, **cfg)
+    trainer = Trainer(
+        strategy=strategy, optimizer=cfg.pop("optimizer", adam), loss_fn=cfg.pop("loss_fn", ce), strategy_options=options or {}, callbacks=callbacks, **cfg
+    )
     summary = trainer.fit(model, data)
     return {"state": keep.state, "summary": summary, "seen": sorted(getattr(model, "seen", set())), "degrees": keep.degrees, "sliced": keep.sliced}
 
@@ -145,7 +146,11 @@ def _world_of_two(tmp: str) -> dict[Any, Any]:
     straggler = Straggler(1, 3.0)
     clock = StepClock(straggler)
     fit("ddp", mlp(), classification(), callbacks=[straggler, clock], max_steps=12, log_every=12)
-    out["straggler"] = {"slept_s": straggler.slept_s, "fastest": straggler.fastest, "steps": [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])]}
+    out["straggler"] = {
+        "slept_s": straggler.slept_s,
+        "fastest": straggler.fastest,
+        "steps": [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:], strict=False)],
+    }
     return out
 
 

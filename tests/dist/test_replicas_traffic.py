@@ -48,13 +48,16 @@ def _run(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     x, y = classification(n=STEPS * 8, seed=30 + engine.rank).tensors  # every replica sees different data
     after: list[dict[str, Any]] = []
     for step in range(STEPS):
-        batch = (x[step * 8:(step + 1) * 8], y[step * 8:(step + 1) * 8])
+        batch = (x[step * 8 : (step + 1) * 8], y[step * 8 : (step + 1) * 8])
         engine.forward_backward(model, [batch], lambda m, b: ce(m(b[0]), b))
         engine.step(opt)
         opt.zero_grad(set_to_none=True)
         after.append({key: {k: v for k, v in t.items() if k != "seconds"} for key, t in engine.recorder.totals(by_group=True).items()})
-    return {"after": after, "events": [(e.op, e.group, e.group_size, e.payload_bytes, e.sent_bytes, e.received_bytes, e.steps)
-                                       for e in engine.recorder.events], "summary": engine.finish()}
+    return {
+        "after": after,
+        "events": [(e.op, e.group, e.group_size, e.payload_bytes, e.sent_bytes, e.received_bytes, e.steps) for e in engine.recorder.events],
+        "summary": engine.finish(),
+    }
 
 
 def _all() -> dict[str, Any]:
@@ -87,8 +90,19 @@ def test_each_round_sends_exactly_the_formula_and_nothing_between_rounds():
             got = r[name]
             for step, totals in enumerate(got["after"], start=1):
                 rounds = step // H  # rounds after steps 3 and 6: the totals move at those steps only
-                expected = {f"dp/{op}": {"count": rounds, "payload_bytes": rounds * payload, "sent_bytes": rounds * sent,
-                                         "received_bytes": rounds * received, "steps": rounds * steps}} if rounds else {}
+                expected = (
+                    {
+                        f"dp/{op}": {
+                            "count": rounds,
+                            "payload_bytes": rounds * payload,
+                            "sent_bytes": rounds * sent,
+                            "received_bytes": rounds * received,
+                            "steps": rounds * steps,
+                        }
+                    }
+                    if rounds
+                    else {}
+                )
                 assert totals == expected, (name, rank, step, totals)
             assert got["events"] == [(op, "dp", 2, payload, sent, received, steps)] * (STEPS // H), (name, rank)
             section = got["summary"]["local_sgd" if name == "local-sgd" else name.split("-")[0]]

@@ -18,9 +18,22 @@ N = 8
 
 def _trainer(strategy: str, nproc: int, out: Path, max_steps: int, resume: str | None, precision: str = "32") -> Trainer:
     return Trainer(
-        strategy=strategy, nproc=nproc, precision=precision, global_batch_size=16, accumulate=2,
-        max_steps=max_steps, clip_grad_norm=1.0, optimizer=adam, loss_fn=ce, lr_scheduler=step_lr,
-        out=str(out), checkpoint_every=4, resume=resume, deterministic=True, log_every=4, progress_bar=False,
+        strategy=strategy,
+        nproc=nproc,
+        precision=precision,
+        global_batch_size=16,
+        accumulate=2,
+        max_steps=max_steps,
+        clip_grad_norm=1.0,
+        optimizer=adam,
+        loss_fn=ce,
+        lr_scheduler=step_lr,
+        out=str(out),
+        checkpoint_every=4,
+        resume=resume,
+        deterministic=True,
+        log_every=4,
+        progress_bar=False,
         timeout_s=60,  # a hung collective fails with its name, before the test's own 180 s limit
     )
 

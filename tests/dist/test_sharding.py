@@ -36,8 +36,7 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _fit(strategy: str, optimizer: str, **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     model = mlp()
-    trainer = Trainer(strategy=strategy, optimizer=OPTIMIZERS[optimizer], loss_fn=ce, metrics={"accuracy": accuracy},
-                      strategy_options=options, **COMMON)
+    trainer = Trainer(strategy=strategy, optimizer=OPTIMIZERS[optimizer], loss_fn=ce, metrics={"accuracy": accuracy}, strategy_options=options, **COMMON)
     summary = trainer.fit(model, classification(), classification(n=VAL, seed=5))
     return _full_params(model), summary
 
@@ -70,8 +69,9 @@ def eight_features(n: int = 96) -> TensorDataset:
 def _memory(strategy: str, optimizer: str, **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's memory section, measured on a model whose tensors split evenly."""
     model = Blocks().double()
-    trainer = Trainer(strategy=strategy, optimizer=OPTIMIZERS[optimizer], loss_fn=ce, strategy_options=options,
-                      **{**COMMON, "max_steps": 2, "clip_grad_norm": None})
+    trainer = Trainer(
+        strategy=strategy, optimizer=OPTIMIZERS[optimizer], loss_fn=ce, strategy_options=options, **{**COMMON, "max_steps": 2, "clip_grad_norm": None}
+    )
     summary = trainer.fit(model, eight_features())
     psi = sum(p.numel() for p in Blocks().parameters())
     return summary["memory_per_rank"], {"psi": psi, "fsdp": summary.get("fsdp"), "comm": summary["comm"]["by_op"]}
@@ -220,7 +220,9 @@ def test_offload_with_a_strategy_that_cannot_is_a_config_error():
 
 
 def test_an_hsdp_shape_that_does_not_divide_the_world_size_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"hsdp shape replicate=3 x shard=None does not divide the world size 4; choose replicate x shard = 4 \(one of 1x4, 2x2, 4x1\)"):
+    with pytest.raises(
+        ConfigError, match=r"hsdp shape replicate=3 x shard=None does not divide the world size 4; choose replicate x shard = 4 \(one of 1x4, 2x2, 4x1\)"
+    ):
         Trainer(strategy="hsdp", nproc=4, strategy_options={"replicate": 3}, loss_fn=ce).fit(mlp(), classification())
     with pytest.raises(ConfigError, match="replicate=2 x shard=2 does not divide the world size 2"):
         Trainer(strategy="hsdp", nproc=2, strategy_options={"replicate": 2, "shard": 2}, loss_fn=ce).fit(mlp(), classification())
@@ -252,8 +254,7 @@ def _collective(p: int, payload: int, op: str) -> int:
     return 2 * (p - 1) * payload // p if op == "all_reduce" else (p - 1) * payload // p
 
 
-def _fsdp_traffic(strategy: str, units: list[int], shard: int, replicate: int, steps: int, accumulate: int,
-                  evals: int = 0) -> dict[str, dict[str, int]]:
+def _fsdp_traffic(strategy: str, units: list[int], shard: int, replicate: int, steps: int, accumulate: int, evals: int = 0) -> dict[str, dict[str, int]]:
     """ZeRO-2 / ZeRO-3 / HSDP on FSDP2, per rank: ``units`` are the gathered bytes of each unit (the
     root is one more when it holds parameters of its own; in these models it holds none)."""
     g = "dp" if replicate == 1 else "shard"

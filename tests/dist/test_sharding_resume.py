@@ -24,9 +24,21 @@ N = 8  # 100 samples in global batches of 16: step 8 is in the middle of epoch 1
 
 def _trainer(strategy: str, nproc: int, out: Path, max_steps: int, resume: str | None) -> Trainer:
     return Trainer(
-        strategy=strategy, nproc=nproc, precision="64", global_batch_size=16, accumulate=2, max_steps=max_steps,
-        clip_grad_norm=0.5, optimizer=adam, loss_fn=ce, lr_scheduler=step_lr, out=str(out), checkpoint_every=N,
-        resume=resume, log_every=4, progress_bar=False,
+        strategy=strategy,
+        nproc=nproc,
+        precision="64",
+        global_batch_size=16,
+        accumulate=2,
+        max_steps=max_steps,
+        clip_grad_norm=0.5,
+        optimizer=adam,
+        loss_fn=ce,
+        lr_scheduler=step_lr,
+        out=str(out),
+        checkpoint_every=N,
+        resume=resume,
+        log_every=4,
+        progress_bar=False,
     )
 
 
@@ -107,8 +119,8 @@ def test_a_ddp_checkpoint_resumes_under_zero3(runs):
 
 def _crash_before_manifest(root: str) -> str:
     """A sharded write that dies after the shards, before the manifest: nothing appears under a final name."""
-    from shardwise import Engine
     import shardwise.checkpoint.files as ckpt  # where write() hashes the files
+    from shardwise import Engine
 
     engine = Engine(strategy="zero3", precision="64")
     model, opt = engine.setup(mlp(), adam)

@@ -46,15 +46,24 @@ def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def _fit(strategy: str, *, out: Path | None = None, resume: str | None = None, max_steps: int = 5, dropout: float = 0.0, **options: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _fit(
+    strategy: str, *, out: Path | None = None, resume: str | None = None, max_steps: int = 5, dropout: float = 0.0, **options: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     model = tiny_gpt()
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = dropout
         if hasattr(m, "dropout") and isinstance(m.dropout, float):
             m.dropout = dropout
-    trainer = Trainer(strategy=strategy, optimizer=adamw, loss_fn=lm_loss, strategy_options=options,
-                      **{**COMMON, "max_steps": max_steps}, out=str(out) if out else None, resume=resume)
+    trainer = Trainer(
+        strategy=strategy,
+        optimizer=adamw,
+        loss_fn=lm_loss,
+        strategy_options=options,
+        **{**COMMON, "max_steps": max_steps},
+        out=str(out) if out else None,
+        resume=resume,
+    )
     summary = trainer.fit(model, chars(), chars(20, seed=4))
     return _whole(model), summary
 
@@ -108,7 +117,7 @@ def _engine_loop(**options: Any) -> dict[str, torch.Tensor]:
         model = tiny_gpt()
         opt = adamw(model.parameters())
         for step in range(3):
-            lm_loss(model(x[step * 8:(step + 1) * 8]), (None, y[step * 8:(step + 1) * 8])).backward()
+            lm_loss(model(x[step * 8 : (step + 1) * 8]), (None, y[step * 8 : (step + 1) * 8])).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             opt.step()
             opt.zero_grad()
@@ -121,7 +130,7 @@ def _engine_loop(**options: Any) -> dict[str, torch.Tensor]:
         for micro in range(2):
             lo = step * 8 + r * per + micro * per // 2
             with engine.no_sync(model) if micro == 0 else contextlib.nullcontext():
-                engine.backward(lm_loss(model(x[lo:lo + per // 2]), (None, y[lo:lo + per // 2])) / 2)
+                engine.backward(lm_loss(model(x[lo : lo + per // 2]), (None, y[lo : lo + per // 2])) / 2)
         engine.clip_grad_norm(model, opt, 0.05)
         engine.step(opt)
         opt.zero_grad()
@@ -175,8 +184,10 @@ def _uneven_sequence() -> tuple[float, float, str | None]:
     out.pow(2).sum().backward()
     want.pow(2).sum().backward()
     reduce_partial_grads(model)
-    grads = max((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).sub(q.grad).abs().max().item()
-                for p, q in zip(model.parameters(), ref.parameters()))
+    grads = max(
+        (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).sub(q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
     try:
         model(x[:, :1])
     except ValueError as exc:
@@ -196,8 +207,17 @@ def _fit_llama(**options: Any) -> dict[str, Any] | None:
         return None
     from tests.models import zoo
 
-    trainer = Trainer(strategy="tp", optimizer=adamw, strategy_options={"tp": 2, **options}, precision="64", global_batch_size=LLAMA_BATCH,
-                      max_steps=LLAMA_STEPS, log_every=LLAMA_STEPS, progress_bar=False, clip_grad_norm=0.05)
+    trainer = Trainer(
+        strategy="tp",
+        optimizer=adamw,
+        strategy_options={"tp": 2, **options},
+        precision="64",
+        global_batch_size=LLAMA_BATCH,
+        max_steps=LLAMA_STEPS,
+        log_every=LLAMA_STEPS,
+        progress_bar=False,
+        clip_grad_norm=0.05,
+    )
     return trainer.fit(zoo.build("llama", layers=LLAMA_LAYERS), zoo.dataset("llama", LLAMA_BATCH * LLAMA_STEPS))  # type: ignore[no-any-return]
 
 
@@ -208,8 +228,9 @@ def _world_of_two(root: Path) -> dict[Any, Any]:
     out["tp"] = _fit("tp", tp=2)
     out["tp_sp"] = _fit("tp", tp=2, sequence_parallel=True)
     out["dp2_tp1"] = _fit("tp", tp=1)  # degenerate: tp of one, data parallel over two
-    out["tp_plan"] = _fit("tp", plan={"blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.proj": "rowwise",
-                                     "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
+    out["tp_plan"] = _fit(
+        "tp", plan={"blocks.*.attn.[qkv]": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}
+    )
     for layers in (1, 2):
         for sp in (False, True):
             out[("count", layers, sp)] = _count(layers, sp)
@@ -285,9 +306,18 @@ def test_tp2_equals_single(run, two, reference):
     section = two[0][run][1]["tp"]
     assert section["degree"] == 2 and section["dp"] == 1
     assert section["sequence_parallel"] == (run == "tp_sp")
-    assert section["plan"] == {f"blocks.{i}.{n}": s for i in range(LAYERS) for n, s in
-                               (("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"), ("attn.proj", "rowwise"),
-                                ("mlp.fc", "colwise"), ("mlp.proj", "rowwise"))}
+    assert section["plan"] == {
+        f"blocks.{i}.{n}": s
+        for i in range(LAYERS)
+        for n, s in (
+            ("attn.q", "colwise"),
+            ("attn.k", "colwise"),
+            ("attn.v", "colwise"),
+            ("attn.proj", "rowwise"),
+            ("mlp.fc", "colwise"),
+            ("mlp.proj", "rowwise"),
+        )
+    }
 
 
 def test_tp_of_one_is_data_parallel(two, reference):
@@ -394,8 +424,7 @@ def megatron(*, batch: int, passes: int, seq: int, hidden: int, layers: int, ite
     if not sequence_parallel:
         return {"all_reduce": (passes * 4 * layers, passes * 4 * layers * 2 * (p - 1) * act // p)}
     piece = (p - 1) * act // p
-    return {"all_gather": (passes * (4 * layers + 2), passes * (4 * layers + 2) * piece),
-            "reduce_scatter": (passes * 4 * layers, passes * 4 * layers * piece)}
+    return {"all_gather": (passes * (4 * layers + 2), passes * (4 * layers + 2) * piece), "reduce_scatter": (passes * 4 * layers, passes * 4 * layers * piece)}
 
 
 def _tp_traffic(summary: dict[str, Any]) -> dict[str, tuple[float, float]]:
@@ -424,8 +453,7 @@ def _plus(a: dict[str, tuple[int, int]], b: dict[str, tuple[int, int]]) -> dict[
 
 def test_recorded_tp_bytes_per_step_are_megatrons_formula_on_charlm(two):
     # charlm's CharGPT, float64: 8 samples per step on each rank in 2 passes of 4 (accumulate=2), sequence 8, width 16.
-    shape = dict(batch=COMMON["global_batch_size"] // COMMON["accumulate"], passes=COMMON["accumulate"], seq=BLOCK, hidden=D, layers=LAYERS,
-                 itemsize=8, p=2)
+    shape = dict(batch=COMMON["global_batch_size"] // COMMON["accumulate"], passes=COMMON["accumulate"], seq=BLOCK, hidden=D, layers=LAYERS, itemsize=8, p=2)
     norms = LAYERS * 2 * 2 * D * 8  # per block ln1 and ln2, weight and bias
     for rank in range(2):
         plain = _tp_traffic(two[rank]["tp"][1])
@@ -449,8 +477,9 @@ def test_recorded_tp_bytes_per_step_are_megatrons_formula_on_hf_llama(two):
     for rank in range(2):
         plain, sp = two[rank][("llama", False)], two[rank][("llama", True)]
         assert plain["steps"] == sp["steps"] == LLAMA_STEPS
-        assert sorted(sp["tp"]["grad_summed"]) == sorted(f"model.layers.{i}.{n}.weight" for i in range(LLAMA_LAYERS)
-                                                         for n in ("input_layernorm", "post_attention_layernorm"))
+        assert sorted(sp["tp"]["grad_summed"]) == sorted(
+            f"model.layers.{i}.{n}.weight" for i in range(LLAMA_LAYERS) for n in ("input_layernorm", "post_attention_layernorm")
+        )
         assert _tp_traffic(plain) == _plus(megatron(**shape, sequence_parallel=False), _extras(0))
         # By hand: 1 pass x 2 blocks x 4 allreduces x (4 x 16 x 32 x 8 = 16384 bytes), plus the clip's 8.
         assert _tp_traffic(plain)["all_reduce"][1] == 2 * 4 * 16384 + 8 == 131080
@@ -482,7 +511,10 @@ def test_tp_that_does_not_divide_the_world_size_is_a_config_error_before_launch(
 def test_heads_that_do_not_divide_by_tp_is_a_config_error(two):
     for rank in range(2):
         assert two[rank]["heads"] is not None
-        assert "blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks (attention is split by whole heads, key/value heads included); choose tp in [1, 3]" in two[rank]["heads"]
+        assert (
+            "blocks.0.attn.q has 3 attention heads, which do not split across tp=2 ranks "
+            "(attention is split by whole heads, key/value heads included); choose tp in [1, 3]" in two[rank]["heads"]
+        )
 
 
 def test_fp16_with_its_grad_scaler_is_refused_before_the_first_step(two):
@@ -493,7 +525,10 @@ def test_an_uneven_sequence_splits_exactly_and_one_too_short_is_refused(two):
     for rank in range(2):
         out, grads, refusal = two[rank]["uneven"]
         assert out < 1e-12 and grads < 1e-12, (out, grads)
-        assert refusal is not None and "sequence parallelism splits dim 1 (the sequence) of the blocks' input (batch, sequence, features) across tp=2 ranks; got (4, 1, 16)" in refusal
+        assert (
+            refusal is not None
+            and "sequence parallelism splits dim 1 (the sequence) of the blocks' input (batch, sequence, features) across tp=2 ranks; got (4, 1, 16)" in refusal
+        )
 
 
 def test_bad_plans_are_config_errors():
