@@ -109,6 +109,22 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, group: Group = WORLD, recor
     return tensor
 
 
+def broadcast_async(tensor: torch.Tensor, src: int = 0, *, group: Group = WORLD, recorder: Recorder | None = None) -> Pending:
+    """Start broadcasting ``tensor`` from group rank ``src`` in place; wait on the returned `Pending`.
+
+    For many broadcasts in flight at once (a sharded optimizer's updated parameters, each from
+    the rank that owns it): recorded when started, untimed (``seconds`` None, as `all_reduce_async`).
+    """
+    p = group.size
+    if p == 1 or not dist.is_initialized():
+        return Pending(None, "broadcast", group, src)
+    n = _nbytes(tensor)
+    sent, recv = wire_bytes("broadcast", n, p, is_root=group.rank == src)
+    work = _guard("broadcast", group, lambda: dist.broadcast(tensor, src=group.global_rank(src), group=group.pg, async_op=True))
+    (recorder or _NULL).add(CommEvent("broadcast", group.name, p, n, sent, recv, None))
+    return Pending(work, "broadcast", group, src)
+
+
 def all_gather(tensor: torch.Tensor, *, group: Group = WORLD, recorder: Recorder | None = None) -> list[torch.Tensor]:
     """Gather equal-shaped tensors from every rank of the group."""
     p = group.size
@@ -158,13 +174,15 @@ _NULL = _NullRecorder()
 
 
 class Pending:
-    """A posted ``isend`` or ``irecv``: ``wait()`` blocks until it is done (a failure or timeout is a
-    `CommError` naming this rank, the operation and the group); ``source()`` is the sender's group rank."""
+    """A posted ``isend``, ``irecv`` or ``broadcast_async``: ``wait()`` blocks until it is done (a failure or
+    timeout is a `CommError` naming this rank, the operation and the group); ``source()`` is the sender's group rank."""
 
     def __init__(self, work: Any, op: str, group: Group, peer: int | None) -> None:
         self.work, self.op, self.group, self.peer = work, op, group, peer
 
     def wait(self) -> None:
+        if self.work is None:  # nothing was sent (a group of one)
+            return
         what = f"{self.op} {'from any rank' if self.peer is None else f'with rank {self.peer}'}"
         _guard(what, self.group, lambda: self.work.wait())
 

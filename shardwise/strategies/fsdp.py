@@ -27,10 +27,10 @@ updated shards are gathered again, which is the all-gather ZeRO-2 does after its
 gradient sync across groups).
 
 **What each stage sends** (recorded on the run's `Recorder` when ``count_collectives`` is on,
-the default): FSDP2 issues its collectives itself, so they are seen from below, by the dispatch
-mode of `shardwise.strategies.tensor_parallel.counting`, with the tensors actually handed to
-c10d (padded shards included), and without seconds (they run asynchronously inside FSDP2). A
-unit's payload is its gathered flat buffer, ``U`` bytes: the sum over its parameters of
+the default): FSDP2 issues its collectives itself, so they are recorded where it issues them,
+through recording versions of its communication objects (`CollectiveTraffic.hook`), with the
+tensors actually handed to c10d (padded shards included), and without seconds (they run
+asynchronously inside FSDP2). A unit's payload is its gathered flat buffer, ``U`` bytes: the sum over its parameters of
 ``ceil(dim0 / S) x S`` rows (the root is a unit too when it holds parameters of its own). Per
 optimizer step over ``A`` micro-batches, in the shard group of ``S`` ranks (group ``dp``;
 ``shard`` and ``replicate`` under hsdp):
@@ -44,7 +44,8 @@ optimizer step over ``A`` micro-batches, in the shard group of ``S`` ranks (grou
   (``U / S`` bytes) across the replicate group.
 - Clipping adds one allreduce of the gradients' partial norms (one value per parameter, issued
   by DTensor); each evaluation forward gathers every unit (zero3, hsdp). A backward run outside
-  ``forward_backward`` (a loop of one's own calling ``engine.backward``) is not seen.
+  ``forward_backward`` (a loop of one's own calling ``engine.backward``) is recorded too, under
+  the phase ``backward``.
 
 `CollectiveTraffic` counts them per phase too: ``summary()["fsdp"]["collectives_per_step"]``.
 
@@ -121,7 +122,7 @@ from torch import nn
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint import optimizer_state_by_name, parameter_names
-from shardwise.comm.recorder import CommEvent, Recorder
+from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
@@ -267,14 +268,16 @@ _FSDP_C10D_OPS = frozenset({"_allgather_base_", "allgather_into_tensor_coalesced
 ``allreduce_`` over the replicate group)."""
 
 
-def _fsdp_counter(counter: type, replicate_group: str | None) -> type:
+def _fsdp_counter(counter: type, replicate_group: str | None, fsdp_ops: bool = True) -> type:
     """The counting mode of `shardwise.strategies.tensor_parallel.counting`, narrowed to what
     FSDP2 and DTensor send, so that no byte is recorded twice or missed:
 
     - A collective sent through `shardwise.comm` inside a recorded block (SyncBatchNorm's
       statistics, a loss that averages across ranks) is recorded by comm itself: of the c10d
       operators only FSDP2's own are taken (its all-gathers and reduce-scatters, and under hsdp
-      the allreduce over the replicate group). DTensor's functional collectives are all taken.
+      the allreduce over the replicate group), and none with ``fsdp_ops`` off (FSDP2's own are then
+      recorded where FSDP2 issues them, `CollectiveTraffic.hook`). DTensor's functional
+      collectives are all taken.
     - A dispatch mode sees an operator before a tensor subclass does, so the collectives DTensor
       issues while it runs an operator (the allreduce of a sharded gradient norm's partial sums)
       would run under the mode's handler, where the mode is off, and go unseen. Declining
@@ -305,11 +308,24 @@ def _fsdp_counter(counter: type, replicate_group: str | None) -> type:
             if func.namespace == "c10d":
                 op = func._schema.name.split("::")[-1]
                 fsdp_allreduce = op == "allreduce_" and replicate_group is not None and group_of(args) == replicate_group
-                if op not in _FSDP_C10D_OPS and not fsdp_allreduce:
-                    return  # sent through shardwise.comm, which records it
+                if not fsdp_ops or (op not in _FSDP_C10D_OPS and not fsdp_allreduce):
+                    return  # sent through shardwise.comm, which records it, or recorded at FSDP2's source
             super()._record(kind, func, args)
 
     return FSDPCounter
+
+
+class _Phase:
+    """The phase FSDP2's collectives are recorded under (None: forward, or backward inside an autograd node)."""
+
+    def __init__(self, phase: str | None = None) -> None:
+        self.phase = phase
+
+
+_MODE_PHASES = frozenset({"clip", "checkpoint"})
+"""Phases whose collectives DTensor issues (a sharded norm's partial sums, state-dict gathers):
+seen by the dispatch mode. FSDP2's own all-gathers, reduce-scatters and allreduces are recorded
+where FSDP2 calls them (`CollectiveTraffic.hook`), with no per-operator cost."""
 
 
 class CollectiveTraffic:
@@ -317,11 +333,19 @@ class CollectiveTraffic:
     them by ``(group, kind, phase)``.
 
     FSDP2 calls c10d itself (all-gathers before forward and backward, reduce-scatters after
-    backward, the allreduce across HSDP's replicas), so the bytes are taken from below: the
-    dispatch mode of `shardwise.strategies.tensor_parallel.counting` sees each c10d operator
-    with the tensors it sends. ``phase(name)`` turns the mode on for a block; blocks nest (an
-    inner one, e.g. a forward inside ``forward_backward``, adds nothing). With ``enabled`` off
-    nothing is recorded and no operator pays the mode's Python call.
+    backward, the allreduce across HSDP's replicas). ``hook(model)`` records them at the source:
+    each unit's all-gather and reduce-scatter go through recording versions of FSDP2's default
+    communication objects (``set_custom_all_gather`` / ``set_custom_reduce_scatter``, the
+    tensors actually handed to c10d, padded shards included), and HSDP's allreduce is recorded
+    by FSDP2's all-reduce hook with the reduced shard. That costs nothing per operator. Where
+    this torch lacks those methods, or a unit holds more than one parameter group, the dispatch
+    mode of `shardwise.strategies.tensor_parallel.counting` sees each c10d operator instead (a
+    Python call per operator). DTensor's own collectives (clipping's norm, checkpoints) are
+    always seen by that mode, in the phases that issue them.
+
+    ``phase(name)`` names the collectives of a block; blocks nest (an inner one, e.g. a forward
+    inside ``forward_backward``, adds nothing). With ``enabled`` off nothing is recorded and no
+    operator pays the mode's Python call.
     """
 
     def __init__(self, recorder: Recorder | None, groups: Mapping[str, Any], enabled: bool = True) -> None:
@@ -332,25 +356,84 @@ class CollectiveTraffic:
         self.enabled = enabled
         self.counts: Counter[tuple[str, str, str]] = Counter()
         replicate = groups.get("replicate")
-        self._mode_class = _fsdp_counter(_collective_counter_mode(), replicate.group_name if replicate is not None else None) if enabled else None
+        self._replicate = replicate.group_name if replicate is not None else None
+        self._counter = _collective_counter_mode() if enabled else None
+        self._mode_class = _fsdp_counter(self._counter, self._replicate) if self._counter is not None else None
+        self.hooked = False
+        """Whether FSDP2's own collectives are recorded at the source (`hook`), not by the mode."""
+        self._state: _Phase | None = None
         self._active: Any = None
         self._hook_blocks: list[contextlib.ExitStack] = []
+
+    def hook(self, model: nn.Module) -> None:
+        """Record every FSDP2 unit's collectives where FSDP2 issues them (see the class)."""
+        modules = fsdp_modules(model)
+        if self._counter is None or not modules:
+            return
+        if not all(hasattr(m, "set_custom_all_gather") and hasattr(m, "set_custom_reduce_scatter") for m in modules):
+            return  # an older torch: the mode sees FSDP2's c10d operators
+        if any(len(m._get_fsdp_state()._fsdp_param_groups) > 1 for m in modules):
+            return  # per-parameter meshes: FSDP2 takes one custom communication per unit only
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+        traffic = self
+
+        class RecordedAllGather(DefaultAllGather):
+            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+                traffic._record("all_gather", group, output_tensor)  # the payload is the gathered buffer
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+
+        class RecordedReduceScatter(DefaultReduceScatter):
+            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+                traffic._record("reduce_scatter", group, input_tensor)  # the payload is the whole gradient
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+        for m in modules:
+            m.set_custom_all_gather(RecordedAllGather())
+            m.set_custom_reduce_scatter(RecordedReduceScatter())
+            if self._replicate is not None:
+                # Called after HSDP's allreduce across the replicas, with the reduced shard (its payload).
+                m.set_all_reduce_hook(lambda shard: traffic._record("all_reduce", traffic._replicate, shard))
+        self.hooked = True
+        self._mode_class = _fsdp_counter(self._counter, self._replicate, fsdp_ops=False)
+
+    def _record(self, kind: str, group: Any, tensor: torch.Tensor) -> None:
+        name = group if isinstance(group, str) else group.group_name
+        label, size = self.names.get(name, ("other", 1))
+        state = self._state
+        phase = (state.phase if state is not None else None) or ("backward" if torch._C._current_autograd_node() is not None else "forward")
+        self.counts[(label, kind, phase)] += 1
+        if self.recorder is not None:
+            payload = tensor.numel() * tensor.element_size()
+            sent, recv = wire_bytes(kind, payload, size)
+            self.recorder.add(CommEvent(kind, label, size, payload, sent, recv, None))
 
     @contextlib.contextmanager
     def phase(self, name: str | None) -> Iterator[Any]:
         """Record the collectives issued in the block under phase ``name`` (None: forward, or backward
-        inside an autograd node); yields the mode (None when off or nested) so a caller can move the phase."""
+        inside an autograd node); yields an object whose ``phase`` a caller may move (None when off or
+        nested)."""
         if self._mode_class is None or self._active is not None:
             yield None
+            return
+        if self.hooked and name not in _MODE_PHASES:
+            state = self._state = _Phase(name)
+            self._active = state
+            try:
+                yield state
+            finally:
+                self._active = self._state = None
             return
         mode = self._mode_class(self.recorder, self.names)
         mode.phase = name
         self._active = mode
+        if self.hooked:
+            self._state = mode  # FSDP2's own collectives in the block (none expected) take the mode's phase
         try:
             with mode:
                 yield mode
         finally:
-            self._active = None
+            self._active = self._state = None
             self.counts.update(mode.counts)
 
     def watch_forward(self, module: nn.Module) -> None:
@@ -556,7 +639,7 @@ class ShardedDataParallel(Strategy):
     offload: bool = False
     """Keep the parameter, gradient and optimizer shards in CPU memory (FSDP2's CPUOffloadPolicy)."""
     count_collectives: bool = True
-    """Record FSDP2's all-gathers and reduce-scatters on the run's Recorder (a dispatch mode: a little Python per operator)."""
+    """Record FSDP2's all-gathers, reduce-scatters and allreduces on the run's Recorder (one Python call per collective)."""
 
     def __post_init__(self) -> None:
         if self.mixed_precision is not None and self.mixed_precision not in _MP_DTYPES:
@@ -607,6 +690,7 @@ class ShardedDataParallel(Strategy):
         else:
             groups = {"replicate": device_mesh["replicate"].get_group(), "shard": device_mesh["shard"].get_group()}
         traffic = CollectiveTraffic(recorder, groups, enabled=self.count_collectives)
+        traffic.hook(model)
         probe = ModelStateProbe(self.name, shard)
         run = FSDPRun if self.reshard_after_forward else Zero2Run
         return run(model, optimizer, sharded_params, strategy=self, units=units, shape=(replicate, shard), probe=probe, traffic=traffic)

@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.comm.collectives import Group, broadcast
+from shardwise.comm.collectives import Group, broadcast_async
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
@@ -187,9 +187,9 @@ class RecordedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
     through `shardwise.comm.broadcast`, so the run's `Recorder` sees every byte of it.
 
     torch broadcasts each parameter from the rank that owns it (``_sync_params``, per
-    parameter when ``parameters_as_bucket_view`` is off, as here); this does the same
-    broadcasts in the same order, one recorded call each: the values every rank ends with
-    are the owner's, exactly as before.
+    parameter when ``parameters_as_bucket_view`` is off, as here, all in flight at once, then
+    waits for them); this does the same broadcasts in the same order, one recorded call each:
+    the values every rank ends with are the owner's, exactly as before.
     """
 
     def __init__(self, params: Any, *, group: Group, recorder: Recorder | None, **kwargs: Any) -> None:
@@ -197,10 +197,14 @@ class RecordedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
         super().__init__(params, process_group=group.pg, **kwargs)
 
     def _sync_params(self) -> None:
-        for rank, groups in enumerate(self._partition_parameters()):  # type: ignore[attr-defined]  # torch's .pyi stub omits this private method
-            for param_group in groups:
-                for param in param_group["params"]:
-                    broadcast(param.data, src=rank, group=self._shardwise_group, recorder=self._shardwise_recorder)
+        pending = [
+            broadcast_async(param.data, src=rank, group=self._shardwise_group, recorder=self._shardwise_recorder)
+            for rank, groups in enumerate(self._partition_parameters())  # type: ignore[attr-defined]  # torch's .pyi stub omits this private method
+            for param_group in groups
+            for param in param_group["params"]
+        ]
+        for work in pending:
+            work.wait()
 
 
 def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Group, recorder: Recorder | None = None) -> ZeroRedundancyOptimizer:
