@@ -240,15 +240,6 @@ def regather(model: nn.Module) -> None:
         m.unshard()
 
 
-# -- state dicts: sharded (DTensor), keyed by parameter name ------------------------------------
-
-
-# The state of DTensor modules lives in shardwise.checkpoint (the one place that asks "is this a
-# DTensor"); the names stay importable from here for the strategies that compose with fsdp.
-dtensor_state_dict = ckpt.dtensor_state_dict
-is_sharded_state = ckpt.has_dtensor
-
-
 # -- recording what FSDP2 sends ------------------------------------------------------------
 
 
@@ -540,13 +531,13 @@ class FSDPRun(Parallel):
 
     def state_dict(self, optimizer: bool) -> dict[str, Any]:
         with self.traffic.phase("checkpoint"), self._sharded():
-            return dtensor_state_dict(self.model, self.optimizer if optimizer else None)
+            return ckpt.dtensor_state_dict(self.model, self.optimizer if optimizer else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load sharded state (DTensors, from a sharded checkpoint) or full state (plain tensors, from ddp/single)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-        full = not is_sharded_state(state["model"])
+        full = not ckpt.has_dtensor(state["model"])
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=False)
         with self.traffic.phase("checkpoint"), self._sharded():
             set_model_state_dict(self.model, state["model"], options=options)

@@ -224,25 +224,14 @@ def _convert_inner(value: Any, tp: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
         raise _Bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise _Bad
-        if isinstance(value, int):
-            return value
+    if tp is int or tp is float:
+        # A number, or its text; never a bool (True is an int to Python, not a count); an int where a float is asked.
+        accepted = (int,) if tp is int else (int, float)
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return tp(value)
         if isinstance(value, str):
             try:
-                return int(value.strip())
-            except ValueError:
-                raise _Bad from None
-        raise _Bad
-    if tp is float:
-        if isinstance(value, bool):
-            raise _Bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
+                return tp(value.strip())
             except ValueError:
                 raise _Bad from None
         raise _Bad

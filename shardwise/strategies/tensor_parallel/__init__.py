@@ -613,7 +613,7 @@ class TensorParallelRun(Parallel):
         return clip_grad_norm_(self.params, max_norm, self._recorder)
 
     def state_dict(self, optimizer: bool) -> dict[str, Any]:
-        from shardwise.strategies.fsdp import dtensor_state_dict
+        from shardwise.checkpoint import dtensor_state_dict
 
         return to_original(self.model, dtensor_state_dict(self.model, self.optimizer if optimizer else None))
 
@@ -622,10 +622,9 @@ class TensorParallelRun(Parallel):
         the optimizer loads when ``state`` holds one."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-        from shardwise.checkpoint import optimizer_state_by_name, parameter_names
-        from shardwise.strategies.fsdp import is_sharded_state
+        from shardwise.checkpoint import has_dtensor, optimizer_state_by_name, parameter_names
 
-        full = not is_sharded_state(state["model"])
+        full = not has_dtensor(state["model"])
         state = to_run(self.model, state)
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=False)
         set_model_state_dict(self.model, state["model"], options=options)
