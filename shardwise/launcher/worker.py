@@ -68,6 +68,11 @@ def main(boot_dir: str, rank: int) -> int:
     import faulthandler
 
     faulthandler.enable(all_threads=True)
+    # The launcher ends the ranks still running once one has failed (SIGTERM): each prints where its
+    # threads were first, so a rank that was waiting on a peer says on what (then ends as before).
+    import signal
+
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     boot = Path(boot_dir)
     with open(boot / "boot.pkl", "rb") as f:
         main_spec, sys_path, argv = pickle.load(f)

@@ -8,17 +8,22 @@ import torch
 from shardwise.comm.codecs import get_codec
 from shardwise.errors import ConfigError
 from shardwise.strategies.param_server.protocol import (
+    CTRL_TAG,
     HEADER_BYTES,
     KIND,
     LENGTH,
     LOAD,
     LR,
+    PULL_TAG,
     PUSH,
+    PUSH_TAG,
+    STATS_TAG,
     STEP,
     VERSION,
     WORKER,
     GradientCoder,
     ServerStats,
+    Tags,
     header,
     pack,
     partition_by_bytes,
@@ -102,6 +107,15 @@ def test_a_checkpoint_path_travels_as_its_utf8_bytes_after_a_header_with_its_len
     assert head[KIND] == LOAD and head[STEP] == 8 and head[LENGTH] == raw.numel()
 
 
+def test_each_session_has_tags_of_its_own() -> None:
+    # A later session in the same processes (a second fit) must never match a message or a receive
+    # left from an earlier one (a worker declared lost): no tag is shared between sessions.
+    sessions = [Tags.of_session(n) for n in range(50)]
+    tags = [t for s in sessions for t in (s.push, s.pull, s.stats, s.ctrl)]
+    assert len(set(tags)) == len(tags) == 200
+    assert sessions[0] == Tags(PUSH_TAG, PULL_TAG, STATS_TAG, CTRL_TAG)
+
+
 def test_a_server_drops_silent_workers_it_owes_nothing_but_never_worker_zero() -> None:
     # No process group: the bookkeeping alone. Worker 0 reports the run and pauses alone (evaluation,
     # checkpoints): dropping it would end the session under it, and its death ends the run anyway.
@@ -127,6 +141,7 @@ def test_a_server_drops_silent_workers_it_owes_nothing_but_never_worker_zero() -
             worker_timeout_s=5.0,
             recorder=Recorder(),
             group=Group("ps"),
+            tags=Tags.of_session(0),
         )
         now = time.monotonic()
         server.last_seen = [now - 3600, now - 3600, now - 3600, now]  # 0, 1, 2 silent for an hour, 3 just spoke

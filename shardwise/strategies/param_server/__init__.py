@@ -140,6 +140,7 @@ Design notes: ranks that serve
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,13 +158,15 @@ from shardwise.mesh import Mesh
 from shardwise.strategies.common import LocalParallel
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Placement, Strategy, plan_layout
 from shardwise.strategies.param_server.client import Client, RemoteOptimizer
-from shardwise.strategies.param_server.protocol import SERVER_FILE, ServerStats, partition_by_bytes
+from shardwise.strategies.param_server.protocol import SERVER_FILE, ServerStats, Tags, partition_by_bytes
 from shardwise.strategies.param_server.server import Server
 
 MODES: tuple[str, ...] = ("sync", "async", "ssp")
 """The consistency models (`PS.mode`'s values)."""
 
 PS_GROUP = Group("ps")
+_SESSIONS = itertools.count()
+"""Sessions this process has built (see `protocol.Tags`)."""
 """The world, named for the recorder: every message between workers and servers is recorded under ``ps/``."""
 
 
@@ -281,7 +284,8 @@ def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: Op
     # and, when workers loop alone (async, ssp), one group per worker for its loop's own collectives.
     workers_group = new_group(range(workers), name="workers")
     solo = [new_group([w], name="alone") for w in range(workers)] if settings.alone else []
-    client = Client(params, shards, server_ranks, mesh.rank if mesh.rank < workers else 0, settings.codec(), recorder, PS_GROUP)
+    tags = Tags.of_session(next(_SESSIONS))  # every rank counts the same sessions: its own tags for this one
+    client = Client(params, shards, server_ranks, mesh.rank if mesh.rank < workers else 0, settings.codec(), recorder, PS_GROUP, tags)
     if mesh.rank >= workers:
         s = mesh.rank - workers
         owned = [nn.Parameter(params[i].detach().clone()) for i in shards[s]]
@@ -300,6 +304,7 @@ def apply_servers(settings: ServerSettings, model: nn.Module, make_optimizer: Op
             group=PS_GROUP,
             param_ids=shards[s],
             servers=servers,
+            tags=tags,
         )
         stats = server.serve()
         server.report_to(0)

@@ -28,20 +28,17 @@ from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.errors import CommError, ConfigError
 from shardwise.strategies.param_server.protocol import (
     BYE,
-    CTRL_TAG,
     DONE,
     HEADER_BYTES,
     KIND,
     LOAD,
-    PULL_TAG,
     PUSH,
-    PUSH_TAG,
     SAVE,
     SAVED,
-    STATS_TAG,
     VERSION,
     GradientCoder,
     ServerStats,
+    Tags,
     header,
     pack,
     path_bytes,
@@ -54,8 +51,18 @@ class Client:
     """A worker's side of the protocol with every server (the coders and message sizes are the servers' too)."""
 
     def __init__(
-        self, params: list[nn.Parameter], shards: list[list[int]], server_ranks: list[int], worker: int, codec: Codec | None, recorder: Recorder, group: Group
+        self,
+        params: list[nn.Parameter],
+        shards: list[list[int]],
+        server_ranks: list[int],
+        worker: int,
+        codec: Codec | None,
+        recorder: Recorder,
+        group: Group,
+        tags: Tags,
     ) -> None:
+        self.tags = tags
+        """This session's message tags (see `Tags`)."""
         self.params, self.shards, self.server_ranks, self.worker = params, shards, server_ranks, worker
         self.recorder, self.group = recorder, group
         dtype = params[0].dtype
@@ -95,9 +102,9 @@ class Client:
         for s, shard in enumerate(self.shards):
             payload = self.coders[s].encode(self._grad(shard).cpu())
             msg = pack(header(PUSH, self.worker, step, lr, self.versions[s]), payload, self.message_bytes[s])
-            sends.append(isend(msg, self.server_ranks[s], group=self.group, tag=PUSH_TAG))
+            sends.append(isend(msg, self.server_ranks[s], group=self.group, tag=self.tags.push))
         replies = [torch.empty(n, dtype=torch.uint8) for n in self.reply_bytes]
-        self._replies = [(irecv(r, src, group=self.group, tag=PULL_TAG), r) for r, src in zip(replies, self.server_ranks, strict=True)]
+        self._replies = [(irecv(r, src, group=self.group, tag=self.tags.pull), r) for r, src in zip(replies, self.server_ranks, strict=True)]
         for work in sends:
             work.wait()
         self._pushed_at = time.perf_counter()
@@ -130,11 +137,11 @@ class Client:
         """Have every server write its file into ``directory``; returns once all of them have."""
         raw = path_bytes(directory)
         for s, dst in enumerate(self.server_ranks):
-            self._send(pack(header(SAVE, self.worker, 0, 0.0, 0, raw.numel()), None, self.message_bytes[s]), dst, PUSH_TAG)
-            self._send(raw, dst, CTRL_TAG)
+            self._send(pack(header(SAVE, self.worker, 0, 0.0, 0, raw.numel()), None, self.message_bytes[s]), dst, self.tags.push)
+            self._send(raw, dst, self.tags.ctrl)
         for src in self.server_ranks:
             ack = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-            self._recv(ack, src, CTRL_TAG)
+            self._recv(ack, src, self.tags.ctrl)
             if float(unpack_header(ack)[KIND]) != SAVED:
                 raise CommError(f"parameter server rank {src} answered a save with {unpack_header(ack).tolist()}; expected SAVED")
 
@@ -142,11 +149,11 @@ class Client:
         """Have every server restore its file from ``directory``, and take the parameters they answer with."""
         raw = path_bytes(directory)
         for s, dst in enumerate(self.server_ranks):
-            self._send(pack(header(LOAD, self.worker, clock, 0.0, 0, raw.numel()), None, self.message_bytes[s]), dst, PUSH_TAG)
-            self._send(raw, dst, CTRL_TAG)
+            self._send(pack(header(LOAD, self.worker, clock, 0.0, 0, raw.numel()), None, self.message_bytes[s]), dst, self.tags.push)
+            self._send(raw, dst, self.tags.ctrl)
         for s, src in enumerate(self.server_ranks):
             reply = torch.empty(self.reply_bytes[s], dtype=torch.uint8)
-            self._recv(reply, src, PULL_TAG)
+            self._recv(reply, src, self.tags.pull)
             self.versions[s] = int(unpack_header(reply)[VERSION])
             self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
 
@@ -156,19 +163,19 @@ class Client:
             return []
         self.finished = True
         for s in range(len(self.shards)):
-            self._send(pack(header(DONE, self.worker, 0, 0.0, 0), None, self.message_bytes[s]), self.server_ranks[s], PUSH_TAG)
+            self._send(pack(header(DONE, self.worker, 0, 0.0, 0), None, self.message_bytes[s]), self.server_ranks[s], self.tags.push)
         if not report:
             return []
         out = []
         for s, src in enumerate(self.server_ranks):
             t = torch.empty(ServerStats.size(self.workers), dtype=torch.float64)
-            self._recv(t, src, STATS_TAG)
+            self._recv(t, src, self.tags.stats)
             out.append(ServerStats.from_tensor(t, self.workers))
             reply = torch.empty(self.reply_bytes[s], dtype=torch.uint8)
-            self._recv(reply, src, PULL_TAG)
+            self._recv(reply, src, self.tags.pull)
             self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))
             # The last message: it completes the server's last posted receive (see Server._close_inbox).
-            self._send(pack(header(BYE, self.worker, 0, 0.0, 0), None, self.message_bytes[s]), src, PUSH_TAG)
+            self._send(pack(header(BYE, self.worker, 0, 0.0, 0), None, self.message_bytes[s]), src, self.tags.push)
         return out
 
 

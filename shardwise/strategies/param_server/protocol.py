@@ -45,6 +45,30 @@ HEADER_BYTES = HEADER_FIELDS * 8
 KIND, WORKER, STEP, LR, VERSION, LENGTH = range(6)
 PUSH, DONE, PARAMS, SAVE, SAVED, LOAD, BYE = 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0
 PUSH_TAG, PULL_TAG, STATS_TAG, CTRL_TAG = 11, 12, 13, 14
+"""The first session's tags (`Tags.of_session(0)`)."""
+
+
+@dataclass(frozen=True)
+class Tags:
+    """The four message tags of one session between workers and servers.
+
+    Every session of a process (each `Trainer.fit` or `Engine.setup` with a parameter-server
+    strategy; every rank builds the same sessions in the same order) gets tags of its own, so
+    nothing left of an earlier session (a worker declared lost whose message or receive gloo
+    still holds for that tag) can meet a later session's messages.
+    """
+
+    push: int
+    pull: int
+    stats: int
+    ctrl: int
+
+    @classmethod
+    def of_session(cls, session: int) -> Tags:
+        base = PUSH_TAG + 4 * session
+        return cls(base, base + 1, base + 2, base + 3)
+
+
 SERVER_FILE = "server-{index:03d}.pt"
 """Each server's file in a checkpoint directory: its shard, its optimizer state, its version."""
 HIST_BUCKETS = 64

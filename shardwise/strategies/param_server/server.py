@@ -38,6 +38,7 @@ worker's clock, and answers with the restored parameters.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -54,25 +55,22 @@ from shardwise.comm.recorder import Recorder
 from shardwise.errors import CheckpointError, CommError
 from shardwise.strategies.param_server.protocol import (
     BYE,
-    CTRL_TAG,
     DONE,
     KIND,
     LENGTH,
     LOAD,
     LR,
     PARAMS,
-    PULL_TAG,
     PUSH,
-    PUSH_TAG,
     SAVE,
     SAVED,
     SERVER_FILE,
-    STATS_TAG,
     STEP,
     VERSION,
     WORKER,
     GradientCoder,
     ServerStats,
+    Tags,
     header,
     pack,
     path_of,
@@ -84,8 +82,8 @@ class Inbox:
     """Whole messages from any worker, one receive at a time: the serving loop posts each receive
     (``ask``), a helper thread waits for it and hands the message over ``messages``."""
 
-    def __init__(self, size: int, group: Group, recorder: Recorder) -> None:
-        self.size, self.group, self.recorder = size, group, recorder
+    def __init__(self, size: int, group: Group, recorder: Recorder, tag: int) -> None:
+        self.size, self.group, self.recorder, self.tag = size, group, recorder, tag
         self.messages: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.posted = False
         """Whether a receive is posted: one must not be left at exit (gloo aborts then)."""
@@ -96,7 +94,7 @@ class Inbox:
         """Post the next receive (on the serving thread, so the recorder is only ever used there)."""
         buf = torch.empty(self.size, dtype=torch.uint8)
         try:
-            pending = irecv(buf, None, group=self.group, recorder=self.recorder, tag=PUSH_TAG)
+            pending = irecv(buf, None, group=self.group, recorder=self.recorder, tag=self.tag)
         except CommError as exc:
             self.messages.put((-1, exc))
             return
@@ -135,7 +133,10 @@ class Server:
         group: Group,
         param_ids: list[int] | None = None,
         servers: int = 1,
+        tags: Tags,
     ) -> None:
+        self.tags = tags
+        """This session's message tags (see `Tags`)."""
         self.recorder, self.group = recorder, group
         """Every message goes through `shardwise.comm` over ``group`` (the world, named) and is recorded here."""
         self.params = params
@@ -162,7 +163,7 @@ class Server:
 
     # -- the loop --------------------------------------------------------------------------------
     def serve(self) -> ServerStats:
-        self.inbox = inbox = Inbox(self.message_bytes, self.group, self.recorder)
+        self.inbox = inbox = Inbox(self.message_bytes, self.group, self.recorder, self.tags.push)
         inbox.ask()
         while self.live:
             try:
@@ -178,6 +179,10 @@ class Server:
             if w in self.live:
                 self.last_seen[w] = time.monotonic()
                 self._handle(w, msg)
+            else:
+                head = unpack_header(msg).tolist()
+                what = f"rank {src} (worker {w}, live {sorted(self.live)}): {head}"
+                print(f"shardwise ps: server {self.index} dropped a message from {what}", file=sys.stderr, flush=True)
             if self.live:
                 inbox.ask()
         return self.stats
@@ -188,6 +193,12 @@ class Server:
         now = time.monotonic()
         for w in sorted(self.live - owed):
             if now - self.last_seen[w] > self.worker_timeout_s:
+                print(
+                    f"shardwise ps: server {self.index} declares worker {w} lost: silent for {now - self.last_seen[w]:.1f}s "
+                    f"(worker_timeout_s={self.worker_timeout_s:g})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.stats.lost.append(w)
                 self._leave(w)
 
@@ -290,7 +301,7 @@ class Server:
     def _receive_path(self, w: int, length: int) -> Path:
         # No receive of the inbox is posted while a message is handled, so this one cannot cross it.
         raw = torch.empty(length, dtype=torch.uint8)
-        recv(raw, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=CTRL_TAG)
+        recv(raw, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=self.tags.ctrl)
         return Path(path_of(raw))
 
     def state(self) -> dict[str, Any]:
@@ -308,7 +319,7 @@ class Server:
     def _save(self, w: int, directory: Path) -> None:
         write_file(directory / SERVER_FILE.format(index=self.index), self.state())
         ack = header(SAVED, w, 0, 0.0, self.version)
-        send(ack.view(torch.uint8).clone(), self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=CTRL_TAG)
+        send(ack.view(torch.uint8).clone(), self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=self.tags.ctrl)
 
     def _load(self, w: int, clock: int, directory: Path) -> None:
         """Restore this shard from ``directory`` (on the first worker's LOAD), set ``w``'s clock, answer it."""
@@ -357,9 +368,10 @@ class Server:
     def _reply(self, w: int) -> None:
         msg = pack(header(PARAMS, w, self.completed[w], 0.0, self.version), self.flat_params(), self.reply_bytes)
         try:
-            send(msg, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=PULL_TAG)
-        except CommError:
-            # The worker is gone (its connection closed): the run goes on without it.
+            send(msg, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=self.tags.pull)
+        except CommError as exc:
+            # The worker is gone (its connection closed): the run goes on without it, and says so.
+            print(f"shardwise ps: server {self.index} lost worker {w}: answering it failed: {exc}", file=sys.stderr, flush=True)
             self.stats.lost.append(w)
             self.live.discard(w)
 
@@ -368,9 +380,9 @@ class Server:
         if worker in self.stats.lost:
             return
         dst = self.worker_ranks[worker]
-        send(self.stats.to_tensor(), dst, group=self.group, recorder=self.recorder, tag=STATS_TAG)
+        send(self.stats.to_tensor(), dst, group=self.group, recorder=self.recorder, tag=self.tags.stats)
         final = pack(header(PARAMS, worker, 0, 0.0, self.version), self.flat_params(), self.reply_bytes)
-        send(final, dst, group=self.group, recorder=self.recorder, tag=PULL_TAG)
+        send(final, dst, group=self.group, recorder=self.recorder, tag=self.tags.pull)
         self._close_inbox()
 
     def _close_inbox(self) -> None:
@@ -397,4 +409,4 @@ class Server:
             if kind == PUSH:  # a worker declared lost that was only slow: tell it the session is over
                 w = int(unpack_header(msg)[WORKER])
                 bye = pack(header(DONE, w, 0, 0.0, self.version), None, self.reply_bytes)
-                send(bye, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=PULL_TAG)
+                send(bye, self.worker_ranks[w], group=self.group, recorder=self.recorder, tag=self.tags.pull)
