@@ -49,7 +49,7 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="--calibrate: the profile file to write (default shardwise/plan/profiles/cpu.json)")
     p.add_argument("--validate", action="store_true", help="run each candidate that fits here for a few steps and print predicted against measured")
     p.add_argument("--steps", type=int, default=30, help="--validate: steps per candidate (default 30)")
-    p.add_argument("--only", default=None, help="--validate: comma-separated candidate labels or strategy names to run")
+    p.add_argument("--only", default=None, help="--validate: candidate labels or strategy names to run, separated by ;")
 
 
 def si(n: float, unit: str = "B") -> str:
