@@ -110,7 +110,7 @@ def _measure_collectives(sizes: list[int]) -> list[dict[str, Any]] | None:
         runs["all_reduce"] = (functools.partial(all_reduce, buf, "sum"), 2 * (p - 1), wire_bytes("all_reduce", size, p)[0])
         runs["all_gather"] = (functools.partial(all_gather, buf), p - 1, wire_bytes("all_gather", size * p, p)[0])
         runs["broadcast"] = (functools.partial(broadcast, buf, 0), p - 1, size)
-        for name, (fn, _, _) in runs.items():
+        for fn, _, _ in runs.values():
             fn()  # warm-up: connections and workspaces
         times = {name: _time(fn, iters=max(2, min(20, (4 << 20) // size))) for name, (fn, _, _) in runs.items()}
         stats = torch.tensor([times[k] for k in runs], dtype=torch.float64)
