@@ -10,6 +10,7 @@
     shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
     shardwise strategies [NAME]                          # each strategy's options: flag, TOML key, default, help
     shardwise recipes
+    shardwise plan --model NAME|PATH.json|module:factory|--params N --nproc N [...]   # which strategy; see shardwise/advisor
     shardwise --version
 """
 
@@ -292,6 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     st.add_argument("name", nargs="?", help="one strategy only")
     sub.add_parser("recipes", help="list the built-in recipes")
+    from shardwise.advisor.commands import PLAN_HELP, plan_arguments
+
+    plan_arguments(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP[0].upper() + PLAN_HELP[1:] + "."))
     args = parser.parse_args(argv)
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
@@ -299,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guard(lambda: cmd_export(args))
     if args.command == "strategies":
         return _guard(lambda: cmd_strategies(args.name))
+    if args.command == "plan":
+        from shardwise.advisor.commands import cmd_plan
+
+        return _guard(lambda: cmd_plan(args))
     if args.command == "recipes":
         from shardwise.recipes import available as recipes
         from shardwise.recipes import get_recipe

@@ -32,6 +32,7 @@ LAYER = {
     "engine": 4,
     "trainer": 5,
     "bench": 6,
+    "advisor": 6,
     "cli": 7,
     "__init__": 8,
     "__main__": 8,

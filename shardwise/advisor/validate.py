@@ -1,0 +1,130 @@
+"""``shardwise plan --validate``: run candidates here and put the prediction next to the measurement.
+
+Each candidate that fits on this machine is trained for ``--steps`` steps by the `Trainer` on the
+recipe's own model, data and optimizer, with the planner's global batch and precision.
+
+- **Step time, measured**: the median over the logged intervals (every 5 steps, the first
+  interval left out as warm-up) of ``global_batch / samples_per_s`` from ``metrics.jsonl``.
+- **Memory, measured**: the model state per rank (parameters, gradients, optimizer state) that
+  the ZeRO-family strategies measure on their tensors after the first optimizer step and report
+  in ``summary.json`` (``memory_per_rank``); the other strategies do not report it and show ``-``.
+  Activations and buffers are not measured (on CPU they are not separable from the allocator's
+  other memory).
+
+The table gives each candidate's predicted and measured values and their relative error, and
+the median relative error over the candidates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from shardwise.advisor.candidates import plan_all
+from shardwise.advisor.models import PlannedModel
+from shardwise.errors import ConfigError
+from shardwise.plan.cluster import Cluster
+from shardwise.plan.cost import Settings
+
+LOG_EVERY = 5
+
+
+def measured_step_s(metrics: list[dict[str, Any]], global_batch: int) -> float:
+    """Median seconds per step over the logged intervals after the first (warm-up)."""
+    rates = [r["samples_per_s"] for r in metrics if "samples_per_s" in r]
+    rates = rates[1:] or rates
+    if not rates:
+        raise ConfigError("the validation run logged no step; give --steps of at least 10")
+    return statistics.median(global_batch / r for r in rates)
+
+
+def run_candidate(record: dict[str, Any], recipe: str, settings: Settings, steps: int, out: Path) -> dict[str, Any]:
+    """Train ``record``'s strategy for ``steps`` steps; returns the measured step time and model state."""
+    from shardwise.recipes import get_recipe
+    from shardwise.trainer import Trainer
+
+    parts = get_recipe(recipe).parts({"sample_chars": 0} if recipe == "charlm" else None)
+    trainer = Trainer(
+        strategy=record["strategy"],
+        strategy_options=dict(record["options"]),
+        nproc=record["world_size"],
+        max_steps=steps,
+        log_every=LOG_EVERY,
+        global_batch_size=settings.global_batch,
+        accumulate=settings.accumulate,
+        precision=settings.precision,
+        accelerator="cpu",
+        out=str(out),
+        progress_bar=False,
+        optimizer=parts.optimizer,
+        loss_fn=parts.loss_fn,
+    )
+    summary = trainer.fit(parts.model, parts.train)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    state = summary.get("memory_per_rank", {}).get("total", {}).get("measured")
+    return {"step_s": measured_step_s(metrics, settings.global_batch), "model_state_bytes": state}
+
+
+def _rel(pred: float, meas: float | None) -> float | None:
+    return None if meas is None or meas == 0 else abs(pred - meas) / meas
+
+
+def validate(model: PlannedModel, cluster: Cluster, settings: Settings, steps: int, only: list[str] | None = None) -> list[dict[str, Any]]:
+    """Rows of predicted against measured for every candidate that fits here (or the ``only`` ones)."""
+    if model.recipe is None:
+        raise ConfigError("--validate runs a built-in recipe (--model digits or charlm): it needs the recipe's data and loss")
+    records = [r for r in plan_all(model.spec, cluster, settings, model.module) if r["fits"] and r["world_size"] == cluster.nproc]
+    if only:
+        records = [r for r in records if r["label"] in only or r["strategy"] in only]
+    if not records:
+        raise ConfigError(f"no candidate to validate among {only}; run `shardwise plan` with the same flags to see the candidates' labels")
+    rows = []
+    for rec in records:
+        with tempfile.TemporaryDirectory() as tmp:
+            got = run_candidate(rec, model.recipe, settings, steps, Path(tmp))
+        pred_state = rec["memory_breakdown"]["model_state"]
+        rows.append(
+            {
+                "label": rec["label"],
+                "predicted_step_s": rec["step_time_s"],
+                "measured_step_s": got["step_s"],
+                "step_rel_error": _rel(rec["step_time_s"], got["step_s"]),
+                "predicted_model_state_bytes": pred_state,
+                "measured_model_state_bytes": got["model_state_bytes"],
+                "memory_rel_error": _rel(pred_state, got["model_state_bytes"]),
+            }
+        )
+        print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = f"{'candidate':52s} {'pred step':>10s} {'meas step':>10s} {'err':>6s} {'pred state':>11s} {'meas state':>11s} {'err':>6s}"
+
+
+def format_row(r: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0%}"
+
+    meas_state = "-" if r["measured_model_state_bytes"] is None else f"{r['measured_model_state_bytes'] / 1e3:.1f} kB"
+    return (
+        f"{r['label'][:52]:52s} {r['predicted_step_s'] * 1e3:8.2f}ms {r['measured_step_s'] * 1e3:8.2f}ms {pct(r['step_rel_error']):>6s} "
+        f"{r['predicted_model_state_bytes'] / 1e3:8.1f} kB {meas_state:>11s} {pct(r['memory_rel_error']):>6s}"
+    )
+
+
+def cmd_validate(args: argparse.Namespace, model: PlannedModel, cluster: Cluster, settings: Settings) -> int:
+    """``shardwise plan --validate``: print the table (and ``--json`` its rows)."""
+    print(f"validate {model.spec.name} on {cluster.nproc} processes, {cluster.device.name} profile, {args.steps} steps each")
+    print(HEADER)
+    rows = validate(model, cluster, settings, args.steps, args.only.split(";") if args.only else None)
+    steps = [r["step_rel_error"] for r in rows if r["step_rel_error"] is not None]
+    mems = [r["memory_rel_error"] for r in rows if r["memory_rel_error"] is not None]
+    print(f"median relative error: step time {statistics.median(steps):.1%} over {len(steps)} candidates", end="")
+    print(f", model state {statistics.median(mems):.1%} (max {max(mems):.1%}) over {len(mems)}" if mems else "")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0

@@ -1,0 +1,34 @@
+"""``shardwise plan --validate`` on one small candidate: the table has predicted and measured columns.
+
+No timing is asserted (a shared CI machine times anything): only that both columns are there,
+positive and finite, for ddp on 2 processes on digits, and that the model state a ZeRO strategy
+measures is the predicted one (exact: the same formula on the same parameter count).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import sklearn  # noqa: F401  # digits' data package sets KMP_* once per interpreter: before the hygiene fixture's snapshot
+
+from shardwise.cli import main
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def test_validate_one_ddp_candidate_on_digits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "validate.json"
+    flags = ["plan", "--validate", "--model", "digits", "--nproc", "2", "--device", "cpu", "--steps", "10"]
+    assert main([*flags, "--only", "ddp(allreduce=native);zero2", "--json", str(out)]) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"ddp(allreduce=native)", "zero2"}
+    for row in rows.values():
+        for key in ("predicted_step_s", "measured_step_s"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+    # zero2 reports its measured model state (fp32 Adam with its master copy: 4 Psi + 16 Psi / 2)
+    zero2 = rows["zero2"]
+    assert zero2["measured_model_state_bytes"] == pytest.approx(zero2["predicted_model_state_bytes"])
+    assert "pred step" in capsys.readouterr().out
