@@ -292,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     st.add_argument("name", nargs="?", help="one strategy only")
     sub.add_parser("recipes", help="list the built-in recipes")
+    from shardwise.plan.simulate_cli import add_arguments as simulate_arguments
+
+    simulate_arguments(sub.add_parser("simulate", help="throughput and scaling efficiency against worker count, by simulation"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
@@ -299,6 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _guard(lambda: cmd_export(args))
     if args.command == "strategies":
         return _guard(lambda: cmd_strategies(args.name))
+    if args.command == "simulate":
+        from shardwise.plan.simulate_cli import main as simulate_main
+
+        return _guard(lambda: simulate_main(args))
     if args.command == "recipes":
         from shardwise.recipes import available as recipes
         from shardwise.recipes import get_recipe
