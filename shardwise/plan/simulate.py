@@ -43,6 +43,16 @@ serve equal shards, so one representative server queue is simulated (exactly, un
 Synchronous: the servers wait for every push, then send the pulls in arrival order; a worker
 computes again when its pull arrives. Asynchronous: a server answers each push at once.
 
+*Overlap* (``overlap = F``, data-parallel collectives only; default 0): a bucketed allreduce
+starts reducing the first buckets while the backward still runs. Modelled as: a worker's
+exchange may begin ``F x t_b`` before its compute ends, ``t_b = 2/3`` of its compute (the
+backward costs about twice the forward: Kaplan et al. 2020, "Scaling Laws for Neural Language
+Models", arXiv:2001.08361, section 2.1), and the worker starts its next step at the later of the
+exchange's end and its own backward's end. So with every worker equal a step takes
+``max(c, c - F t_b + E)`` for compute ``c`` and exchange ``E``. Not modelled: the exchange of
+the last bucket, which can only start when the backward ends (one bucket of many), and any
+slowdown of the backward by the communication it overlaps.
+
 *Local SGD* (Stich 2019, "Local SGD Converges Fast and Communicates Little", ICLR): workers take
 ``sync_every`` steps without waiting and average with the chosen allreduce after every H-th.
 
@@ -64,6 +74,8 @@ from shardwise.plan.simulate_events import collective_loop, ps_loop
 
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "hierarchical", "ps")
 MODES = ("sync", "async", "local_sgd")
+BACKWARD_SHARE = 2 / 3
+"""The backward's share of a step's compute (about twice the forward; see *Overlap* above)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +171,8 @@ class Exchange:
     """Parameter servers (``ps`` only)."""
     sync_every: int = 1
     """Local SGD's H: average every H steps."""
+    overlap: float = 0.0
+    """Share of the backward during which gradient buckets are already reduced (0 to 1)."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -173,6 +187,10 @@ class Exchange:
             raise ConfigError(f"--servers must be >= 1; got {self.servers}")
         if self.sync_every < 1:
             raise ConfigError(f"--sync-every must be >= 1; got {self.sync_every}")
+        if not 0 <= self.overlap <= 1:
+            raise ConfigError(f"--overlap is a fraction of the backward, from 0 to 1; got {self.overlap}")
+        if self.overlap and self.algorithm == "ps":
+            raise ConfigError("--overlap models an allreduce overlapping the backward; use ring, tree, recursive_doubling or hierarchical, or drop --overlap")
 
 
 @dataclass(frozen=True)
@@ -316,7 +334,7 @@ def simulate(
         exchange_s = 2 * (net.alpha_s + max(p * shard_s, nic_s))
     else:
         pre, glob, post = collective_rounds(exchange.algorithm, p, nbytes, bytes_per_param, net)
-        end = collective_loop(compute, g, pre, glob, post, H)
+        end = collective_loop(compute, g, pre, glob, post, H, lead=exchange.overlap * BACKWARD_SHARE * compute)
         exchange_s = sum(pre) + sum(glob) + sum(post)
     wall = float(end.max())
     idle = (wall - compute.sum(axis=0)) / steps

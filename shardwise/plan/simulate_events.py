@@ -14,12 +14,18 @@ import numpy as np
 _COMPUTE, _PRE, _GLOBAL, _POST, _ARRIVE, _RELEASE = range(6)
 
 
-def collective_loop(compute: np.ndarray, g: int, pre: list[float], glob: list[float], post: list[float], sync_every: int) -> np.ndarray:
+def collective_loop(
+    compute: np.ndarray, g: int, pre: list[float], glob: list[float], post: list[float], sync_every: int, lead: np.ndarray | None = None
+) -> np.ndarray:
     """Each worker's end time: compute, then (every ``sync_every`` steps) the allreduce's rounds.
 
     Per-node phases (``pre``, ``post``) start in a node when its last worker arrives; the global
-    phase when the last node is ready. One event per round per group."""
+    phase when the last node is ready. One event per round per group. ``lead[step, w]``: how long
+    before the end of its compute a worker joins the exchange (overlap with the backward); it
+    computes again at the later of the exchange's end and its own compute's end."""
     steps, p = compute.shape
+    lead = np.zeros_like(compute) if lead is None else lead
+    own_end = compute[0].astype(float)
     nodes = -(-p // g)
     members = [range(i * g, min(p, (i + 1) * g)) for i in range(nodes)] if pre or post else [range(p)]
     group_of = (np.arange(p) // g) if pre or post else np.zeros(p, dtype=int)
@@ -27,7 +33,7 @@ def collective_loop(compute: np.ndarray, g: int, pre: list[float], glob: list[fl
     arrived = np.zeros(len(members), dtype=int)
     ready = 0
     end = np.zeros(p)
-    heap: list[tuple[float, int, int, int, int]] = [(float(compute[0, w]), w, _COMPUTE, w, 0) for w in range(p)]
+    heap: list[tuple[float, int, int, int, int]] = [(float(compute[0, w] - lead[0, w]), w, _COMPUTE, w, 0) for w in range(p)]
     heapq.heapify(heap)
     seq = p
 
@@ -38,11 +44,13 @@ def collective_loop(compute: np.ndarray, g: int, pre: list[float], glob: list[fl
 
     def release(t: float, ws: range) -> None:
         for w in ws:
+            t_w = max(t, float(own_end[w]))
             step[w] += 1
             if step[w] < steps:
-                push(t + float(compute[step[w], w]), _COMPUTE, w, 0)
+                own_end[w] = t_w + float(compute[step[w], w])
+                push(float(own_end[w] - lead[step[w], w]), _COMPUTE, w, 0)
             else:
-                end[w] = t
+                end[w] = t_w
 
     def start_post(t: float) -> None:
         for grp in range(len(members)):
@@ -65,7 +73,7 @@ def collective_loop(compute: np.ndarray, g: int, pre: list[float], glob: list[fl
         t, _, kind, who, r = heapq.heappop(heap)
         if kind == _COMPUTE:
             if (step[who] + 1) % sync_every:
-                release(t, range(who, who + 1))  # a local step: no exchange, no waiting
+                release(float(own_end[who]), range(who, who + 1))  # a local step: no exchange, no waiting
                 continue
             grp = int(group_of[who])
             arrived[grp] += 1

@@ -128,6 +128,27 @@ def test_local_sgd_beats_sync_ddp_on_a_slow_link() -> None:
     assert local.samples_per_s / ddp.samples_per_s == pytest.approx((c + ring) / (c + ring / H), rel=1e-9)
 
 
+@pytest.mark.parametrize(("params", "overlap"), [(8 * N / 4, 0.5), (8 * N / 4, 1.0), (N / 4, 0.5)])
+def test_overlap_hides_part_of_the_exchange(params: float, overlap: float) -> None:
+    """The ring may start F x t_b before compute ends, t_b = 2/3 of compute: a step is
+    max(c, c - F (2/3) c + ring). 32 MiB: the ring (58.8 ms) outlasts the overlap window (33.3 or
+    66.7 ms at c = 0.1 s) in the first case only; 4 MiB: the ring (7.4 ms) hides entirely."""
+    p, c = 8, 0.1
+    ring = 2 * (p - 1) * ALPHA + 2 * (p - 1) / p * params * 4 * BETA
+    r = simulate(p, params=params, compute_s=c, net=NET, exchange=Exchange(overlap=overlap), steps=5)
+    assert r.step_s == pytest.approx(max(c, c - overlap * (2 / 3) * c + ring), rel=1e-9)
+    assert simulate(p, params=params, compute_s=c, net=NET, steps=5).step_s == pytest.approx(c + ring, rel=1e-9)  # overlap 0: as before
+
+
+def test_overlap_with_a_straggler_starts_at_the_slowest_workers_window() -> None:
+    """One of 4 workers 3x slower: the ring starts when it reaches 3c - F (2/3) 3c and the step
+    lasts max(3c, that + ring)."""
+    c, F = 0.1, 0.25
+    ring = 6 * ALPHA + 1.5 * 8 * N * BETA
+    r = simulate(4, params=8 * N / 4, compute_s=c, net=NET, straggler=Straggler.parse("slow:0.25:3"), exchange=Exchange(overlap=F), steps=6)
+    assert r.step_s == pytest.approx(max(3 * c, 3 * c - F * (2 / 3) * 3 * c + ring), rel=1e-9)
+
+
 def test_lognormal_straggler_costs_the_expected_maximum() -> None:
     """Sync steps last the maximum of p draws: the simulated mean step equals the mean of the
     drawn per-step maxima (recomputed here from the same seeded draws) plus the exchange."""
@@ -161,6 +182,8 @@ def test_4096_workers_complete() -> None:
             "multiple of 8",
         ),
         (lambda: simulate(0, params=1e6, compute_s=0.1, net=NET), "--workers must be between 1"),
+        (lambda: Exchange(overlap=1.5), "--overlap is a fraction of the backward, from 0 to 1; got 1.5"),
+        (lambda: Exchange(algorithm="ps", overlap=0.5), "--overlap models an allreduce overlapping"),
     ],
 )
 def test_bad_input_is_one_clear_line(make: object, fragment: str) -> None:
