@@ -12,7 +12,7 @@ no communication, every process busy at once so the CPU is shared as in the real
 ddp step. The network's alpha and beta come from a 2-process timing of `shardwise.comm`'s
 allreduce over 4 KB ... 16 MB (`shardwise.plan.simulate_measure`). The simulator, fed those
 three numbers, predicts the ddp step; printed: measured, predicted, predicted / measured.
-DDP overlaps its bucketed allreduce with backward, which the simulator does not model, so a
+DDP overlaps its bucketed allreduce with backward; the simulator is run here without its --overlap, so a
 prediction above the measurement by up to the exchange time is expected.
 """
 

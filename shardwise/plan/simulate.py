@@ -3,7 +3,7 @@
 What it answers: how throughput, step time and scaling efficiency change with the worker count,
 the gradient-exchange algorithm, the network and stragglers, before any cluster is rented.
 `shardwise simulate` is its command (`shardwise.plan.simulate_cli`); `simulate_presets` holds
-two published scaling results it reproduces.
+two published scaling results it reproduces; `simulate_pipeline` simulates pipeline schedules.
 
 The model
 ---------
