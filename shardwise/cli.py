@@ -296,6 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardwise.advisor.commands import PLAN_HELP, plan_arguments
 
     plan_arguments(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP[0].upper() + PLAN_HELP[1:] + "."))
+    from shardwise.plan.simulate_cli import add_arguments as simulate_arguments
+
+    simulate_arguments(sub.add_parser("simulate", help="throughput and scaling efficiency against worker count, by simulation"))
     args = parser.parse_args(argv)
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
@@ -307,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardwise.advisor.commands import cmd_plan
 
         return _guard(lambda: cmd_plan(args))
+    if args.command == "simulate":
+        from shardwise.plan.simulate_cli import main as simulate_main
+
+        return _guard(lambda: simulate_main(args))
     if args.command == "recipes":
         from shardwise.recipes import available as recipes
         from shardwise.recipes import get_recipe
