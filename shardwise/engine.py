@@ -19,6 +19,7 @@ The `Trainer` is built on this class and nothing else.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -365,9 +366,22 @@ class Engine:
         return plain
 
     def close(self) -> None:
-        """Leave the process group if this engine created it."""
+        """Leave the process group if this engine created it, and free it while Python is alive.
+
+        ``destroy_process_group`` only forgets the group: its C++ object, and gloo's worker
+        threads with it, live on while anything refers to it (a DDP wrapper's reducer, a
+        strategy's run). Freed later, in the interpreter's finalization, a worker thread
+        that still holds the last collective's tensors needs the GIL to let them go, and
+        the process aborts ("terminate called without an active exception", exit -6) after
+        a run that succeeded. So the engine drops its runs first and collects them. A loop
+        of your own that still holds the wrapped model keeps the group alive: drop it
+        (``del model``) before ``close``.
+        """
         if self._owns_group and dist.is_initialized():
+            self.parallel = None
+            self._runs.clear()
             dist.destroy_process_group()
+            gc.collect()
             self._owns_group = False
 
 

@@ -7,9 +7,11 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*); everything else receives a
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,6 +22,25 @@ from shardwise.errors import ConfigError, LaunchError
 
 DEFAULT_TIMEOUT_S = 300.0
 """Seconds a collective may wait for its peers before it fails (instead of hanging)."""
+
+_SETTLE_S = 0.05
+"""Seconds the backend's threads get at exit to let go of their last collective's tensors."""
+_settle_registered = False
+
+
+def _settle_backend_threads() -> None:
+    """At exit, before Python finalizes: give the backend's worker threads the GIL once more.
+
+    A gloo worker thread frees each finished collective after the caller has moved on;
+    freeing a tensor that Python has already dropped takes the GIL. When that happens
+    after the interpreter began finalizing, the thread is killed mid-destructor and the
+    whole process aborts ("terminate called without an active exception", exit -6) after
+    a run that succeeded: about one run in six of a short script under torchrun whose
+    last line follows the last collective within milliseconds. The group itself cannot
+    be freed first (torch's DDP keeps it alive after ``destroy_process_group``), so the
+    threads are given time instead; atexit handlers run before finalization starts.
+    """
+    time.sleep(_SETTLE_S)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,4 +190,8 @@ def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEO
             f"{env.master_addr}:{env.master_port} with {backend} ({exc}); check MASTER_ADDR/MASTER_PORT "
             "and that every rank was started"
         ) from exc
+    global _settle_registered
+    if not _settle_registered:
+        atexit.register(_settle_backend_threads)
+        _settle_registered = True
     return True
