@@ -316,45 +316,26 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         add("all_reduce", "dp", dp, 1, grad_wire, sent, rounds, dp_stride, "backward")
     if fam == "zero1":
         add("broadcast", "dp", dp, 1, per.params * psi, (dp - 1) / dp * per.params * psi, _rounds("broadcast", dp), dp_stride)
+
+    def add_library(op: str, group: str, size: int, count: float, payload: float, stride: int, hide: str | None = None) -> None:
+        """A library collective of ``payload`` bytes: its bandwidth-optimal bytes and ring rounds."""
+        add(op, group, size, count, payload, wire_bytes(op, int(payload), size)[0], _rounds(op, size), stride, hide)
+
     if fam == "zero2":
-        add(
-            "reduce_scatter",
-            "dp",
-            dp,
-            1,
-            grad_bytes,
-            wire_bytes("reduce_scatter", int(grad_bytes), dp)[0],
-            _rounds("reduce_scatter", dp),
-            dp_stride,
-            "backward",
-        )
-        add(
-            "all_gather", "dp", dp, 1, per.params * psi, wire_bytes("all_gather", int(per.params * psi), dp)[0], _rounds("all_gather", dp), dp_stride, "forward"
-        )
+        add_library("reduce_scatter", "dp", dp, 1, grad_bytes, dp_stride, "backward")
+        add_library("all_gather", "dp", dp, 1, per.params * psi, dp_stride, "forward")
     if fam in ("zero3", "fsdp") or (fam in ("tp", "pipeline") and shape.dp_strategy == "fsdp"):
-        pb = per.params * psi
-        add("all_gather", "dp", dp, 2, pb, wire_bytes("all_gather", int(pb), dp)[0], _rounds("all_gather", dp), dp_stride, "forward")
-        add(
-            "reduce_scatter",
-            "dp",
-            dp,
-            1,
-            grad_bytes,
-            wire_bytes("reduce_scatter", int(grad_bytes), dp)[0],
-            _rounds("reduce_scatter", dp),
-            dp_stride,
-            "backward",
-        )
+        add_library("all_gather", "dp", dp, 2, per.params * psi, dp_stride, "forward")
+        add_library("reduce_scatter", "dp", dp, 1, grad_bytes, dp_stride, "backward")
     if fam == "hsdp":
         s, r = shape.shard, shape.replicate
-        pb = per.params * psi
-        add("all_gather", "shard", s, 2, pb, wire_bytes("all_gather", int(pb), s)[0], _rounds("all_gather", s), 1, "forward")
-        add("reduce_scatter", "shard", s, 1, grad_bytes, wire_bytes("reduce_scatter", int(grad_bytes), s)[0], _rounds("reduce_scatter", s), 1, "backward")
-        add("all_reduce", "replicate", r, 1, grad_bytes / s, wire_bytes("all_reduce", int(grad_bytes / s), r)[0], _rounds("all_reduce", r), s, "backward")
+        add_library("all_gather", "shard", s, 2, per.params * psi, 1, "forward")
+        add_library("reduce_scatter", "shard", s, 1, grad_bytes, 1, "backward")
+        add_library("all_reduce", "replicate", r, 1, grad_bytes / s, s, "backward")
     if tp > 1:
         act = micro * spec.seq * spec.hidden * spec.act_bytes
         count = 4 * spec.layers / pp * m  # Shoeybi et al. 2019: 2 in forward, 2 in backward per layer
-        add("all_reduce", "tp", tp, count, act, wire_bytes("all_reduce", int(act), tp)[0], _rounds("all_reduce", tp), 1)
+        add_library("all_reduce", "tp", tp, count, act, 1)
     if fam == "pipeline" and pp > 1:
         act = micro * spec.seq * spec.hidden / tp * spec.act_bytes
         sends = 2 * m * shape.virtual if shape.virtual > 1 else 2 * m  # forward activation and backward gradient per micro-batch
