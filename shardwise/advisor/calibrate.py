@@ -213,6 +213,7 @@ def fit_profile(rows: list[dict[str, Any]], flops: dict[str, Any], overhead: flo
         "overlap": 0.0,
         "step_overhead_s": overhead,
         "local": True,
+        "cores": os.cpu_count() or 1,
         "collectives": {k: {"alpha": v["alpha"], "beta": v["beta"]} for k, v in fits.items()},
         "source": (
             f"shardwise plan --calibrate on {platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "

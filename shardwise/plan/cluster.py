@@ -101,6 +101,9 @@ class DeviceProfile:
     local: bool = False
     """Measured on this machine (``--calibrate``): a model's own step can be timed here
     (`shardwise.plan.model_spec.StepFit`) and used instead of FLOPs over FLOP/s."""
+    cores: int = 0
+    """CPU cores of a machine measured here (0: not a shared-core device). More processes than cores
+    on one node share them: `shardwise.plan.cost.estimate` stretches the step by ``per_node / cores``."""
     framework: Mapping[str, Framework] = field(default_factory=dict)
     """Per-step cost of each strategy beyond compute and collectives (keys as `shardwise.plan.cost.framework_key`)."""
 
@@ -183,7 +186,7 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
     flops = raw["flops"]
     if not isinstance(flops, Mapping) or not flops or any(float(v) <= 0 for v in flops.values()):
         raise ConfigError(f'{where}: flops must map precisions to positive FLOP/s (e.g. flops = {{"32" = 1e11}}); got {flops!r}')
-    extra = {k: raw[k] for k in ("overlap", "step_overhead_s", "source", "local") if k in raw}
+    extra = {k: raw[k] for k in ("overlap", "step_overhead_s", "source", "local", "cores") if k in raw}
     framework = {}
     for key, value in dict(raw.get("framework", {})).items():
         if not isinstance(value, Mapping) or "step_s" not in value:

@@ -362,6 +362,12 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     framework = dev.framework.get(framework_key(shape)) or dev.framework.get(fam)
     overhead = framework.seconds(framework_units(shape, spec)) if framework is not None else dev.step_overhead_s
     step = compute + bubble + optimizer + exposed + overhead
+    shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0
+    if shared > 1:  # more processes than cores: each runs a core's share of the time
+        compute, bubble, optimizer, exposed, overhead, total_comm, step = (
+            x * shared for x in (compute, bubble, optimizer, exposed, overhead, total_comm, step)
+        )
+        notes.append(f"{cluster.per_node} processes share {dev.cores} cores: every part of the step takes {shared:g} times as long")
     time = {
         "compute_s": compute,
         "bubble_s": bubble,

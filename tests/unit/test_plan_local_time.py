@@ -106,3 +106,14 @@ def test_time_step_leaves_the_model_as_it_was() -> None:
     )
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert fit.sizes == (2, 16) and fit.fixed_s >= 0 and fit.per_sample_s >= 0 and fit.seconds(16) > 0
+
+
+def test_more_processes_than_cores_stretch_every_part_of_the_step() -> None:
+    two_cores = replace(PROFILE, cores=2)
+    t2 = estimate(SPEC, Cluster(two_cores, 2), Settings(32), Shape("ddp", dp=2)).time
+    est4 = estimate(SPEC, Cluster(two_cores, 4), Settings(32), Shape("ddp", dp=4))
+    alone = estimate(SPEC, Cluster(PROFILE, 4), Settings(32), Shape("ddp", dp=4)).time  # cores unknown: no sharing
+    assert est4.time["step_s"] == pytest.approx(2 * alone["step_s"]) and est4.time["compute_s"] == pytest.approx(2 * alone["compute_s"])
+    assert "4 processes share 2 cores" in est4.notes[-1] and t2["step_s"] == pytest.approx(
+        estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2)).time["step_s"]
+    )
