@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from collections.abc import Mapping
@@ -154,6 +155,26 @@ class TrainerConfig:
 
     def replace(self, **changes: Any) -> TrainerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _count_or_fraction(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of batches or a fraction in (0, 1]; got {text!r}") from None
+
+
+def add_run_tool_flags(p: argparse.ArgumentParser) -> None:
+    """``shardwise train``'s flags for loggers, quick runs and the profiler (TrainerConfig fields)."""
+    p.add_argument("--logger", metavar="NAMES", help="experiment loggers on rank 0, comma-separated: csv, tensorboard, mlflow, wandb")
+    p.add_argument("--profile", action="store_true", default=None, help="profile a window of steps: Chrome traces in OUT/profile/, a step breakdown")
+    p.add_argument("--fast-dev-run", type=int, nargs="?", const=1, metavar="N", help="N steps (default 1) and N validation batches; nothing saved")
+    p.add_argument("--overfit-batches", type=int, metavar="N", help="train on the first N global batches only, in the same order each epoch")
+    p.add_argument("--limit-train-batches", type=_count_or_fraction, metavar="N|F", help="steps per epoch: a number, or a fraction of the epoch")
+    p.add_argument("--limit-val-batches", type=_count_or_fraction, metavar="N|F", help="validation batches per rank, or a fraction of the set")
 
 
 def field_names() -> list[str]:

@@ -267,7 +267,7 @@ class Trainer:
     def validate(self, model: nn.Module, data: Any, *, ckpt_path: str | None = None) -> dict[str, float]:
         """Evaluate ``model`` on ``data`` with the Trainer's strategy and processes: the loss and
         ``metrics`` (or what ``validation_step`` returns) as ``val_<name>``, every sample counted
-        once whatever the world size, and ``val_samples``. ``ckpt_path`` loads a checkpoint's
+        once whatever the world size, and ``val_samples`` (on every rank under a launcher). ``ckpt_path`` loads a checkpoint's
         model weights first (a fit's ``last_checkpoint`` or ``best_model_path``)."""
         return self._evaluate("val", model, data, ckpt_path)  # type: ignore[no-any-return]
 
@@ -320,7 +320,7 @@ class Trainer:
             else:
                 result = self._validate(engine, wrapped, (dataset, collate, 0, dl_batch), batch, prefix=kind)
             engine.finish()  # the strategy's end of run (parameter servers stop)
-            return result if engine.is_rank_zero else None
+            return result if engine.is_rank_zero or kind != "predict" else None  # metrics are agreed: every rank has them
         finally:
             engine.close()
 
