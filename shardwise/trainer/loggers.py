@@ -35,12 +35,13 @@ Only tensors and numbers are logged as metrics; ``None`` (a NaN in metrics.jsonl
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,17 +242,22 @@ class MLflowLogger(Logger):
         self.client: Any = None
         self.run_uuid: str | None = None
         self.out: Path | None = None
+        self.uri = ""
 
     def setup(self, run: RunInfo) -> None:
-        from mlflow.tracking import MlflowClient
-
         uri = run.tracking_uri
         if uri is None:
             if run.out is None:
                 raise ConfigError("the mlflow logger writes to out/mlruns by default: set out=... (--out DIR) or tracking_uri=...")
             uri = (run.out / "mlruns").resolve().as_uri()
-        self.out = run.out
-        self.client = MlflowClient(tracking_uri=uri)
+        self.out, self.uri = run.out, uri
+        with _file_store_allowed(uri):
+            self._open(run)
+
+    def _open(self, run: RunInfo) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
         experiment = self.client.get_experiment_by_name(run.experiment)
         experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(run.experiment)
         found = self.client.search_runs([experiment_id], filter_string=f"tags.`shardwise.run_id` = '{run.run_id}'", max_results=1)
@@ -264,10 +270,11 @@ class MLflowLogger(Logger):
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
-        existing = self.client.get_run(self.run_uuid).data.params
-        fresh = [Param(k, str(v)[:500]) for k, v in params.items() if k not in existing]  # params are write-once in MLflow
-        for i in range(0, len(fresh), 100):
-            self.client.log_batch(self.run_uuid, params=fresh[i : i + 100])
+        with _file_store_allowed(self.uri):
+            existing = self.client.get_run(self.run_uuid).data.params
+            fresh = [Param(k, str(v)[:500]) for k, v in params.items() if k not in existing]  # params are write-once in MLflow
+            for i in range(0, len(fresh), 100):
+                self.client.log_batch(self.run_uuid, params=fresh[i : i + 100])
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         import time
@@ -275,15 +282,36 @@ class MLflowLogger(Logger):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_uuid, metrics=[Metric(_mlflow_key(k), v, now, step) for k, v in metrics.items()])
+        with _file_store_allowed(self.uri):
+            self.client.log_batch(self.run_uuid, metrics=[Metric(_mlflow_key(k), v, now, step) for k, v in metrics.items()])
 
     def finalize(self, summary: Mapping[str, Any]) -> None:
         steps = int(summary.get("steps") or 0)
         final = {f"final/{k}": v for k, v in numbers(flatten(summary)).items() if math.isfinite(v) and not k.startswith("comm.")}
         self.log_metrics(steps, final)
-        if self.out is not None and (self.out / "summary.json").exists():
-            self.client.log_artifact(self.run_uuid, str(self.out / "summary.json"))
-        self.client.set_terminated(self.run_uuid, status="FINISHED")
+        with _file_store_allowed(self.uri):
+            if self.out is not None and (self.out / "summary.json").exists():
+                self.client.log_artifact(self.run_uuid, str(self.out / "summary.json"))
+            self.client.set_terminated(self.run_uuid, status="FINISHED")
+
+
+@contextlib.contextmanager
+def _file_store_allowed(uri: str) -> Iterator[None]:
+    """MLflow keeps its file store (``file:`` URIs) in maintenance mode and refuses it unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is true; the default ``out/mlruns`` is one, so the variable is set
+    during MLflow's calls only, and put back after."""
+    if not uri.startswith("file:"):
+        yield
+        return
+    before = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+        else:
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = before
 
 
 def _mlflow_key(key: str) -> str:
@@ -304,6 +332,7 @@ class WandbLogger(Logger):
     def __init__(self, mode: str | None = None) -> None:
         self.mode = mode
         self.run: Any = None
+        self._service: str | None = None
 
     def setup(self, run: RunInfo) -> None:
         import wandb
@@ -311,6 +340,7 @@ class WandbLogger(Logger):
         if run.out is None:
             raise ConfigError("the wandb logger writes into the run directory: set out=... (--out DIR)")
         mode = self.mode or os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self._service = os.environ.get("WANDB_SERVICE")  # wandb sets it for its children: put back at the end
         (run.out / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=run.experiment,
@@ -333,6 +363,11 @@ class WandbLogger(Logger):
             if not key.startswith("comm."):
                 self.run.summary[f"final/{key}"] = value
         self.run.finish()
+        import wandb
+
+        wandb.teardown()  # stop wandb's service process with the run
+        if self._service is None:
+            os.environ.pop("WANDB_SERVICE", None)
 
 
 # -- names -----------------------------------------------------------------------------------
