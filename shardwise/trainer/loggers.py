@@ -102,8 +102,8 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def numbers(values: Mapping[str, Any]) -> dict[str, float]:
-    """The finite-or-not numbers of a flat mapping (booleans and None left out)."""
-    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The numbers of a flat mapping, whole numbers kept whole (booleans and None left out)."""
+    return {k: v if isinstance(v, int) else float(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 # -- csv -----------------------------------------------------------------------------------
