@@ -121,6 +121,7 @@ def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: in
             accelerator="cpu",
             out=out,
             progress_bar=False,
+            model_summary=False,
             optimizer=_adam,
             loss_fn=_loss,
         )

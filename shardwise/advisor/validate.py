@@ -64,6 +64,7 @@ def run_candidate(record: dict[str, Any], recipe: str, settings: Settings, steps
         accelerator="cpu",
         out=str(out),
         progress_bar=False,
+        model_summary=False,
         optimizer=parts.optimizer,
         loss_fn=parts.loss_fn,
     )
