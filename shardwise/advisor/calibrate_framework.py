@@ -143,7 +143,7 @@ def measure_point(key: str, units: int, profile: Any, world: int = 2) -> dict[st
     model = CalibrationNet(depth)
     data = _data()
     example = data.tensors[0][:8]
-    fit = time_step(model, lambda b: (data.tensors[0][:b], data.tensors[1][:b]), _loss, _adam, (max(1, GLOBAL_BATCH // 16), GLOBAL_BATCH))
+    fit = time_step(model, data, _loss, _adam, (max(1, GLOBAL_BATCH // 16), GLOBAL_BATCH))
     spec = replace(measured_spec(f"calibration-{depth}", model, example, 8), step_fit=fit)
     candidate = Candidate(strategy, opts, world_size=1 if strategy == "single" else None)
     record = evaluate(candidate, spec, Cluster(profile, world), Settings(GLOBAL_BATCH), model)

@@ -7,9 +7,12 @@ split it, tensor parallelism that finds no layer to shard) exactly as it will at
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
-import time
+import io
+import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.batches import call_model
 from shardwise.errors import ConfigError
 from shardwise.plan.model_spec import ModelSpec, StepFit, from_hf_config, from_param_count, measured_spec
 from shardwise.recipes import available as recipes
@@ -26,50 +28,55 @@ from shardwise.recipes import get_recipe
 
 EXAMPLE_SAMPLES = 8
 """Samples in the example batch FLOPs and activations are counted on (they scale per sample)."""
-TIMED_REPEATS = 9
-"""Steps timed at each batch size (the fastest counts: other work on the machine only ever adds time), after two untimed ones."""
+TIMED_STEPS = 40
+"""Steps of each timing run (logged every 5; the fastest interval after the first counts)."""
 
 
 def time_step(
     model: nn.Module,
-    batch_of: Callable[[int], Any],
+    data: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
     sizes: tuple[int, int],
 ) -> StepFit:
-    """Time whole training steps of a copy of ``model`` at two batch sizes and fit a line through them.
+    """Time the `Trainer`'s own step of a copy of ``model`` (``single``, one thread) at two batch sizes; fit a line.
 
-    One thread, as each of the trainer's processes runs here; forward, backward and the
-    optimizer's step, the fastest of `TIMED_REPEATS` steps per size. The fit is the
-    `StepFit` the cost model reads on a profile measured here. ``model`` is not changed.
+    The Trainer's step, not a bare forward-backward-step loop: its loader, precision context, loss
+    and optimizer call are part of what every strategy's step costs on each rank, and a strategy's
+    own cost (`shardwise.plan.cluster.Framework`) is what it adds on top. Each size trains
+    `TIMED_STEPS` steps; its time is the fastest logged interval after the first
+    (`shardwise.advisor.validate.measured_step_s`). ``model`` is not changed.
     """
+    from shardwise.advisor.validate import measured_step_s
+    from shardwise.trainer import Trainer
+
     lo, hi = sorted(sizes)
-    work = copy.deepcopy(model).train()
-    optimizer = make_optimizer(work.parameters())
+    seconds = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    medians = []
     try:
         for size in (lo, hi):
-            batch = batch_of(size)
-
-            def step(batch: Any = batch) -> None:
-                optimizer.zero_grad(set_to_none=True)
-                loss_fn(call_model(work, batch), batch).backward()
-                optimizer.step()
-
-            for _ in range(2):
-                step()
-            times = []
-            for _ in range(TIMED_REPEATS):
-                start = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - start)
-            medians.append(min(times))
+            with tempfile.TemporaryDirectory() as out:
+                trainer = Trainer(
+                    strategy="single",
+                    max_steps=TIMED_STEPS,
+                    log_every=5,
+                    global_batch_size=size,
+                    accelerator="cpu",
+                    out=out,
+                    progress_bar=False,
+                    model_summary=False,
+                    optimizer=make_optimizer,
+                    loss_fn=loss_fn,
+                )
+                with contextlib.redirect_stdout(io.StringIO()):
+                    trainer.fit(copy.deepcopy(model), data)
+                rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+            seconds.append(measured_step_s(rows, size))
     finally:
         torch.set_num_threads(threads)
-    per_sample = max(0.0, (medians[1] - medians[0]) / (hi - lo)) if hi > lo else 0.0
-    return StepFit(fixed_s=max(0.0, medians[0] - per_sample * lo), per_sample_s=per_sample, sizes=(lo, hi))
+    per_sample = max(0.0, (seconds[1] - seconds[0]) / (hi - lo)) if hi > lo else 0.0
+    return StepFit(fixed_s=max(0.0, seconds[0] - per_sample * lo), per_sample_s=per_sample, sizes=(lo, hi))
 
 
 def _mean_output_loss(output: Any, batch: Any) -> torch.Tensor:
@@ -101,14 +108,17 @@ def recipe_model(name: str, timed_batch: int | None = None) -> PlannedModel:
     example = batch[0] if isinstance(batch, tuple) else batch
     spec = measured_spec(name, parts.model, example, EXAMPLE_SAMPLES)
     if timed_batch:
-        n = len(parts.train)
-        fit = time_step(parts.model, lambda b: _stack([parts.train[i % n] for i in range(b)]), parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch))
+        fit = time_step(parts.model, parts.train, parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch))
         spec = replace(spec, step_fit=fit)
     return PlannedModel(spec, parts.model, name)
 
 
 def _timed_sizes(batch: int) -> tuple[int, int]:
     return max(1, batch // 16), max(2, batch)
+
+
+TIMED_SAMPLES = 4096
+"""Samples of the data set a factory's example is repeated into for timing."""
 
 
 def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
@@ -128,14 +138,10 @@ def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
     samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
     planned = measured_spec(spec, model, example, samples)
     if timed_batch:
-
-        def batch_of(b: int) -> Any:
-            reps = -(-b // samples)
-            if isinstance(example, torch.Tensor):
-                return example.repeat(reps, *([1] * (example.dim() - 1)))[:b]
-            return tuple(t.repeat(reps, *([1] * (t.dim() - 1)))[:b] for t in example)
-
-        fit = time_step(model, batch_of, _mean_output_loss, lambda p: torch.optim.Adam(p, lr=1e-3), _timed_sizes(timed_batch))
+        x = example if isinstance(example, torch.Tensor) else example[0]
+        reps = -(-TIMED_SAMPLES // samples)
+        data = torch.utils.data.TensorDataset(x.repeat(reps, *([1] * (x.dim() - 1))))
+        fit = time_step(model, data, _mean_output_loss, lambda p: torch.optim.Adam(p, lr=1e-3), _timed_sizes(timed_batch))
         planned = replace(planned, step_fit=fit)
     return PlannedModel(planned, model)
 

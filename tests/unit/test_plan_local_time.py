@@ -100,10 +100,9 @@ def test_time_step_leaves_the_model_as_it_was() -> None:
     torch.manual_seed(0)
     model = CalibrationNet(2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
-    fit = time_step(
-        model, lambda b: (x[:b], y[:b]), lambda out, batch: nn.functional.cross_entropy(out, batch[1]), lambda p: torch.optim.SGD(p, lr=1.0), (2, 16)
-    )
+    data = torch.utils.data.TensorDataset(torch.randn(64, 32), torch.randint(0, 8, (64,)))
+    loss = lambda out, batch: nn.functional.cross_entropy(out, batch[1])  # noqa: E731
+    fit = time_step(model, data, loss, lambda p: torch.optim.SGD(p, lr=1.0), (2, 16))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert fit.sizes == (2, 16) and fit.fixed_s >= 0 and fit.per_sample_s >= 0 and fit.seconds(16) > 0
 
