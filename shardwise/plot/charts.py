@@ -106,7 +106,7 @@ def throughput(runs: list[Run], path: Path) -> dict[str, Series]:
         mean = run.summary.get("samples_per_s")
         if isinstance(mean, (int, float)):
             ax.axhline(mean, color=colors(i % 10), linestyle=":", linewidth=1, label=f"{run.label}: whole run {mean:,.0f}/s")
-    ax.set_xlabel("seconds of training (evaluation and checkpoints left out)")
+    ax.set_xlabel("seconds since training started (the logged rates added up)")
     ax.set_ylabel("samples / s")
     ax.set_ylim(bottom=0)
     ax.set_title("throughput over each logging interval (rank 0's log)", fontsize=10)

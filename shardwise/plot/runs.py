@@ -83,11 +83,12 @@ def val_metrics(run: Run) -> list[str]:
 
 
 def throughput(run: Run) -> Series:
-    """(seconds of training, samples per second) at each log step.
+    """(seconds since training started, samples per second) at each log step.
 
-    The log lines carry the rate over each interval, not a clock: the interval lasted
-    ``(steps since the last log) x global batch / rate`` seconds, so the x axis is the training
-    time those rates add up to (evaluation and checkpoint time left out, as in ``train_s``).
+    The log lines carry the rate over each interval since the previous log, not a clock: the
+    interval lasted ``(steps since the last log) x global batch / rate`` seconds (evaluations and
+    checkpoints inside it included, as the Trainer measures the rate), so the times add up to the
+    wall time of each log since the loop started.
     """
     batch = run.summary.get("global_batch_size")
     rows = [r for r in run.records if r.get("samples_per_s") and "step" in r]

@@ -26,6 +26,8 @@ first carries one-off costs such as allocator growth and lazy initialization).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import resource
 import shutil
@@ -147,7 +149,8 @@ def _trial(template: Trainer, model: nn.Module, train_data: Any, global_batch: i
         progress_bar=False,
     )
     trainer = Trainer(config=config, optimizer=template.optimizer_factory, loss_fn=template.loss_fn, lr_scheduler=template.lr_scheduler, callbacks=[clock])
-    trainer.fit(model, train_data)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # a trial's log lines are noise here
+        trainer.fit(model, train_data)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     peak = torch.cuda.max_memory_reserved() if cuda else peak_resident_bytes()
     timed = clock.ends
@@ -165,7 +168,7 @@ def find_batch_size(
     train_data: Any,
     *,
     memory_budget: str | int | None = None,
-    steps: int = 5,
+    steps: int = 8,
     max_batch: int | None = None,
     verbose: bool = True,
 ) -> BatchSizeResult:

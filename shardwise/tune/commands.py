@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _common(bs)
     bs.add_argument("--memory-budget", help="per process, e.g. 2GB or 512MiB (required on CPU; on GPU the default is what fits CUDA memory)")
-    bs.add_argument("--steps", type=int, default=5, help="training steps per size (default 5; the first is not timed)")
+    bs.add_argument("--steps", type=int, default=8, help="training steps per size (default 8; the first is not timed)")
     bs.add_argument("--max-batch", type=int, help="largest micro-batch to try (default: what the training set holds)")
 
 
