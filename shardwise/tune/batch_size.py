@@ -34,6 +34,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,26 @@ def _trial(template: Trainer, model: nn.Module, train_data: Any, global_batch: i
     return {"peak_bytes": int(peak), "samples_per_s": rate, "device": "cuda" if cuda else "cpu"}
 
 
+def largest_fitting(fits: Callable[[int], bool], cap: int) -> tuple[int, int | None]:
+    """The largest size ``<= cap`` for which ``fits`` holds, given that 1 fits and that fitting is
+    monotone: double from 1 until a size fails (or ``cap`` is reached), then bisect. Returns it and
+    the smallest size tried that failed (None when every size tried fit, up to ``cap``)."""
+    lo, hi = 1, None
+    while lo < cap:
+        size = min(2 * lo, cap)
+        if not fits(size):
+            hi = size
+            break
+        lo = size
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
 def _uses_cuda(accelerator: str) -> bool:
     return accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
 
@@ -235,20 +256,7 @@ def find_batch_size(
                 f"the memory budget {format_bytes(budget or 0)} is too small for a micro-batch of 1, which {what}; "
                 "raise the budget, or shrink the model (a smaller width, fewer layers) or shard it (--strategy zero3)"
             )
-        lo, hi = 1, None
-        while lo < cap:
-            size = min(2 * lo, cap)
-            if fits(size):
-                lo = size
-            else:
-                hi = size
-                break
-        while hi is not None and hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo, hi = largest_fitting(fits, cap)
     finally:
         shutil.rmtree(errors, ignore_errors=True)
     return BatchSizeResult(
