@@ -127,7 +127,7 @@ def memory(run: Run, figures: dict[str, dict[str, float]], path: Path) -> dict[s
     for offset, key, color in ((-width / 2, "measured", "tab:blue"), (width / 2, "predicted", "tab:orange")):
         xs = [i + offset for i, k in enumerate(kinds) if key in figures[k]]
         ys = [figures[k][key] / scale for k in kinds if key in figures[k]]
-        ax.bar(xs, ys, width, color=color, label=key)
+        ax.bar(xs, ys, width, color=color, label="measured" if key == "measured" else "predicted (formula)")
     for i, k in enumerate(kinds):
         f = figures[k]
         if "measured" in f and f.get("predicted"):
