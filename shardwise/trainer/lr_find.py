@@ -331,7 +331,7 @@ def plot_lr_find(result: LRFindResult, path: str) -> str:
     ax.set_ylabel("training loss")
     stop = ", stopped early: the loss diverged" if result.stopped_early else ""
     ax.set_title(f"learning-rate range test: {len(result.lrs)} of {result.steps} steps{stop}", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -13,6 +13,10 @@ measured (an allocator keeps freed memory; a fresh process starts clean):
   peak is the whole process (the interpreter, torch, the data set, the model state) plus the
   step's activations, which is what a machine's memory must hold.
 
+Peaks of fresh processes at one size vary by a few MiB (the allocator's arenas and pages), so
+near the budget's edge a size can fit where the next smaller one did not; the search assumes
+fitting is monotone and reports every size it tried.
+
 The search doubles the size from 1 until a size does not fit (or the data set caps it: one global
 batch must not exceed the training set), then bisects between the last size that fit and the
 first that did not, so the answer ``b`` fits and ``b + 1`` was tried and did not (unless capped).
@@ -253,7 +257,7 @@ def find_batch_size(
             t = trials[1]
             what = "runs out of CUDA memory" if t.out_of_memory else f"peaks at {format_bytes(t.peak_bytes or 0)} per process"
             raise ConfigError(
-                f"the memory budget {format_bytes(budget or 0)} is too small for a micro-batch of 1, which {what}; "
+                f"the memory budget {memory_budget} ({format_bytes(budget or 0)}) is too small for a micro-batch of 1, which {what}; "
                 "raise the budget, or shrink the model (a smaller width, fewer layers) or shard it (--strategy zero3)"
             )
         lo, hi = largest_fitting(fits, cap)

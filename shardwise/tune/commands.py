@@ -147,7 +147,7 @@ def _batch_size(args: argparse.Namespace) -> int:
     result = find_batch_size(trainer, parts.model, parts.train, memory_budget=args.memory_budget, steps=args.steps, max_batch=args.max_batch)
     print(result.table())
     cap = " (the most the training set allows: larger sizes were not tried)" if result.capped_by_data else ""
-    budget_text = f" within {format_bytes(result.budget_bytes)}" if result.budget_bytes is not None else ""
+    budget_text = f" within {args.memory_budget} ({format_bytes(result.budget_bytes)})" if result.budget_bytes is not None else ""
     print(f"largest micro-batch per rank that fits{budget_text}: {result.micro_batch} (global batch {result.global_batch}){cap}")
     _write_json(args.json, result.to_dict())
     return 0
