@@ -237,6 +237,8 @@ def lr_find(
     from shardwise.trainer.loop import Trainer  # the loop module imports this one's caller, not this module
 
     _check(min_lr, max_lr, steps, smoothing, diverge)
+    if png is not None:
+        _pyplot()  # a missing matplotlib is said before the sweep runs, not after
     snapshot = _Snapshot(model)
     with tempfile.TemporaryDirectory(prefix="shardwise-lr-find-") as tmp:
         rows_path = str(Path(tmp) / "rows.jsonl")
@@ -305,15 +307,20 @@ def summarize(
     )
 
 
-def plot_lr_find(result: LRFindResult, path: str) -> str:
-    """Loss against learning rate (log x): each step's loss, the smoothed loss, the suggestion marked."""
+def _pyplot() -> Any:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("the range test's PNG needs matplotlib (pip install 'shardwise[plot]'); the numbers need nothing") from None
+        raise ConfigError("the range test's PNG needs matplotlib (pip install 'shardwise[plot]'); without png=... (--png '') it needs nothing") from None
+    return plt
+
+
+def plot_lr_find(result: LRFindResult, path: str) -> str:
+    """Loss against learning rate (log x): each step's loss, the smoothed loss, the suggestion marked."""
+    plt = _pyplot()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.2))

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lr.add_argument("--steps", type=int, default=100, help="steps of the sweep (default 100)")
     lr.add_argument("--smoothing", type=float, default=0.9, help="weight of the past in the loss's moving average (default 0.9)")
     lr.add_argument("--diverge", type=float, default=4.0, help="stop when the smoothed loss exceeds this many times its lowest (default 4)")
-    lr.add_argument("--png", default="lr_find.png", help="picture of loss against rate (default lr_find.png; needs matplotlib)")
+    lr.add_argument("--png", default="lr_find.png", help="picture of loss against rate (default lr_find.png; needs matplotlib; '' for none)")
     bs = sub.add_parser(
         "batch-size",
         help="the largest micro-batch per rank that fits a memory budget, and the throughput of each size tried",
@@ -120,7 +120,7 @@ def _lr(args: argparse.Namespace) -> int:
         steps=args.steps,
         smoothing=args.smoothing,
         diverge=args.diverge,
-        png=args.png,
+        png=args.png or None,
     )
     n = len(result.lrs)
     if result.stopped_early:

@@ -126,3 +126,14 @@ def test_on_digits_the_suggestion_lies_where_the_loss_falls_fastest_and_nothing_
     # The picture is a real PNG of the size drawn (7 x 4.2 inches at 120 dpi).
     assert png.read_bytes()[:8] == PNG_SIGNATURE and result.png == str(png)
     assert matplotlib.image.imread(str(png)).shape[:2] == (504, 840)
+
+
+def test_without_matplotlib_the_png_is_refused_before_the_sweep(monkeypatch):
+    import sys
+
+    parts = get_recipe("digits").parts()
+    trainer = Trainer(optimizer=parts.optimizer, loss_fn=parts.loss_fn, max_steps=5)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    monkeypatch.setattr(Trainer, "fit", lambda *a, **k: pytest.fail("the sweep ran"))
+    with pytest.raises(ConfigError, match=re.escape("the range test's PNG needs matplotlib (pip install 'shardwise[plot]')")):
+        trainer.tune_lr(parts.model, parts.train, png="x.png")
