@@ -38,6 +38,8 @@ DDP = "tests/dist/test_ddp.py"
 DDP_BYTES = "tests/dist/test_ddp_bytes.py"
 RESUME = "tests/dist/test_resume.py"
 CLAIMS = "tests/dist/test_readme_claims.py"
+RUN_TOOLS = "tests/dist/test_run_tools.py"
+RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
 
 # Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
 # rerun (ddp, common, data, checkpoint, engine, trainer, precision).
@@ -67,10 +69,10 @@ MUTANTS = [
            "return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)",
            "return torch.nn.utils.get_total_norm([p.grad for p in params])", (SINGLE,)),
     Mutant("the trainer never steps the LR scheduler", "shardwise/trainer/loop.py",
-           "                    scheduler.step()", "                    pass", (SINGLE,)),
+           "                        scheduler.step()", "                        pass", (SINGLE,)),
     Mutant("the trainer never zeroes the gradients (a stale gradient adds into every later step)", "shardwise/trainer/loop.py",
-           "                optimizer.zero_grad(set_to_none=True)\n                if scheduler",
-           "                pass\n                if scheduler", (SINGLE,)),
+           "                    optimizer.zero_grad(set_to_none=True)\n                    if scheduler",
+           "                    pass\n                    if scheduler", (SINGLE,)),
     Mutant("evaluation ignores the module's validation_step", "shardwise/trainer/loop.py",
            'validation_step = getattr(module, "validation_step", None)', "validation_step = None", (SINGLE,)),
     Mutant("bf16-mixed runs without autocast", "shardwise/precision.py",
@@ -90,8 +92,29 @@ MUTANTS = [
     Mutant("a resume does not restore the random number generator (dropout draws differ)", "shardwise/checkpoint/files.py",
            '    torch.set_rng_state(state["torch"])\n', "    pass\n", (RESUME,)),
     Mutant("keep_last prunes nothing", "shardwise/trainer/loop.py",
-           "ckpt.prune(root, self.config.keep_last, run_id)", "None",
+           "ckpt.prune(root, self.config.keep_last, getattr(self, \"_run_id\", None))", "None",
            (f"{CLAIMS}::test_keep_last_prunes_older_checkpoints_of_the_run",)),
+    # -- callbacks, loops, profiler (issue 14) ---------------------------------------------------------
+    Mutant("early stopping decides on each rank's own value (no agreement)", "shardwise/trainer/callbacks.py",
+           "        return agree(engine, value)", "        return value", (f"{RUN_TOOLS}::test_early_stopping_stops_every_rank_after_the_same_step",)),
+    Mutant("early stopping counts an improvement smaller than min_delta", "shardwise/trainer/callbacks.py",
+           "return value < than - self.min_delta if", "return value < than if", (f"{RUN_TOOLS_UNIT}::test_early_stopping_stops_where_the_hand_count_does",)),
+    Mutant("callback state is not restored on resume", "shardwise/trainer/callbacks.py",
+           "            cb.load_state_dict(dict(states[key]))", "            pass", (f"{RUN_TOOLS_UNIT}::test_early_stopping_state_resumes_exactly",)),
+    Mutant("ModelCheckpoint keeps the worst instead of the best", "shardwise/trainer/callbacks.py",
+           "key = score if self.mode == \"min\" else -score", "key = -score if self.mode == \"min\" else score",
+           (f"{RUN_TOOLS_UNIT}::test_model_checkpoint_keeps_the_k_best_apart_from_keep_last",)),
+    Mutant("prediction: every rank of a replica writes its rows (pipeline rows counted twice)", "shardwise/trainer/evaluate.py",
+           "writes = all(engine.mesh.coordinate(d) == 0 for d in engine.mesh.degrees if d != \"dp\")", "writes = True",
+           (f"{RUN_TOOLS}::test_validate_test_and_predict_are_exact_at_world_size_2",)),
+    Mutant("evaluation averages batch means (the short last batch weighs as much as a full one)", "shardwise/trainer/evaluate.py",
+           "            count += n\n            for k, v in values.items():\n                totals[k] = totals.get(k, 0.0) + float(v) * n",
+           "            count += 1\n            for k, v in values.items():\n                totals[k] = totals.get(k, 0.0) + float(v)",
+           (f"{RUN_TOOLS}::test_validate_test_and_predict_are_exact_at_world_size_2",)),
+    Mutant("the profile counts exposed communication inside backward twice", "shardwise/trainer/profile.py",
+           "\"backward\": length(subtract(intersect(intersect(fb, backward), span), exposed)),",
+           "\"backward\": length(intersect(intersect(fb, backward), span)),",
+           (f"{RUN_TOOLS_UNIT}::test_the_breakdown_partitions_a_hand_made_trace", f"{RUN_TOOLS}::test_the_profile_breakdown_sums_to_the_measured_step")),
     Mutant("the straggler sleeps on every rank, not the one named", "shardwise/trainer/straggler.py",
            "if engine.rank == self.rank and self.fastest < float(\"inf\"):", "if self.fastest < float(\"inf\"):",
            (f"{CLAIMS}::test_the_straggler_rank_alone_is_slowed_by_its_factor",)),

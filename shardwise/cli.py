@@ -44,6 +44,12 @@ _TRAINER_FLAGS = {
     "checkpoint_every": "checkpoint_every",
     "log_every": "log_every",
     "val_every": "val_every",
+    "logger": "loggers",
+    "profile": "profile",
+    "fast_dev_run": "fast_dev_run",
+    "overfit_batches": "overfit_batches",
+    "limit_train_batches": "limit_train_batches",
+    "limit_val_batches": "limit_val_batches",
 }
 
 
@@ -87,6 +93,9 @@ def train_arguments(p: argparse.ArgumentParser, strategy_flags: bool) -> None:
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--log-every", type=int)
     p.add_argument("--val-every", type=int)
+    from shardwise.trainer.config import add_run_tool_flags
+
+    add_run_tool_flags(p)
     p.add_argument("--straggler", metavar="RANK:FACTOR", help="slow rank RANK down FACTOR times on purpose (demonstrations, benchmarks)")
     p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
@@ -174,8 +183,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         from shardwise.trainer.straggler import Straggler
 
         callbacks.append(Straggler.from_spec(args.straggler))
+    hparams = {"recipe": args.recipe, **{f"recipe.{k}": v for k, v in {**recipe.options, **sections.get("recipe", {})}.items()}}
     trainer = Trainer(
-        config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler, metrics=parts.metrics, callbacks=callbacks
+        config=config,
+        optimizer=parts.optimizer,
+        loss_fn=parts.loss_fn,
+        lr_scheduler=parts.lr_scheduler,
+        metrics=parts.metrics,
+        callbacks=callbacks,
+        hparams=hparams,
     )
     summary = trainer.fit(parts.model, parts.train, parts.val)
     if parts.after_fit is not None and _is_rank_zero():

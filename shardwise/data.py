@@ -216,7 +216,10 @@ class ShardedLoader:
         shuffle: bool = True,
         collate_fn: Collate | None = None,
         num_workers: int = 0,
+        limit: int | float | None = None,
     ) -> None:
+        """``limit``: steps per epoch, a whole number or a fraction of the epoch (the first steps of
+        each epoch's order; ``limit_train_batches``)."""
         self.dataset = dataset
         self.n = len(dataset)  # type: ignore[arg-type]
         self.global_batch = global_batch
@@ -230,6 +233,7 @@ class ShardedLoader:
         self.shuffle = shuffle
         self.collate_fn = collate_fn
         self.num_workers = num_workers
+        self.limit = limit
         self.epoch = 0
         self.step_in_epoch = 0
         self._stream: Any = None
@@ -237,7 +241,12 @@ class ShardedLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.n // self.global_batch  # the last partial global batch is dropped
+        full = self.n // self.global_batch  # the last partial global batch is dropped
+        if self.limit is None:
+            return full
+        if isinstance(self.limit, float):
+            return max(1, min(full, int(full * self.limit)))
+        return min(full, self.limit)
 
     def _step_indices(self, perm: torch.Tensor, step: int) -> list[list[int]]:
         start = step * self.global_batch + self.rank * self.micro * self.accumulate

@@ -50,7 +50,8 @@ from pathlib import Path
 
 from shardwise.errors import ConfigError
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "errors")
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "errors", "csv", "tensorboard", "mlruns", "wandb", "profile")
+"""What a run writes into `out` (the loggers and the profiler theirs too): what `move_aside` moves."""
 
 
 def new_run_id() -> str:

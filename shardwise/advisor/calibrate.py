@@ -183,9 +183,15 @@ def measure_step_overhead(steps: int = 60) -> float:
 def calibrate(sizes: list[int] | None = None) -> dict[str, Any]:
     """Measure and fit; returns the profile as a JSON-ready mapping (with the raw rows and fit errors)."""
     from shardwise import launch
+    from shardwise.advisor.calibrate_framework import calibrate_framework
 
     rows = launch(_measure_collectives, sizes or SIZES, nproc=2, threads_per_proc=1)[0]
-    return fit_profile(rows, measure_matmul_flops(), measure_step_overhead())
+    profile = fit_profile(rows, measure_matmul_flops(), measure_step_overhead())
+    fits = calibrate_framework(profile_from_mapping(profile))
+    profile["framework"] = {k: {"step_s": f["step_s"], "per_unit_s": f["per_unit_s"]} for k, f in fits.items()}
+    profile["calibration"]["framework"] = fits
+    profile_from_mapping(profile)
+    return profile
 
 
 def fit_profile(rows: list[dict[str, Any]], flops: dict[str, Any], overhead: float) -> dict[str, Any]:
@@ -206,6 +212,8 @@ def fit_profile(rows: list[dict[str, Any]], flops: dict[str, Any], overhead: flo
         "inter": {"alpha": ring["alpha"], "beta": ring["beta"]},
         "overlap": 0.0,
         "step_overhead_s": overhead,
+        "local": True,
+        "cores": os.cpu_count() or 1,
         "collectives": {k: {"alpha": v["alpha"], "beta": v["beta"]} for k, v in fits.items()},
         "source": (
             f"shardwise plan --calibrate on {platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "

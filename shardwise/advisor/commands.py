@@ -154,10 +154,12 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ConfigError("shardwise plan needs --model (charlm, digits, PATH.json, module:factory) or --params N (e.g. --params 7.5e9)")
     device = load_profile(args.device or ("cpu" if args.model in available() else "h100-80gb"))
     cluster = Cluster(device, args.nproc, args.nodes)
-    model = load_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq)
     batch = args.global_batch or (int(get_recipe(args.model).trainer_defaults["global_batch_size"]) if args.model in available() else 512)
     if batch < 1:
         raise ConfigError(f"--global-batch must be >= 1; got {batch}")
+    # on a profile measured here, a real module's own step is timed here too (see plan.cost.local_compute)
+    timed = batch if device.local else None
+    model = load_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, timed_batch=timed)
     if args.accumulate < 1:
         raise ConfigError(f"--accumulate must be >= 1; got {args.accumulate}")
     precision = args.precision or ("32" if device.name.startswith("cpu") else "bf16-mixed")

@@ -7,21 +7,74 @@ split it, tensor parallelism that finds no layer to shard) exactly as it will at
 
 from __future__ import annotations
 
+import copy
 import importlib
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardwise.batches import call_model
 from shardwise.errors import ConfigError
-from shardwise.plan.model_spec import ModelSpec, from_hf_config, from_param_count, measured_spec
+from shardwise.plan.model_spec import ModelSpec, StepFit, from_hf_config, from_param_count, measured_spec
 from shardwise.recipes import available as recipes
 from shardwise.recipes import get_recipe
 
 EXAMPLE_SAMPLES = 8
 """Samples in the example batch FLOPs and activations are counted on (they scale per sample)."""
+TIMED_REPEATS = 9
+"""Steps timed at each batch size (the fastest counts: other work on the machine only ever adds time), after two untimed ones."""
+
+
+def time_step(
+    model: nn.Module,
+    batch_of: Callable[[int], Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    sizes: tuple[int, int],
+) -> StepFit:
+    """Time whole training steps of a copy of ``model`` at two batch sizes and fit a line through them.
+
+    One thread, as each of the trainer's processes runs here; forward, backward and the
+    optimizer's step, the fastest of `TIMED_REPEATS` steps per size. The fit is the
+    `StepFit` the cost model reads on a profile measured here. ``model`` is not changed.
+    """
+    lo, hi = sorted(sizes)
+    work = copy.deepcopy(model).train()
+    optimizer = make_optimizer(work.parameters())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    medians = []
+    try:
+        for size in (lo, hi):
+            batch = batch_of(size)
+
+            def step(batch: Any = batch) -> None:
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(call_model(work, batch), batch).backward()
+                optimizer.step()
+
+            for _ in range(2):
+                step()
+            times = []
+            for _ in range(TIMED_REPEATS):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+            medians.append(min(times))
+    finally:
+        torch.set_num_threads(threads)
+    per_sample = max(0.0, (medians[1] - medians[0]) / (hi - lo)) if hi > lo else 0.0
+    return StepFit(fixed_s=max(0.0, medians[0] - per_sample * lo), per_sample_s=per_sample, sizes=(lo, hi))
+
+
+def _mean_output_loss(output: Any, batch: Any) -> torch.Tensor:
+    logits = output if isinstance(output, torch.Tensor) else output[0]
+    return logits.float().mean()
 
 
 @dataclass
@@ -38,15 +91,27 @@ def _stack(samples: list[Any]) -> Any:
     return torch.stack([torch.as_tensor(s) for s in samples])
 
 
-def recipe_model(name: str) -> PlannedModel:
-    """A built-in recipe's model, measured on its own first training samples."""
+def recipe_model(name: str, timed_batch: int | None = None) -> PlannedModel:
+    """A built-in recipe's model, measured on its own first training samples.
+
+    With ``timed_batch``, its training step is also timed here (`time_step`, with the recipe's
+    loss and optimizer) at ``timed_batch / 16`` and ``timed_batch`` samples."""
     parts = get_recipe(name).parts()
     batch = _stack([parts.train[i] for i in range(EXAMPLE_SAMPLES)])
     example = batch[0] if isinstance(batch, tuple) else batch
-    return PlannedModel(measured_spec(name, parts.model, example, EXAMPLE_SAMPLES), parts.model, name)
+    spec = measured_spec(name, parts.model, example, EXAMPLE_SAMPLES)
+    if timed_batch:
+        n = len(parts.train)
+        fit = time_step(parts.model, lambda b: _stack([parts.train[i % n] for i in range(b)]), parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch))
+        spec = replace(spec, step_fit=fit)
+    return PlannedModel(spec, parts.model, name)
 
 
-def factory_model(spec: str) -> PlannedModel:
+def _timed_sizes(batch: int) -> tuple[int, int]:
+    return max(1, batch // 16), max(2, batch)
+
+
+def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
     """``module:callable`` returning an ``nn.Module`` or ``(module, example_input)``; without an
     example, the module's ``example_input`` attribute (a tensor with a batch dimension) is used."""
     mod_name, _, attr = spec.partition(":")
@@ -61,21 +126,41 @@ def factory_model(spec: str) -> PlannedModel:
     if example is None:
         raise ConfigError(f"--model {spec!r}: return (model, example_input) from the factory so FLOPs and activations can be counted")
     samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
-    return PlannedModel(measured_spec(spec, model, example, samples), model)
+    planned = measured_spec(spec, model, example, samples)
+    if timed_batch:
+
+        def batch_of(b: int) -> Any:
+            reps = -(-b // samples)
+            if isinstance(example, torch.Tensor):
+                return example.repeat(reps, *([1] * (example.dim() - 1)))[:b]
+            return tuple(t.repeat(reps, *([1] * (t.dim() - 1)))[:b] for t in example)
+
+        fit = time_step(model, batch_of, _mean_output_loss, lambda p: torch.optim.Adam(p, lr=1e-3), _timed_sizes(timed_batch))
+        planned = replace(planned, step_fit=fit)
+    return PlannedModel(planned, model)
 
 
 def load_model(
-    spec: str, *, params: float | None = None, layers: int | None = None, hidden: int | None = None, heads: int | None = None, seq: int | None = None
+    spec: str,
+    *,
+    params: float | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    seq: int | None = None,
+    timed_batch: int | None = None,
 ) -> PlannedModel:
-    """Resolve ``--model`` (or ``--params``) into a `PlannedModel`; an unknown name is a one-line `ConfigError`."""
+    """Resolve ``--model`` (or ``--params``) into a `PlannedModel`; an unknown name is a one-line `ConfigError`.
+
+    ``timed_batch``: time a real module's step here too (for a profile measured on this machine)."""
     if params is not None and spec in ("", None):
         return PlannedModel(from_param_count(params, layers=layers, hidden=hidden, heads=heads, seq=seq or 2048))
     if spec in recipes():
-        return recipe_model(spec)
+        return recipe_model(spec, timed_batch)
     if spec.endswith(".json"):
         return PlannedModel(from_hf_config(Path(spec), seq=seq))
     if ":" in spec:
-        return factory_model(spec)
+        return factory_model(spec, timed_batch)
     raise ConfigError(
         f"unknown --model {spec!r}; give a recipe ({', '.join(recipes())}), a Hugging Face config .json, module:factory, or --params N (e.g. --params 7.5e9)"
     )

@@ -60,6 +60,20 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Framework:
+    """What one strategy costs per step on top of its model's compute and its collectives' alpha-beta
+    time: ``step_s + per_unit_s * units`` (units: layers the strategy wraps, or pipeline micro-batches).
+    Hooks, Python, the launch of each collective, waits the alpha-beta model does not see; measured
+    by ``shardwise plan --calibrate`` on this machine, empty on the datasheet profiles."""
+
+    step_s: float
+    per_unit_s: float = 0.0
+
+    def seconds(self, units: float) -> float:
+        return self.step_s + self.per_unit_s * units
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """One device kind and the links between devices of that kind."""
 
@@ -84,6 +98,14 @@ class DeviceProfile:
     """Fitted links per collective and algorithm (``"all_reduce/ring"``), used on one node instead of ``intra``."""
     source: str = ""
     """Where the figures come from."""
+    local: bool = False
+    """Measured on this machine (``--calibrate``): a model's own step can be timed here
+    (`shardwise.plan.model_spec.StepFit`) and used instead of FLOPs over FLOP/s."""
+    cores: int = 0
+    """CPU cores of a machine measured here (0: not a shared-core device). More processes than cores
+    on one node share them: `shardwise.plan.cost.estimate` stretches the step by ``per_node / cores``."""
+    framework: Mapping[str, Framework] = field(default_factory=dict)
+    """Per-step cost of each strategy beyond compute and collectives (keys as `shardwise.plan.cost.framework_key`)."""
 
     def flops_for(self, precision: str) -> float:
         if precision in self.flops:
@@ -111,6 +133,8 @@ class DeviceProfile:
                 v = {k: {"alpha": x.alpha, "beta": x.beta} for k, x in v.items()}
             elif f.name == "flops":
                 v = dict(v)
+            elif f.name == "framework":
+                v = {k: {"step_s": x.step_s, "per_unit_s": x.per_unit_s} for k, x in v.items()}
             out[f.name] = v
         return out
 
@@ -162,7 +186,12 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
     flops = raw["flops"]
     if not isinstance(flops, Mapping) or not flops or any(float(v) <= 0 for v in flops.values()):
         raise ConfigError(f'{where}: flops must map precisions to positive FLOP/s (e.g. flops = {{"32" = 1e11}}); got {flops!r}')
-    extra = {k: raw[k] for k in ("overlap", "step_overhead_s", "source") if k in raw}
+    extra = {k: raw[k] for k in ("overlap", "step_overhead_s", "source", "local", "cores") if k in raw}
+    framework = {}
+    for key, value in dict(raw.get("framework", {})).items():
+        if not isinstance(value, Mapping) or "step_s" not in value:
+            raise ConfigError(f"{where}: framework.{key} must be a table with step_s (and per_unit_s); got {value!r}")
+        framework[str(key)] = Framework(float(value["step_s"]), float(value.get("per_unit_s", 0.0)))
     profile = DeviceProfile(
         name=str(raw["name"]),
         memory_bytes=float(raw["memory_bytes"]),
@@ -172,6 +201,7 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
         intra=_link(raw["intra"], f"{where}: intra"),
         inter=_link(raw["inter"], f"{where}: inter"),
         collectives={str(k): _link(v, f"{where}: collectives.{k}") for k, v in dict(raw.get("collectives", {})).items()},
+        framework=framework,
         **extra,
     )
     if profile.memory_bytes <= 0 or not 0 < profile.efficiency <= 1 or profile.memory_bandwidth <= 0 or not 0 <= profile.overlap <= 1:

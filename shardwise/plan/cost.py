@@ -59,7 +59,7 @@ from shardwise.comm.traffic import allreduce_traffic
 from shardwise.plan.bubble import predicted_bubble
 from shardwise.plan.cluster import Cluster
 from shardwise.plan.memory import MIXED_ADAM, STAGE_OF, BytesPerParam, model_state_bytes, plain
-from shardwise.plan.model_spec import ModelSpec
+from shardwise.plan.model_spec import ModelSpec, StepFit
 
 PRECISIONS = ("32", "64", "bf16-mixed", "16-mixed")
 OPTIMIZER_SLOTS = {"adam": 2, "adamw": 2, "sgd": 0, "momentum": 1}
@@ -190,6 +190,35 @@ def _allreduce(spec_bytes: float, p: int, algorithm: str) -> tuple[float, int]:
     return float(worst.sent), worst.steps
 
 
+def local_compute(fit: StepFit, micro: float, passes: float, tp: int, pp: int) -> float:
+    """Seconds of compute per rank per step from a step timed here: ``passes`` forward-backward
+    passes of ``micro`` samples (micro-batches times accumulation), each costing the timed step's
+    fixed part (per-operation overhead: every rank runs every operation of its layers) plus the
+    per-sample part split ``tp`` ways, over ``pp`` stages (each holds ``1/pp`` of the layers)."""
+    return passes * (fit.fixed_s + fit.per_sample_s * micro / tp) / pp
+
+
+def framework_key(shape: Shape) -> str:
+    """The profile's `Framework` entry for ``shape``: the family, with the variant that changes its per-step
+    work (``pipeline/1f1b``, ``ps/async``, ``ddp/ring`` for shardwise's own allreduce algorithms,
+    ``ddp/codec`` for compressed gradients). `estimate` falls back to the family's entry."""
+    if shape.family == "pipeline":
+        return f"pipeline/{shape.schedule}"
+    if shape.family == "ps":
+        return f"ps/{shape.mode}"
+    if shape.family == "ddp" and shape.codec:
+        return "ddp/codec"
+    if shape.family == "ddp" and shape.algorithm != "native":
+        return "ddp/algorithm"
+    return shape.family
+
+
+def framework_units(shape: Shape, spec: ModelSpec) -> float:
+    """What a strategy's per-step cost scales with: its micro-batches for a pipeline (a send, a receive
+    and a schedule action each), the model's layers otherwise (FSDP's units, tensor-parallel layers)."""
+    return float(shape.microbatches) if shape.family == "pipeline" else float(spec.layers)
+
+
 def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape) -> Estimate:
     """Memory, collectives and time of ``shape`` for ``spec`` on ``cluster`` (see the module docstring)."""
     dev = cluster.device
@@ -248,14 +277,21 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         memory["server"] = server_bytes
 
     # -- compute --------------------------------------------------------------------------------
-    rate = dev.flops_for(settings.precision) * dev.efficiency
-    compute = spec.flops_per_sample * samples / (tp * pp) / rate
+    timed = spec.step_fit if dev.local else None
+    if timed is not None:
+        # the model's whole step timed here (forward, backward, optimizer): per-operation overhead
+        # stays whole on each rank, the per-sample part splits over tp and pp (see `local_compute`)
+        compute = local_compute(timed, micro, settings.accumulate * m, tp, pp)
+        optimizer = 0.0
+    else:
+        rate = dev.flops_for(settings.precision) * dev.efficiency
+        compute = spec.flops_per_sample * samples / (tp * pp) / rate
+        # the step reads and writes the stepped shard's parameters, gradients and optimizer state once
+        stepped = per.optimizer * psi / (shard if stage >= 1 else 1) + (per.params + per.grads) * psi / (shard if stage >= 1 else 1)
+        optimizer = 2 * stepped / dev.memory_bandwidth
     backward = compute * 2 / 3
     bubble_frac = predicted_bubble(shape.schedule, pp, m, shape.virtual) if fam == "pipeline" and pp > 1 else 0.0
     bubble = compute * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
-    # the step reads and writes the stepped shard's parameters, gradients and optimizer state once
-    stepped = per.optimizer * psi / (shard if stage >= 1 else 1) + (per.params + per.grads) * psi / (shard if stage >= 1 else 1)
-    optimizer = 2 * stepped / dev.memory_bandwidth
 
     # -- communication --------------------------------------------------------------------------
     colls: list[Collective] = []
@@ -280,45 +316,26 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         add("all_reduce", "dp", dp, 1, grad_wire, sent, rounds, dp_stride, "backward")
     if fam == "zero1":
         add("broadcast", "dp", dp, 1, per.params * psi, (dp - 1) / dp * per.params * psi, _rounds("broadcast", dp), dp_stride)
+
+    def add_library(op: str, group: str, size: int, count: float, payload: float, stride: int, hide: str | None = None) -> None:
+        """A library collective of ``payload`` bytes: its bandwidth-optimal bytes and ring rounds."""
+        add(op, group, size, count, payload, wire_bytes(op, int(payload), size)[0], _rounds(op, size), stride, hide)
+
     if fam == "zero2":
-        add(
-            "reduce_scatter",
-            "dp",
-            dp,
-            1,
-            grad_bytes,
-            wire_bytes("reduce_scatter", int(grad_bytes), dp)[0],
-            _rounds("reduce_scatter", dp),
-            dp_stride,
-            "backward",
-        )
-        add(
-            "all_gather", "dp", dp, 1, per.params * psi, wire_bytes("all_gather", int(per.params * psi), dp)[0], _rounds("all_gather", dp), dp_stride, "forward"
-        )
+        add_library("reduce_scatter", "dp", dp, 1, grad_bytes, dp_stride, "backward")
+        add_library("all_gather", "dp", dp, 1, per.params * psi, dp_stride, "forward")
     if fam in ("zero3", "fsdp") or (fam in ("tp", "pipeline") and shape.dp_strategy == "fsdp"):
-        pb = per.params * psi
-        add("all_gather", "dp", dp, 2, pb, wire_bytes("all_gather", int(pb), dp)[0], _rounds("all_gather", dp), dp_stride, "forward")
-        add(
-            "reduce_scatter",
-            "dp",
-            dp,
-            1,
-            grad_bytes,
-            wire_bytes("reduce_scatter", int(grad_bytes), dp)[0],
-            _rounds("reduce_scatter", dp),
-            dp_stride,
-            "backward",
-        )
+        add_library("all_gather", "dp", dp, 2, per.params * psi, dp_stride, "forward")
+        add_library("reduce_scatter", "dp", dp, 1, grad_bytes, dp_stride, "backward")
     if fam == "hsdp":
         s, r = shape.shard, shape.replicate
-        pb = per.params * psi
-        add("all_gather", "shard", s, 2, pb, wire_bytes("all_gather", int(pb), s)[0], _rounds("all_gather", s), 1, "forward")
-        add("reduce_scatter", "shard", s, 1, grad_bytes, wire_bytes("reduce_scatter", int(grad_bytes), s)[0], _rounds("reduce_scatter", s), 1, "backward")
-        add("all_reduce", "replicate", r, 1, grad_bytes / s, wire_bytes("all_reduce", int(grad_bytes / s), r)[0], _rounds("all_reduce", r), s, "backward")
+        add_library("all_gather", "shard", s, 2, per.params * psi, 1, "forward")
+        add_library("reduce_scatter", "shard", s, 1, grad_bytes, 1, "backward")
+        add_library("all_reduce", "replicate", r, 1, grad_bytes / s, s, "backward")
     if tp > 1:
         act = micro * spec.seq * spec.hidden * spec.act_bytes
         count = 4 * spec.layers / pp * m  # Shoeybi et al. 2019: 2 in forward, 2 in backward per layer
-        add("all_reduce", "tp", tp, count, act, wire_bytes("all_reduce", int(act), tp)[0], _rounds("all_reduce", tp), 1)
+        add_library("all_reduce", "tp", tp, count, act, 1)
     if fam == "pipeline" and pp > 1:
         act = micro * spec.seq * spec.hidden / tp * spec.act_bytes
         sends = 2 * m * shape.virtual if shape.virtual > 1 else 2 * m  # forward activation and backward gradient per micro-batch
@@ -342,8 +359,15 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
 
     exposed = sum(c.exposed_s for c in colls)
     total_comm = sum(c.seconds for c in colls)
-    overhead = dev.step_overhead_s
+    framework = dev.framework.get(framework_key(shape)) or dev.framework.get(fam)
+    overhead = framework.seconds(framework_units(shape, spec)) if framework is not None else dev.step_overhead_s
     step = compute + bubble + optimizer + exposed + overhead
+    shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0
+    if shared > 1:  # more processes than cores: each runs a core's share of the time
+        compute, bubble, optimizer, exposed, overhead, total_comm, step = (
+            x * shared for x in (compute, bubble, optimizer, exposed, overhead, total_comm, step)
+        )
+        notes.append(f"{cluster.per_node} processes share {dev.cores} cores: every part of the step takes {shared:g} times as long")
     time = {
         "compute_s": compute,
         "bubble_s": bubble,

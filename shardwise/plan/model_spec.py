@@ -48,6 +48,24 @@ from shardwise.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class StepFit:
+    """A whole training step of the model timed on this machine: ``fixed_s + per_sample_s * samples``.
+
+    One process, one thread (as each trainer process runs here), forward, backward and the
+    optimizer's step, at two batch sizes (`shardwise.advisor.models.time_step`). On CPU a small
+    model's step is mostly per-operation overhead that FLOPs do not see; the fixed part holds it.
+    """
+
+    fixed_s: float
+    per_sample_s: float
+    sizes: tuple[int, int] = (0, 0)
+    """The two batch sizes timed."""
+
+    def seconds(self, samples: float) -> float:
+        return self.fixed_s + self.per_sample_s * samples
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The numbers the cost model needs about a model (sizes per sample, not per batch)."""
 
@@ -74,6 +92,9 @@ class ModelSpec:
     """Bytes per activation element the activation figures were computed with."""
     transformer: bool = False
     """True when the activation formulas of Korthikanti et al. apply (tensor-parallel scaling)."""
+    step_fit: StepFit | None = None
+    """The model's step timed here (a recipe or factory module); a profile measured on this machine
+    (``DeviceProfile.local``) uses it instead of FLOPs over FLOP/s."""
 
     def with_act_bytes(self, act_bytes: int) -> ModelSpec:
         """The same model with activations stored at ``act_bytes`` per element (2 under mixed precision)."""
@@ -98,7 +119,10 @@ class ModelSpec:
         return per * self.act_bytes / 2 * samples
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        if self.step_fit is not None:
+            out["step_fit"] = dict(self.step_fit.__dict__)
+        return out
 
 
 def korthikanti_layer_bytes(seq: int, hidden: int, heads: int) -> float:

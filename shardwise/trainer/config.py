@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from collections.abc import Mapping
@@ -74,6 +75,28 @@ class TrainerConfig:
     """Parallel degrees other than data parallel, e.g. ``{"tp": 2}``."""
     sync_batchnorm: bool = False
     """BatchNorm statistics over the global batch under data parallelism (SyncBatchNorm, CPU and GPU)."""
+    loggers: tuple[str, ...] = ()
+    """Experiment loggers on rank 0 besides metrics.jsonl: 'csv', 'tensorboard', 'mlflow', 'wandb' (a list, or one comma-separated string)."""
+    experiment_name: str = "shardwise"
+    """The MLflow experiment and the W&B project the run is logged under."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI (default: a file store in out/mlruns)."""
+    fast_dev_run: int = 0
+    """Check the whole loop quickly: this many steps (True is 1) and as many validation batches per rank; nothing is saved or logged."""
+    overfit_batches: int = 0
+    """Train on the first N global batches of the training set only, in the same order every epoch (a model that cannot overfit them has a bug)."""
+    limit_train_batches: int | float | None = None
+    """Steps per epoch: a whole number, or a fraction (0, 1] of the epoch."""
+    limit_val_batches: int | float | None = None
+    """Evaluate on the first N x val batch x data-parallel ranks samples (every rank N batches), or a fraction (0, 1] of the set; still each sample once."""
+    model_summary: bool = True
+    """Print parameters per top-level module (trainable or not) and per rank after sharding at the start; also in summary.json."""
+    profile: bool = False
+    """Profile a window of steps on every rank with torch.profiler: a Chrome trace per rank in out/profile/, and the step breakdown in summary.json."""
+    profile_skip: int = 2
+    """Steps before the profiled window (the first steps pay one-time costs)."""
+    profile_steps: int = 3
+    """Steps in the profiled window."""
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = True) -> None:
@@ -102,9 +125,56 @@ class TrainerConfig:
             raise ConfigError("resume='auto' looks for checkpoints in out/checkpoints; set out as well")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0; got {self.timeout_s}")
+        self._check_run_tools()
+
+    def _check_run_tools(self) -> None:
+        """Loggers, quick-run limits and the profiler window (issue 14's settings)."""
+        names = self.loggers.split(",") if isinstance(self.loggers, str) else list(self.loggers)
+        if not all(isinstance(n, str) for n in names):
+            raise ConfigError(
+                f"loggers takes logger names ('csv', 'tensorboard', 'mlflow', 'wandb'); got {self.loggers!r} (pass Logger objects to Trainer(loggers=[...]))"
+            )
+        object.__setattr__(self, "loggers", tuple(n.strip().lower() for n in names if n.strip()))
+        fast = self.fast_dev_run
+        if fast is True or fast is False:
+            object.__setattr__(self, "fast_dev_run", int(fast))
+        elif not isinstance(fast, int) or fast < 0:
+            raise ConfigError(f"fast_dev_run must be True, False or a number of steps >= 0; got {fast!r}")
+        for name in ("overfit_batches", "profile_skip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a whole number >= 0; got {value!r}")
+        if isinstance(self.profile_steps, bool) or not isinstance(self.profile_steps, int) or self.profile_steps < 1:
+            raise ConfigError(f"profile_steps must be a whole number >= 1; got {self.profile_steps!r}")
+        for name in ("limit_train_batches", "limit_val_batches"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (isinstance(value, float) and value > 1):
+                raise ConfigError(f"{name} must be a whole number of batches >= 1 or a fraction in (0, 1]; got {value!r}")
 
     def replace(self, **changes: Any) -> TrainerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _count_or_fraction(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of batches or a fraction in (0, 1]; got {text!r}") from None
+
+
+def add_run_tool_flags(p: argparse.ArgumentParser) -> None:
+    """``shardwise train``'s flags for loggers, quick runs and the profiler (TrainerConfig fields)."""
+    p.add_argument("--logger", metavar="NAMES", help="experiment loggers on rank 0, comma-separated: csv, tensorboard, mlflow, wandb")
+    p.add_argument("--profile", action="store_true", default=None, help="profile a window of steps: Chrome traces in OUT/profile/, a step breakdown")
+    p.add_argument("--fast-dev-run", type=int, nargs="?", const=1, metavar="N", help="N steps (default 1) and N validation batches; nothing saved")
+    p.add_argument("--overfit-batches", type=int, metavar="N", help="train on the first N global batches only, in the same order each epoch")
+    p.add_argument("--limit-train-batches", type=_count_or_fraction, metavar="N|F", help="steps per epoch: a number, or a fraction of the epoch")
+    p.add_argument("--limit-val-batches", type=_count_or_fraction, metavar="N|F", help="validation batches per rank, or a fraction of the set")
 
 
 def field_names() -> list[str]:

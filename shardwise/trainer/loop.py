@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ from torch import nn
 
 from shardwise import checkpoint as ckpt
 from shardwise.batches import call_model, check_batch_fits, loss_from_output, returns_own_loss
-from shardwise.data import ShardedLoader, eval_batches, eval_shard, fetch, unpack_data
+from shardwise.data import ShardedLoader, fetch, unpack_data
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
@@ -20,8 +21,14 @@ from shardwise.launcher.spawn import check_world_size, launch, stop_if_bootstrap
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
+from shardwise.trainer import callbacks, evaluate
 from shardwise.trainer.config import TrainerConfig, from_mapping
+from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
+from shardwise.trainer.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.trainer.logging import Progress, RunFiles
+from shardwise.trainer.profile import StepProfiler, format_breakdown
+
+__all__ = ["Trainer", "batch_size_of", "copies_per_shard", "make_step_fn"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, batch) -> scalar loss`` (mean over the batch)."""
@@ -30,14 +37,12 @@ MetricFn = Callable[[Any, Any], torch.Tensor]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-def batch_size_of(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, (tuple, list)):
-        return batch_size_of(batch[0])
-    if isinstance(batch, Mapping):
-        return batch_size_of(next(iter(batch.values())))
-    raise TypeError(f"cannot tell the size of a batch of type {type(batch).__name__}")
+_NULL = contextlib.nullcontext()
+
+
+def _no_phase(name: str) -> contextlib.AbstractContextManager[None]:
+    """The loop's phase marker when the profiler is off: nothing is timed or recorded."""
+    return _NULL
 
 
 def make_step_fn(loss_fn: LossFn | None, module: nn.Module) -> StepFn:
@@ -57,13 +62,6 @@ def make_step_fn(loss_fn: LossFn | None, module: nn.Module) -> StepFn:
             return loss_from_output(call_model(model, batch), batch)
 
     return step
-
-
-def copies_per_shard(engine: Engine) -> int:
-    """How many ranks evaluate each data shard: the pipeline and tensor-parallel ranks of one
-    data-parallel replica all see the same samples, so a sum over the loop's ranks counts each
-    sample this many times (1 for purely data-parallel strategies)."""
-    return max(1, engine.group.size // engine.mesh.size("dp"))
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -92,21 +90,38 @@ class Trainer:
         lr_scheduler: SchedulerFactory | None = None,
         metrics: Mapping[str, MetricFn] | None = None,
         callbacks: Sequence[Any] = (),
+        loggers: Sequence[str | Logger] | str | None = None,
+        hparams: Mapping[str, Any] | None = None,
         config: TrainerConfig | None = None,
         devices: int | None = None,
         **settings: Any,
     ) -> None:
         if devices is not None:
             settings.setdefault("nproc", devices)
+        self.logger_objects: list[Logger] = []
+        """Loggers given as objects (`Logger` subclasses); names go to ``config.loggers``."""
+        if loggers is not None:
+            items = loggers.split(",") if isinstance(loggers, str) else list(loggers)
+            for item in items:
+                if not isinstance(item, (str, Logger)):
+                    raise ConfigError(f"loggers takes names ('csv', 'tensorboard', 'mlflow', 'wandb') or Logger objects; got {type(item).__name__}")
+            self.logger_objects = [item for item in items if isinstance(item, Logger)]
+            settings["loggers"] = tuple(item for item in items if isinstance(item, str))
         self.config = from_mapping(settings, base=config)
+        self.hparams = dict(hparams or {})
+        """Extra hyperparameters for the loggers (the CLI passes the recipe's options)."""
         self.optimizer_factory = optimizer or _default_optimizer
         self.loss_fn = loss_fn
         self.lr_scheduler = lr_scheduler
         self.metrics = dict(metrics or {})
         self.callbacks = list(callbacks)
         self.engine: Engine | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        """The running fit's optimizer (for callbacks; None outside fit)."""
         self.step = 0
         self.should_stop = False
+        self._engine: Engine | None = None
+        self._state: dict[str, Any] | None = None
         self._strategy: Strategy | None = None
         self._layout: Layout | None = None
 
@@ -117,7 +132,7 @@ class Trainer:
             check_world_size(self.config.nproc, env.world_size, env.source, "Trainer(nproc=...)")
         return env.world_size if env.distributed else self.config.nproc
 
-    def _check(self, model: nn.Module, train_data: Any) -> None:
+    def _check(self, model: nn.Module, train_data: Any, val_data: Any = None) -> None:
         cfg = self.config
         if not isinstance(model, nn.Module):
             raise ConfigError(f"fit needs a torch.nn.Module; got {type(model).__name__}")
@@ -137,10 +152,39 @@ class Trainer:
         self._strategy = strategy
         self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
         check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
-        if detect_env().rank == 0:  # rank 0 writes the run directory (others may start after it has)
+        self._check_tools(val_data)
+        if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
             check_out(cfg.out, cfg.resume, cfg.overwrite)
         if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
             check_batch_fits(model, fetch(dataset, [0], collate))
+
+    def _check_tools(self, val_data: Any) -> None:
+        """Loggers and callbacks that cannot work, in the parent before launch (one line each)."""
+        check_names(self.config.loggers)
+        if (self.config.loggers or self.logger_objects) and self.config.out is None and self.config.tracking_uri is None:
+            named = ", ".join([*self.config.loggers, *(type(x).__name__ for x in self.logger_objects)])
+            if any(n != "mlflow" for n in self.config.loggers):
+                raise ConfigError(f"loggers ({named}) write into the run directory: set out=... (--out DIR)")
+        has_val = val_data is not None
+        for cb in self.callbacks:
+            if isinstance(cb, callbacks.Callback):
+                cb.check(self, has_val)
+
+    @property
+    def saves_nothing(self) -> bool:
+        """True under ``fast_dev_run`` (nothing is written: no checkpoints, no logs)."""
+        return bool(self.config.fast_dev_run)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """What the loggers record as hyperparameters: the resolved configuration, flat
+        (``strategy_options.NAME``, ``mesh.tp``), and the ``hparams`` the Trainer was given."""
+        import dataclasses
+
+        values = dataclasses.asdict(self.config)
+        values["optimizer"] = getattr(self.optimizer_factory, "__name__", None) or type(self.optimizer_factory).__name__
+        if self._layout is not None:
+            values["world_size"] = self._layout.world_size
+        return {k: v for k, v in flatten({**values, **self.hparams}).items() if v is not None and v != ""}
 
     def _expendable_ranks(self) -> list[int]:
         """Ranks whose death the run survives, as the plan said (asynchronous parameter-server
@@ -154,40 +198,47 @@ class Trainer:
     def fit(self, model: nn.Module, train_data: Any, val_data: Any = None) -> dict[str, Any]:
         """Train ``model``; returns the run summary (also written to ``out/summary.json``)."""
         stop_if_bootstrapping()  # a worker importing an unguarded script stops here (see launcher.worker)
-        self._check(model, train_data)
+        self._check(model, train_data, val_data)
         env = detect_env()
         cfg = self.config
-        if cfg.overwrite and cfg.out and cfg.resume is None and env.rank == 0:
+        if cfg.overwrite and cfg.out and cfg.resume is None and env.rank == 0 and not cfg.fast_dev_run:
             aside = move_aside(cfg.out)
             if aside is not None:
                 print(f"shardwise: overwrite: the earlier run in {cfg.out} was moved to {aside}", flush=True)
         self._run_id = new_run_id()  # the lineage of this run's checkpoints (a resume takes the checkpoint's)
-        needs_group = self.config.strategy != "single"
-        if not env.distributed and (self.config.nproc > 1 or needs_group):
-            results = launch(
-                _fit_worker,
-                self,
-                model,
-                train_data,
-                val_data,
-                nproc=self.config.nproc,
-                start_method=self.config.start_method,
-                accelerator="cpu" if self.config.accelerator == "cpu" else "auto",
-                collective_timeout_s=self.config.timeout_s,
-                expendable=self._expendable_ranks(),
-                error_dir=Path(self.config.out) / "errors" if self.config.out else None,
-            )
-            summary, state = results[0]
-            model.load_state_dict(state)
-            return summary  # type: ignore[no-any-return]
-        summary, _ = self._fit(model, train_data, val_data, return_state=False)
-        return summary
+        result = self._launch(_fit_worker, model, train_data, val_data)
+        if result is None:
+            summary, _ = self._fit(model, train_data, val_data, return_state=False)
+            return summary
+        summary, state = result
+        model.load_state_dict(state)
+        return summary  # type: ignore[no-any-return]
 
-    def _fit(self, model: nn.Module, train_data: Any, val_data: Any, *, return_state: bool) -> tuple[dict[str, Any], Any]:
+    def _launch(self, worker: Callable[..., Any], model: nn.Module, *args: Any) -> Any:
+        """Start the worker processes and return rank 0's result, or None when this process runs
+        the loop itself (one process, or started by a launcher)."""
+        env = detect_env()
+        needs_group = self.config.strategy != "single"
+        if env.distributed or not (self.config.nproc > 1 or needs_group):
+            return None
+        results = launch(
+            worker,
+            self,
+            model,
+            *args,
+            nproc=self.config.nproc,
+            start_method=self.config.start_method,
+            accelerator="cpu" if self.config.accelerator == "cpu" else "auto",
+            collective_timeout_s=self.config.timeout_s,
+            expendable=self._expendable_ranks(),
+            error_dir=Path(self.config.out) / "errors" if self.config.out else None,
+        )
+        return results[0]
+
+    def _make_engine(self) -> Engine:
         cfg = self.config
-        wall_start = time.perf_counter()
         strategy, layout = self._strategy, self._layout
-        engine = Engine(
+        return Engine(
             strategy=strategy if strategy is not None else cfg.strategy,
             accelerator=cfg.accelerator,
             precision=cfg.precision,
@@ -199,15 +250,83 @@ class Trainer:
             sync_batchnorm=cfg.sync_batchnorm,
             layout=layout,
         )
+
+    def _fit(self, model: nn.Module, train_data: Any, val_data: Any, *, return_state: bool) -> tuple[dict[str, Any], Any]:
+        wall_start = time.perf_counter()
+        engine = self._make_engine()
         self.engine = engine
         try:
             return self._run(engine, model, train_data, val_data, wall_start, return_state)
         finally:
-            self.engine = None
+            self.engine = self._engine = None
+            self._state = None
+            self.optimizer = None
+            engine.close()
+
+    # -- validate, test, predict ---------------------------------------------------------
+    def validate(self, model: nn.Module, data: Any, *, ckpt_path: str | None = None) -> dict[str, float]:
+        """Evaluate ``model`` on ``data`` with the Trainer's strategy and processes: the loss and
+        ``metrics`` (or what ``validation_step`` returns) as ``val_<name>``, every sample counted
+        once whatever the world size, and ``val_samples`` (on every rank under a launcher). ``ckpt_path`` loads a checkpoint's
+        model weights first (a fit's ``last_checkpoint`` or ``best_model_path``)."""
+        return self._evaluate("val", model, data, ckpt_path)  # type: ignore[no-any-return]
+
+    def test(self, model: nn.Module, data: Any, *, ckpt_path: str | None = None) -> dict[str, float]:
+        """As `validate`, on a test set: the same numbers under ``test_<name>``."""
+        return self._evaluate("test", model, data, ckpt_path)  # type: ignore[no-any-return]
+
+    def predict(self, model: nn.Module, data: Any, *, ckpt_path: str | None = None) -> Any:
+        """The model's outputs (its ``predict_step(batch)``, else its forward) for every sample of
+        ``data``, in dataset order: a tensor with one row per sample (or a tuple or dict of such
+        tensors, as the model returns). Every rank computes its share; the result is returned
+        where ``predict`` was called (rank 0 under a launcher; None on the other ranks)."""
+        return self._evaluate("predict", model, data, ckpt_path)
+
+    def _evaluate(self, kind: str, model: nn.Module, data: Any, ckpt_path: str | None) -> Any:
+        stop_if_bootstrapping()
+        cfg = self.config
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"{kind if kind != 'val' else 'validate'} needs a torch.nn.Module; got {type(model).__name__}")
+        dataset, _, _, dl_batch = unpack_data(data)
+        if dataset is None or len(dataset) == 0:
+            raise ConfigError(f"{'validate' if kind == 'val' else kind} needs a non-empty Dataset or DataLoader; got {data!r}")
+        if kind != "predict" and self.loss_fn is None and not callable(getattr(model, "validation_step", None)) and not returns_own_loss(model):
+            if not callable(getattr(model, "training_step", None)):
+                raise ConfigError("no loss to evaluate: pass loss_fn=... to the Trainer or define validation_step(batch) on the model")
+        if ckpt_path is not None and not Path(ckpt_path).exists():
+            raise ConfigError(f"ckpt_path={ckpt_path!r}: no such checkpoint directory")
+        strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
+        self._strategy = strategy
+        self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
+        result = self._launch(_evaluate_worker, model, kind, data, ckpt_path)
+        if result is None:
+            result = self._evaluate_here(model, kind, data, ckpt_path)
+        return result
+
+    def _evaluate_here(self, model: nn.Module, kind: str, data: Any, ckpt_path: str | None) -> Any:
+        engine = self._make_engine()
+        try:
+            wrapped, _ = engine.setup(model, self.optimizer_factory)
+            if not engine.trains:
+                return None  # a parameter server: it served inside setup until the workers finished
+            if ckpt_path is not None:
+                engine.load(ckpt_path, {"model": wrapped}, restore_rng=False)
+            dataset, collate, _, dl_batch = unpack_data(data)
+            dp = engine.mesh.size("dp")
+            batch = self.config.val_batch_size or max(1, self._global_batch(dl_batch) // (engine.data_mesh.size("dp") * self.config.accumulate))
+            if kind == "predict":
+                dataset = evaluate.head(dataset, evaluate.limited_size(len(dataset), self.config.fast_dev_run or None, batch, dp))
+                result = evaluate.predict(engine, engine.unwrap(wrapped), dataset, collate, batch)
+            else:
+                result = self._validate(engine, wrapped, (dataset, collate, 0, dl_batch), batch, prefix=kind)
+            engine.finish()  # the strategy's end of run (parameter servers stop)
+            return result if engine.is_rank_zero or kind != "predict" else None  # metrics are agreed: every rank has them
+        finally:
             engine.close()
 
     def _run(self, engine: Engine, model: nn.Module, train_data: Any, val_data: Any, wall_start: float, return_state: bool) -> tuple[dict[str, Any], Any]:
         cfg = self.config
+        table = evaluate.module_table(model) if cfg.model_summary else None  # the whole model, before the strategy splits it
         wrapped, optimizer = engine.setup(model, self.optimizer_factory)
         if not engine.trains:
             # A rank the strategy keeps for service (a parameter server): it served inside
@@ -216,9 +335,12 @@ class Trainer:
         # The model is built and identical everywhere; from here each rank draws its own
         # stream, so dropout masks differ across data shards (a resume restores them).
         seed_everything(cfg.seed + 1 + engine.rank)
+        self.optimizer = optimizer
         scheduler = self.lr_scheduler(optimizer) if self.lr_scheduler is not None else None
         dataset, collate, workers, dl_batch = unpack_data(train_data)
         global_batch = self._global_batch(dl_batch)
+        if cfg.overfit_batches:
+            dataset = evaluate.head(dataset, min(len(dataset), cfg.overfit_batches * global_batch))
         loader = ShardedLoader(
             dataset,
             global_batch=global_batch,
@@ -226,16 +348,25 @@ class Trainer:
             rank=engine.data_mesh.coordinate("dp"),
             accumulate=cfg.accumulate,
             seed=cfg.seed,
+            shuffle=not cfg.overfit_batches,
             collate_fn=collate,
             num_workers=max(workers, cfg.num_workers),
+            limit=cfg.limit_train_batches,
         )
         total = cfg.max_steps or (cfg.max_epochs or 1) * loader.steps_per_epoch
+        if cfg.fast_dev_run:
+            total = cfg.fast_dev_run
         counters: dict[str, Any] = {"step": 0, "samples": 0}
         state: dict[str, Any] = {"model": wrapped, "optimizer": optimizer, "loader": loader, "counters": counters}
         if scheduler is not None:
             state["scheduler"] = scheduler
+        self._state, self._engine = state, engine
+        out = None if self.saves_nothing else cfg.out
 
-        engine.print(describe_outputs(cfg.out, cfg.checkpoint_every, cfg.keep_last))
+        if cfg.fast_dev_run:
+            engine.print(f"shardwise: fast_dev_run: {total} step(s) and {total} validation batch(es) per rank; nothing is saved or logged")
+        else:
+            engine.print(describe_outputs(cfg.out, cfg.checkpoint_every, cfg.keep_last))
         if getattr(self, "_run_id", None) is None:
             self._run_id = new_run_id()
         resumed_from = self._resume(engine, state)
@@ -243,24 +374,44 @@ class Trainer:
             counters = state["counters"]
             self._run_id = ckpt.run_id_of(resumed_from) or getattr(self, "_run_id", None) or new_run_id()
         self.step = start_step = int(counters["step"])
+        if resumed_from is not None:
+            callbacks.restore_states(self.callbacks, counters.get("callbacks", {}))
+            self._callback("on_load_checkpoint", engine, resumed_from)
         if resumed_from is not None and start_step >= total:
             return self._already_finished(engine, wrapped, state, resumed_from, start_step, total, return_state)
-        files = RunFiles(cfg.out, engine.is_rank_zero, append=resumed_from is not None, after_step=start_step if resumed_from is not None else None)
+        files = RunFiles(out, engine.is_rank_zero, append=resumed_from is not None, after_step=start_step if resumed_from is not None else None)
+        run_info = RunInfo(Path(out) if out else None, self._run_id, cfg.experiment_name, cfg.tracking_uri, start_step if resumed_from is not None else None)
+        loggers = Loggers.build(cfg.loggers, self.logger_objects, run_info if engine.is_rank_zero and not cfg.fast_dev_run else None)
+        loggers.log_hyperparams(self.hyperparameters())
+        self._loggers = loggers
         progress = Progress(enabled=engine.is_rank_zero, total=total, initial=start_step, bar=cfg.progress_bar)
         if resumed_from is not None:
             progress.write(f"resumed from {resumed_from} at step {start_step}")
+        model_summary = None
+        if table is not None:
+            per_rank = evaluate.per_rank_counts(engine, engine.unwrap(wrapped))
+            model_summary = {"modules": table, "parameters_per_rank": per_rank}
+            engine.print(evaluate.format_summary(table, per_rank))
         step_fn = make_step_fn(self.loss_fn, engine.unwrap(wrapped))
         val = unpack_data(val_data)
         val_batch = cfg.val_batch_size or max(1, loader.micro)
-        ckpt_root = Path(cfg.out) / "checkpoints" if cfg.out else None
+        ckpt_root = Path(out) / "checkpoints" if out else None
         self._callback("on_fit_start", engine)
 
         losses: list[torch.Tensor] = []  # detached per-step losses since the last log (no sync per step)
         last_train_loss = float("nan")
         val_metrics: dict[str, float] = {}
+        val_step = -1  # the step of the last evaluation (the final one is not repeated at the same step)
         t_log, steps_at_log = time.perf_counter(), start_step
         train_start = time.perf_counter()
         last_ckpt: Path | None = None
+        profiler = StepProfiler(cfg, engine, Path(out) if out else None, start_step, total) if cfg.profile else None
+        phase = profiler.phase if profiler is not None else _no_phase
+
+        def emit(record: dict[str, Any]) -> None:
+            self._callback("on_metrics", engine, record)  # every rank: a callback may add keys or decide to stop
+            files.log(record)
+            loggers.log_metrics(record)
 
         def log_train() -> None:
             # The only per-log collective: the mean training loss over the loop's group and steps
@@ -276,21 +427,43 @@ class Trainer:
                 "lr": optimizer.param_groups[0]["lr"],
                 "samples_per_s": (self.step - steps_at_log) * global_batch / max(now - t_log, 1e-9),
             }
-            files.log(record)
+            emit(record)
             progress.update(self.step - steps_at_log, record)
             t_log, steps_at_log = now, self.step
             losses.clear()
 
+        def validate() -> dict[str, float]:
+            nonlocal val_step
+            metrics = self._validate(engine, wrapped, val, val_batch)
+            val_step = self.step
+            emit({"step": self.step, **metrics})
+            return metrics
+
         while self.step < total and not self.should_stop:
-            for micro in loader:
-                micro = [engine.to_device(b) for b in micro]
-                loss = engine.forward_backward(wrapped, micro, step_fn)
-                if cfg.clip_grad_norm is not None:
-                    engine.clip_grad_norm(wrapped, optimizer, cfg.clip_grad_norm)
-                stepped = engine.step(optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                if scheduler is not None and stepped:
-                    scheduler.step()
+            epoch = loader.epoch + (1 if loader.step_in_epoch >= loader.steps_per_epoch else 0)
+            self._callback("on_train_epoch_start", engine, epoch)
+            batches = iter(loader)
+            while True:
+                if profiler is not None:
+                    profiler.step_start(self.step + 1)
+                with phase("data"):
+                    micro = next(batches, None)
+                    if micro is not None:
+                        micro = [engine.to_device(b) for b in micro]
+                if micro is None:  # the epoch is over
+                    if profiler is not None:
+                        profiler.step_abort()
+                    break
+                self._callback("on_train_step_start", engine, self.step + 1)
+                with phase("forward_backward"):
+                    loss = engine.forward_backward(wrapped, micro, step_fn)
+                with phase("optimizer"):
+                    if cfg.clip_grad_norm is not None:
+                        engine.clip_grad_norm(wrapped, optimizer, cfg.clip_grad_norm)
+                    stepped = engine.step(optimizer)
+                    optimizer.zero_grad(set_to_none=True)
+                    if scheduler is not None and stepped:
+                        scheduler.step()
                 self.step += 1
                 counters["step"] = self.step
                 counters["samples"] = counters["samples"] + global_batch
@@ -299,21 +472,22 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or done or self.should_stop:
                     log_train()
                 if val[0] is not None and cfg.val_every and self.step % cfg.val_every == 0 and not done:
-                    val_metrics = self._validate(engine, wrapped, val, val_batch)
-                    files.log({"step": self.step, **val_metrics})
+                    val_metrics = validate()
                     progress.write("  ".join(f"{k} {v:.4g}" for k, v in {"step": self.step, **val_metrics}.items()))
                 if ckpt_root is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and not done:
                     last_ckpt = self._save(engine, state, ckpt_root)
                 self._callback("on_train_step_end", engine, self.step, loss)
                 if done or self.should_stop:
                     break
+            if loader.step_in_epoch >= loader.steps_per_epoch or loader.step_in_epoch == 0:
+                self._callback("on_train_epoch_end", engine, epoch)
         if losses:  # stopped between log steps (a callback set should_stop after this step's log check)
             log_train()
         train_s = time.perf_counter() - train_start
         loader.close()  # data-loading workers end with the training (they would outlive the run otherwise)
-        if val[0] is not None:
-            val_metrics = self._validate(engine, wrapped, val, val_batch)
-            files.log({"step": self.step, **val_metrics})
+        profile_section = profiler.finish() if profiler is not None else None
+        if val[0] is not None and val_step != self.step:
+            val_metrics = validate()
         if ckpt_root is not None:
             last_ckpt = self._save(engine, state, ckpt_root)
         progress.close()
@@ -341,16 +515,23 @@ class Trainer:
             "comm": comm,
             **strategy_section,
         }
+        if model_summary is not None:
+            summary["model_summary"] = model_summary
+        if profile_section is not None:
+            summary["profile"] = profile_section
+        self._callback("on_fit_end", engine, summary)  # every rank; a callback may add its section
         files.summary(summary)
+        loggers.finalize(summary)
         files.close()
         if engine.is_rank_zero:
             if "memory_per_rank" in summary:
                 from shardwise.plan.memory import format_table
 
                 print(format_table(summary["memory_per_rank"]), flush=True)
+            if profile_section is not None:
+                print(format_breakdown(profile_section), flush=True)
             line = "  ".join(f"{k} {summary[k]:.4g}" for k in ("train_loss", "val_loss", "val_accuracy", "samples_per_s") if isinstance(summary.get(k), float))
             print(f"done: {self.step} steps in {wall:.1f}s  {line}", flush=True)
-        self._callback("on_fit_end", engine, summary)
         model_state = None
         if return_state:
             full = engine.consolidated_state_dict(wrapped)  # collective under sharded strategies: every rank
@@ -375,11 +556,23 @@ class Trainer:
         return path
 
     def _save(self, engine: Engine, state: dict[str, Any], root: Path) -> Path:
-        run_id = getattr(self, "_run_id", None)
-        path = engine.save(ckpt.step_dir(root, self.step), state, meta={"step": self.step, "run_id": run_id})
+        path = self.save_checkpoint(ckpt.step_dir(root, self.step))
         if engine.is_rank_zero:
-            ckpt.prune(root, self.config.keep_last, run_id)  # never another run's checkpoints
+            ckpt.prune(root, self.config.keep_last, getattr(self, "_run_id", None))  # never another run's checkpoints
         return path
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write a checkpoint of the running fit to ``path`` (every rank calls it: a collective):
+        model, optimizer, scheduler, data position, counters and every callback's state. For
+        callbacks (`ModelCheckpoint` saves its best checkpoints with it)."""
+        engine, state = self._engine, self._state
+        if engine is None or state is None:
+            raise ConfigError("save_checkpoint saves the running fit: call it from a callback while fit runs")
+        state["counters"]["callbacks"] = callbacks.collect_states(self.callbacks)
+        run_id = getattr(self, "_run_id", None)
+        saved = engine.save(Path(path), state, meta={"step": self.step, "run_id": run_id})
+        self._callback("on_save_checkpoint", engine, saved)
+        return saved
 
     def _already_finished(
         self, engine: Engine, wrapped: nn.Module, state: dict[str, Any], resumed_from: Path, step: int, total: int, return_state: bool
@@ -421,44 +614,21 @@ class Trainer:
             model_state = full if engine.is_rank_zero else None
         return summary, model_state
 
-    def _validate(self, engine: Engine, wrapped: nn.Module, val: tuple[Any, Any, int, int | None], batch_size: int) -> dict[str, float]:
+    def _validate(self, engine: Engine, wrapped: nn.Module, val: tuple[Any, Any, int, int | None], batch_size: int, prefix: str = "val") -> dict[str, float]:
         """Every validation sample counted once across ranks; sums reduced, then divided. Every key
         ``validation_step`` returns is logged (as ``val_<key>``), not only the ones named in ``metrics``."""
         dataset, collate, _, _ = val
-        module = engine.unwrap(wrapped)
-        was_training = module.training
-        module.eval()
-        totals: dict[str, float] = {}
-        count = 0
-        world, rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
-        # Under FSDP (and pipelines) a forward is collective: every rank must make the same
-        # number of calls. Shards differ by at most one sample, so a rank with fewer batches
-        # runs a real batch again and drops its result (val_samples still counts each once).
-        calls = max(-(-len(eval_shard(len(dataset), world, r)) // batch_size) for r in range(world))
-        keys: list[str] = []
-        with torch.no_grad(), engine.autocast():
-            done = 0
-            for batch in eval_batches(dataset, world, rank, batch_size, collate):
-                batch = engine.to_device(batch)
-                n = batch_size_of(batch)
-                values = self._eval_batch(module, batch)
-                keys = keys or list(values)
-                count += n
-                for k, v in values.items():
-                    totals[k] = totals.get(k, 0.0) + float(v) * n
-                done += 1
-            for _ in range(calls - done):
-                keys = keys or list(self._eval_batch(module, engine.to_device(fetch(dataset, [0], collate))))
-        module.train(was_training)
-        # Every rank ran at least one call, so every rank knows the keys (the same code returns them).
-        sums = torch.tensor([float(count)] + [totals.get(k, 0.0) for k in keys], dtype=torch.float64, device=engine.device)
-        engine.all_reduce(sums, "sum")
-        sums /= copies_per_shard(engine)
-        samples = max(sums[0].item(), 1.0)
-        out = {f"val_{k}": sums[1 + i].item() / samples for i, k in enumerate(keys)}
-        out["val_samples"] = int(sums[0].item())
-        self._callback("on_validation_end", engine, out)
+        limit = self._val_limit() if prefix == "val" else self.config.fast_dev_run or None
+        dataset = evaluate.head(dataset, evaluate.limited_size(len(dataset), limit, batch_size, engine.mesh.size("dp")))
+        if prefix == "val":
+            self._callback("on_validation_start", engine)
+        out = evaluate.evaluate(engine, engine.unwrap(wrapped), dataset, collate, batch_size, self._eval_batch, prefix)
+        if prefix == "val":
+            self._callback("on_validation_end", engine, out)
         return out
+
+    def _val_limit(self) -> int | float | None:
+        return self.config.fast_dev_run or self.config.limit_val_batches
 
     def _eval_batch(self, module: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         """The loss and metrics of one validation batch, by name (``loss`` first)."""
@@ -482,12 +652,14 @@ class Trainer:
         return {"loss": loss, **{name: fn(output, batch) for name, fn in self.metrics.items()}}
 
     def _callback(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            fn = getattr(cb, hook, None)
-            if fn is not None:
-                fn(self, *args)
+        callbacks.dispatch(self.callbacks, hook, self, *args)
 
 
 def _fit_worker(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any) -> tuple[dict[str, Any], Any]:
     """Entry point of each process that ``Trainer.fit`` starts."""
     return trainer._fit(model, train_data, val_data, return_state=True)
+
+
+def _evaluate_worker(trainer: Trainer, model: nn.Module, kind: str, data: Any, ckpt_path: str | None) -> Any:
+    """Entry point of each process that ``validate``, ``test`` and ``predict`` start."""
+    return trainer._evaluate_here(model, kind, data, ckpt_path)

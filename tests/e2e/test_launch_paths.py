@@ -105,6 +105,10 @@ def _leaders(tmp: Path) -> dict[str, tuple[list[str], Path, int]]:
     }
 
 
+def _default_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the run's processes through /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
 def test_no_worker_outlives_its_killed_leader(tmp_path, sig):
@@ -114,7 +118,11 @@ def test_no_worker_outlives_its_killed_leader(tmp_path, sig):
             marker = uuid.uuid4().hex
             count = {"launch": tmp_path / "launch-count", "shardwise run": tmp_path / "run-count"}.get(name)
             extra = {"SHARDWISE_TEST_MARKER": marker, **({"COUNT_FILE": str(count)} if count else {})}
-            proc = subprocess.Popen([sys.executable, *args], env=_env(**extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # a leader started from a terminal: SIGHUP at its default action even where this test runs
+            # under nohup (an ignored signal stays ignored across exec, and the leader would never see it)
+            proc = subprocess.Popen(
+                [sys.executable, *args], env=_env(**extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_default_sighup
+            )
             started[name] = (proc, marker)
         deadline = time.monotonic() + 150
         for name, (_args, ready, lines) in _leaders(tmp_path).items():

@@ -1,0 +1,119 @@
+"""Step time on a profile measured here: the model's own timed step and each strategy's per-step cost.
+
+The cost model's arithmetic is checked against hand computations with made-up figures; the
+calibration's fit against exact points; the timing helper against the model it must not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.advisor.calibrate_framework import CalibrationNet, fit_framework
+from shardwise.advisor.models import time_step
+from shardwise.errors import ConfigError
+from shardwise.plan.cluster import A100_40GB, Cluster, Framework, Link, profile_from_mapping
+from shardwise.plan.cost import Settings, Shape, estimate, framework_key, local_compute
+from shardwise.plan.model_spec import ModelSpec, StepFit
+
+FIT = StepFit(fixed_s=2e-3, per_sample_s=1e-4)
+SPEC = ModelSpec("m", params=10_000, layers=6, layer_params=1_000, hidden=64, flops_per_sample=1e6, step_fit=FIT)
+SLOW = Link(alpha=1e-4, beta=1e-9)
+PROFILE = replace(
+    A100_40GB,
+    name="here",
+    local=True,
+    intra=SLOW,
+    inter=SLOW,
+    overlap=0.0,
+    framework={"ddp": Framework(1e-3, 2e-4), "pipeline/1f1b": Framework(5e-4, 3e-4), "zero3": Framework(4e-3, 1e-3)},
+)
+
+
+def test_local_compute_keeps_per_operation_time_whole_and_splits_the_per_sample_part() -> None:
+    # 4 passes of 8 samples; tp 2 halves only the per-sample part; pp 2 halves the whole (half the layers)
+    assert local_compute(FIT, 8, 4, 1, 1) == pytest.approx(4 * (2e-3 + 8e-4))
+    assert local_compute(FIT, 8, 4, 2, 1) == pytest.approx(4 * (2e-3 + 4e-4))
+    assert local_compute(FIT, 8, 4, 1, 2) == pytest.approx(4 * (2e-3 + 8e-4) / 2)
+
+
+def test_ddp_step_is_timed_compute_plus_allreduce_plus_its_framework_cost() -> None:
+    est = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2))
+    t = est.time
+    compute = 2e-3 + 1e-4 * 16  # 16 samples per rank, one pass
+    assert t["compute_s"] == pytest.approx(compute) and t["optimizer_s"] == 0.0  # the timed step holds the optimizer
+    grads = 4 * 10_000
+    allreduce = 2 * SLOW.alpha + grads * SLOW.beta  # ring over 2: 2 rounds, (2(p-1)/p) N = N bytes sent
+    assert t["exposed_comm_s"] == pytest.approx(allreduce)
+    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)  # per layer
+    assert t["step_s"] == pytest.approx(compute + allreduce + 1e-3 + 2e-4 * 6)
+
+
+def test_pipeline_framework_cost_scales_with_micro_batches_and_compute_with_the_bubble() -> None:
+    shape = Shape("pipeline", pp=2, microbatches=4, schedule="1f1b")
+    t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), shape).time
+    per_stage = 4 * (2e-3 + 1e-4 * 8) / 2  # 4 micro-batches of 8 samples, half the layers per stage
+    assert t["compute_s"] == pytest.approx(per_stage)
+    assert t["bubble_s"] == pytest.approx(per_stage * (1 / 4))  # (p-1)/m of the compute: bubble (p-1)/(m+p-1)
+    assert t["overhead_s"] == pytest.approx(5e-4 + 3e-4 * 4)
+
+
+def test_without_a_local_profile_the_flop_model_and_fixed_overhead_stay() -> None:
+    remote = replace(PROFILE, local=False, framework={})
+    t = estimate(SPEC, Cluster(remote, 2), Settings(32), Shape("ddp", dp=2)).time
+    assert t["compute_s"] == pytest.approx(1e6 * 16 / (remote.flops_for("32") * remote.efficiency))
+    assert t["overhead_s"] == remote.step_overhead_s and t["optimizer_s"] > 0
+
+
+def test_framework_keys_name_the_variant_and_fall_back_to_the_family() -> None:
+    assert framework_key(Shape("pipeline", schedule="gpipe")) == "pipeline/gpipe"
+    assert framework_key(Shape("ps", mode="async")) == "ps/async"
+    assert framework_key(Shape("ddp", codec="int8")) == "ddp/codec"
+    assert framework_key(Shape("ddp", algorithm="ring")) == "ddp/algorithm"
+    # ddp/algorithm is not in PROFILE: the family's entry is used
+    t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2, algorithm="ring")).time
+    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)
+
+
+def test_the_framework_fit_goes_through_both_points_and_says_what_it_clamped() -> None:
+    pts = [{"units": 2, "extra_s": 3e-3}, {"units": 8, "extra_s": 9e-3}]
+    f = fit_framework(pts)
+    assert f["per_unit_s"] == pytest.approx(1e-3) and f["step_s"] == pytest.approx(1e-3) and not f["notes"]
+    f = fit_framework([{"units": 2, "extra_s": 5e-3}, {"units": 8, "extra_s": 2e-3}])
+    assert f["per_unit_s"] == 0.0 and f["step_s"] == pytest.approx(5e-3) and "slope" in f["notes"][0]
+
+
+def test_a_profile_reads_its_framework_table_and_names_a_bad_entry() -> None:
+    raw = {**PROFILE.to_json()}
+    raw["intra"] = raw["inter"] = {"alpha": 1e-4, "beta": 1e-9}
+    back = profile_from_mapping(raw)
+    assert back.local and back.framework["zero3"] == Framework(4e-3, 1e-3)
+    raw["framework"] = {"ddp": {"per_unit_s": 1.0}}
+    with pytest.raises(ConfigError, match=r"framework\.ddp must be a table with step_s"):
+        profile_from_mapping(raw)
+
+
+def test_time_step_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = CalibrationNet(2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
+    fit = time_step(
+        model, lambda b: (x[:b], y[:b]), lambda out, batch: nn.functional.cross_entropy(out, batch[1]), lambda p: torch.optim.SGD(p, lr=1.0), (2, 16)
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert fit.sizes == (2, 16) and fit.fixed_s >= 0 and fit.per_sample_s >= 0 and fit.seconds(16) > 0
+
+
+def test_more_processes_than_cores_stretch_every_part_of_the_step() -> None:
+    two_cores = replace(PROFILE, cores=2)
+    t2 = estimate(SPEC, Cluster(two_cores, 2), Settings(32), Shape("ddp", dp=2)).time
+    est4 = estimate(SPEC, Cluster(two_cores, 4), Settings(32), Shape("ddp", dp=4))
+    alone = estimate(SPEC, Cluster(PROFILE, 4), Settings(32), Shape("ddp", dp=4)).time  # cores unknown: no sharing
+    assert est4.time["step_s"] == pytest.approx(2 * alone["step_s"]) and est4.time["compute_s"] == pytest.approx(2 * alone["compute_s"])
+    assert "4 processes share 2 cores" in est4.notes[-1] and t2["step_s"] == pytest.approx(
+        estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2)).time["step_s"]
+    )
