@@ -11,7 +11,9 @@ backend; the ``plot`` extra):
   zero2, zero3 / fsdp and hsdp);
 - ``comm[-RUN].png``: bytes sent and received per step by each collective (summary.json's
   ``comm``, rank 0's record);
-- ``breakdown[-RUN].png``: where a step's time goes, when the run recorded a step breakdown;
+- ``breakdown[-RUN].png``: where each rank's step goes (data, forward, backward, exposed
+  communication, optimizer, idle), when the run was profiled (``--profile``: summary.json's
+  ``profile``, `shardwise.trainer.profile`);
 - ``timeline[-RUN].png``: a pipeline run's timeline of one step, when it recorded one (the
   ``timeline`` option), drawn by the pipeline strategy's own ``write_timeline``.
 
@@ -85,7 +87,7 @@ def _per_run(run: Run, suffix: str, out: Path, report: PlotReport, put: Any) -> 
         put(name, str(out / f"{name}.png"), charts.comm(run, traffic, out / f"{name}.png"))
     phases = read.breakdown(run)
     if phases is None:
-        report.skipped.append(f"breakdown{suffix}: {run.label} has no step breakdown in summary.json")
+        report.skipped.append(f"breakdown{suffix}: {run.label} was not profiled (train with --profile for the step breakdown)")
     else:
         name = f"breakdown{suffix}"
         put(name, str(out / f"{name}.png"), charts.breakdown(run, phases, out / f"{name}.png"))

@@ -175,22 +175,32 @@ def comm(run: Run, figures: dict[str, dict[str, float]], path: Path) -> dict[str
     return figures
 
 
-def breakdown(run: Run, figures: dict[str, float], path: Path) -> dict[str, float]:
-    """Where a step's time goes, one horizontal bar per phase, with its share of the sum."""
+def breakdown(run: Run, figures: read.Breakdown, path: Path) -> read.Breakdown:
+    """Each rank's step as one bar split into the profiler's parts (ms per step), the step time
+    measured outside the profiler marked on it."""
     plt = pyplot()
-    names = list(figures)
-    total = sum(figures.values()) or 1.0
-    fig, ax = plt.subplots(figsize=(_SIZE[0], max(2.5, 1.2 + 0.45 * len(names))))
-    ax.barh(range(len(names)), [figures[n] * 1e3 for n in names], color="tab:purple")
-    for i, n in enumerate(names):
-        ax.text(figures[n] * 1e3, i, f" {figures[n] / total:.0%}", va="center", fontsize=8)
-    ax.set_yticks(range(len(names)))
-    ax.set_yticklabels(names, fontsize=8)
+    ranks = sorted(figures.per_rank)
+    fig, ax = plt.subplots(figsize=(_SIZE[0] + 1.5, max(2.6, 1.4 + 0.5 * len(ranks))))
+    colors = plt.get_cmap("tab10")
+    left = [0.0] * len(ranks)
+    for j, part in enumerate(figures.parts):
+        widths = [figures.per_rank[r][part] * 1e3 for r in ranks]
+        ax.barh(ranks, widths, left=left, height=0.6, color=colors(j % 10), label=part)
+        for y, x0, w in zip(ranks, left, widths, strict=True):
+            if w > 0.06 * max(sum(figures.per_rank[r].values()) * 1e3 for r in ranks):  # label the parts wide enough to hold it
+                ax.text(x0 + w / 2, y, f"{w:.2g}", ha="center", va="center", fontsize=7, color="white")
+        left = [x0 + w for x0, w in zip(left, widths, strict=True)]
+    marked = [r for r in ranks if r in figures.measured]
+    xs = [figures.measured[r] * 1e3 for r in marked]
+    ax.vlines(xs, [r - 0.38 for r in marked], [r + 0.38 for r in marked], colors="black", linewidth=2, label="measured step")
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("ms per step")
-    ax.set_title(f"{run.label}: step breakdown", fontsize=10)
+    ax.set_xlabel("ms per step (mean over the profiled steps)")
+    window = f"steps {figures.window[0]}-{figures.window[-1]}" if figures.window else "no step"
+    ax.set_title(f"{run.label}: where a step goes, per rank (profiler, {window})", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
-    ax.margins(x=0.12)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     _save(fig, path)
     return figures
 

@@ -136,24 +136,29 @@ def comm(run: Run) -> dict[str, dict[str, float]] | None:
     return out or None
 
 
-def breakdown(run: Run) -> dict[str, float] | None:
-    """The step breakdown ``{phase: seconds}`` (``summary["breakdown"]`` or ``summary["profile"]["breakdown"]``),
-    whether a phase holds a number or a mapping with ``seconds`` / ``mean_s`` / ``ms``; None without one."""
-    section: Any = run.summary.get("breakdown")
-    if section is None and isinstance(run.summary.get("profile"), Mapping):
-        section = run.summary["profile"].get("breakdown")
-    if not isinstance(section, Mapping):
+@dataclass(frozen=True)
+class Breakdown:
+    """The profiler's step breakdown (summary.json's ``profile``, `shardwise.trainer.profile`)."""
+
+    parts: list[str]
+    """The parts that partition a step, in order (data, forward, backward, comm_exposed, optimizer, idle)."""
+    per_rank: dict[int, dict[str, float]]
+    """Rank -> seconds of each part per step (mean over the profiled window); ranks that did not train left out."""
+    measured: dict[int, float]
+    """Rank -> the step time measured outside the profiler."""
+    window: list[int]
+    """First and last profiled step."""
+
+
+def breakdown(run: Run) -> Breakdown | None:
+    """Where each rank's step went, from the profiler's section; None when the run was not profiled."""
+    section = run.summary.get("profile")
+    if not isinstance(section, Mapping) or not section.get("parts") or not section.get("per_rank"):
         return None
-    out = {}
-    for phase, v in section.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[str(phase)] = float(v)
-        elif isinstance(v, Mapping):
-            for key, scale in (("seconds", 1.0), ("mean_s", 1.0), ("s", 1.0), ("ms", 1e-3), ("mean_ms", 1e-3)):
-                if isinstance(v.get(key), (int, float)):
-                    out[str(phase)] = float(v[key]) * scale
-                    break
-    return out or None
+    parts = [str(p) for p in section["parts"]]
+    per_rank = {r: {p: float(row[p]) for p in parts} for r, row in enumerate(section["per_rank"]) if isinstance(row, Mapping)}
+    measured = {r: float(row["measured_step"]) for r, row in enumerate(section["per_rank"]) if isinstance(row, Mapping) and "measured_step" in row}
+    return Breakdown(parts, per_rank, measured, [int(s) for s in section.get("window", [])]) if per_rank else None
 
 
 def timeline_events(run: Run) -> tuple[list[tuple[int, int, str, float, float]], int, str] | None:

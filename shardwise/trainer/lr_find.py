@@ -20,7 +20,8 @@ improve and where it turns ragged or worse. We run that test on the Trainer's ow
   after the first ``skip_start`` (where the average still rests on a handful of losses).
 
 Nothing of the caller's is changed: the sweep trains a fresh Trainer built from the caller's
-settings (no run directory, no checkpoints, no validation, only the sweep's callback), and the
+settings (no run directory, no checkpoints, no validation, loggers or profiler, only the sweep's
+callback), and the
 model's parameters, buffers, gradients, ``training`` flags and the process's torch and Python
 random states are put back afterwards, bit for bit. The Trainer's optimizer is a factory, so the
 sweep's optimizer is its own and the caller's is built fresh by the next ``fit``.
@@ -253,6 +254,10 @@ def lr_find(
             checkpoint_every=None,
             log_every=steps,
             progress_bar=False,
+            loggers=(),
+            profile=False,
+            fast_dev_run=0,
+            model_summary=False,
         )
         sweep = Trainer(
             config=config,

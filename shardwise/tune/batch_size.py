@@ -152,6 +152,10 @@ def _trial(template: Trainer, model: nn.Module, train_data: Any, global_batch: i
         checkpoint_every=None,
         log_every=steps,
         progress_bar=False,
+        loggers=(),
+        profile=False,
+        fast_dev_run=0,
+        model_summary=False,
     )
     trainer = Trainer(config=config, optimizer=template.optimizer_factory, loss_fn=template.loss_fn, lr_scheduler=template.lr_scheduler, callbacks=[clock])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # a trial's log lines are noise here

@@ -1,6 +1,7 @@
-"""``shardwise plot`` on real runs made here (ddp on digits, a 2-stage pipeline on charlm): every
-chart a valid PNG, the curves equal to metrics.jsonl, the traffic equal to the ring formula, the
-timeline equal to the events the pipeline saved, and what a run lacks said instead of drawn."""
+"""``shardwise plot`` on real runs made here (ddp on digits, profiled; a 2-stage pipeline on charlm):
+every chart a valid PNG, the curves equal to metrics.jsonl, the traffic equal to the ring formula,
+the breakdown the profiler's, the timeline the events the pipeline saved, and what a run lacks said
+instead of drawn."""
 
 from __future__ import annotations
 
@@ -23,9 +24,8 @@ DIGITS_PARAMS = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10  # DigitsMLP(hi
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     ddp, pipe = root / "ddp", root / "pipe"
-    proc = shardwise(
-        "train", "--recipe", "digits", "--strategy", "ddp", "--nproc", "2", "--max-steps", "12", "--log-every", "3", "--val-every", "6", "--out", str(ddp)
-    )
+    digits = ("--recipe", "digits", "--strategy", "ddp", "--nproc", "2", "--max-steps", "12", "--log-every", "3", "--val-every", "6")
+    proc = shardwise("train", *digits, "--profile", "--out", str(ddp))
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = shardwise(
         "train",
@@ -71,7 +71,7 @@ def records(run: Path) -> list[dict]:
 
 def test_every_chart_is_a_png_and_holds_the_run_s_own_numbers(runs, tmp_path):
     report = plot_runs([str(runs["ddp"]), str(runs["pipe"])], tmp_path / "plots")
-    assert sorted(report.files) == ["comm-ddp", "comm-pipe", "curves", "throughput", "timeline-pipe"]
+    assert sorted(report.files) == ["breakdown-ddp", "comm-ddp", "comm-pipe", "curves", "throughput", "timeline-pipe"]
     for name, path in report.files.items():
         assert Path(path).parent == tmp_path / "plots", name
         height, width = png_shape(path)
@@ -105,11 +105,18 @@ def test_every_chart_is_a_png_and_holds_the_run_s_own_numbers(runs, tmp_path):
     assert sorted((s, m, k) for s, m, k, _, _ in drawn_events) == sorted((e["stage"], e["microbatch"], e["kind"]) for e in saved)
     assert sorted((s, k) for s, _, k, _, _ in drawn_events) == sorted((s, k) for s in (0, 1) for k in "FB" for _ in range(4))
 
+    # The step breakdown is the profiler's, rank by rank.
+    profile = json.loads((runs["ddp"] / "summary.json").read_text())["profile"]
+    drawn_parts = report.series["breakdown-ddp"]
+    assert drawn_parts.parts == profile["parts"] == ["data", "forward", "backward", "comm_exposed", "optimizer", "idle"]
+    assert drawn_parts.per_rank == {r: {p: row[p] for p in profile["parts"]} for r, row in enumerate(profile["per_rank"])}
+    assert sorted(drawn_parts.per_rank) == [0, 1]
+
     # What the runs do not record is said, not drawn as an empty chart.
     said = "\n".join(report.skipped)
     assert "memory-ddp: ddp (ddp) has no memory figures in summary.json" in said
     assert "memory-pipe: pipe (pipeline) has no memory figures" in said
-    assert "breakdown-ddp: ddp has no step breakdown in summary.json" in said
+    assert "breakdown-pipe: pipe was not profiled (train with --profile for the step breakdown)" in said
 
 
 def test_the_command_writes_into_the_run_directory_and_says_what_it_left_out(runs):

@@ -55,7 +55,18 @@ def test_series_read_by_hand(tmp_path):
     assert read.memory(run) == {k: {"measured": ZERO2_MEMORY[k]["measured"], "predicted": ZERO2_MEMORY[k]["predicted"]} for k in kinds}
 
 
-def test_traffic_per_step_and_the_breakdown_in_its_several_shapes(tmp_path):
+# The profiler's section of a ddp run on 2 ranks (a real summary.json, trimmed: two parts of six).
+PROFILE = {
+    "window": [4, 6],
+    "parts": ["forward", "comm_exposed"],
+    "per_rank": [
+        {"forward": 0.000624, "comm_exposed": 0.000930, "comm_total": 0.001035, "measured_step": 0.002673},
+        {"forward": 0.000673, "comm_exposed": 0.000906, "comm_total": 0.000906, "measured_step": 0.002647},
+    ],
+}
+
+
+def test_traffic_per_step_and_the_profiler_s_breakdown(tmp_path):
     comm = {
         "steps": 4,
         "by_op": {
@@ -63,18 +74,23 @@ def test_traffic_per_step_and_the_breakdown_in_its_several_shapes(tmp_path):
             "world/barrier": {"count": 2, "payload_bytes": 0, "sent_bytes": 0, "received_bytes": 0},
         },
     }
-    run = read_run(write_run(tmp_path / "a", LINES, {"comm": comm, "breakdown": {"forward": 0.002, "backward": {"seconds": 0.004}, "optimizer": {"ms": 1.0}}}))
+    run = read_run(write_run(tmp_path / "a", LINES, {"comm": comm, "profile": PROFILE}))
     assert read.comm(run) == {"dp/all_reduce": {"sent": 200.0, "received": 150.0, "calls": 2.0}}  # per step of 4; the barrier moved nothing
-    assert read.breakdown(run) == pytest.approx({"forward": 0.002, "backward": 0.004, "optimizer": 0.001})
-    nested = read_run(write_run(tmp_path / "b", LINES, {"profile": {"breakdown": {"data": {"mean_ms": 3.0}}}}))
-    assert read.breakdown(nested) == pytest.approx({"data": 0.003})
+    parts = read.breakdown(run)
+    assert parts is not None and parts.parts == ["forward", "comm_exposed"] and parts.window == [4, 6]
+    assert parts.per_rank == {0: {"forward": 0.000624, "comm_exposed": 0.000930}, 1: {"forward": 0.000673, "comm_exposed": 0.000906}}
+    assert parts.measured == {0: 0.002673, 1: 0.002647}
+    # A rank that did not train (a parameter server) has no row; a run not profiled has no breakdown.
+    server = read_run(write_run(tmp_path / "b", LINES, {"profile": {**PROFILE, "per_rank": [PROFILE["per_rank"][0], None]}}))
+    assert sorted(read.breakdown(server).per_rank) == [0]
+    assert read.breakdown(read_run(write_run(tmp_path / "c", LINES, {}))) is None
 
 
 def test_a_zero2_run_gets_its_memory_and_breakdown_charts_and_a_note_on_activations(tmp_path):
-    run = write_run(tmp_path / "z", LINES, {"strategy": "zero2", "global_batch_size": 10, "memory_per_rank": ZERO2_MEMORY, "breakdown": {"forward": 0.002}})
+    run = write_run(tmp_path / "z", LINES, {"strategy": "zero2", "global_batch_size": 10, "memory_per_rank": ZERO2_MEMORY, "profile": PROFILE})
     report = plot_runs([str(run)], tmp_path / "out")
     assert sorted(report.files) == ["breakdown", "curves", "memory", "throughput"]
-    sizes = {"curves": (540, 1440), "throughput": (540, 960), "memory": (540, 960), "breakdown": (300, 960)}  # inches x 120 dpi
+    sizes = {"curves": (540, 1440), "throughput": (540, 960), "memory": (540, 960), "breakdown": (312, 1140)}  # inches x 120 dpi
     for name, path in report.files.items():
         assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert matplotlib.image.imread(path).shape[:2] == sizes[name]
