@@ -177,7 +177,8 @@ class SweepMonitor:
         self._best = min(self._best, smoothed)
 
 
-def _check(min_lr: float, max_lr: float, steps: int, beta: float, diverge: float) -> None:
+def check_settings(min_lr: float, max_lr: float, steps: int, beta: float, diverge: float) -> None:
+    """The range test's settings, refused in one line each before anything runs."""
     if not 0 < min_lr < max_lr:
         raise ConfigError(f"the range test needs 0 < min_lr < max_lr; got min_lr={min_lr}, max_lr={max_lr}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 3:
@@ -237,7 +238,7 @@ def lr_find(
     """
     from shardwise.trainer.loop import Trainer  # the loop module imports this one's caller, not this module
 
-    _check(min_lr, max_lr, steps, smoothing, diverge)
+    check_settings(min_lr, max_lr, steps, smoothing, diverge)
     if png is not None:
         _pyplot()  # a missing matplotlib is said before the sweep runs, not after
     snapshot = _Snapshot(model)

@@ -102,6 +102,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _lr(args: argparse.Namespace) -> int:
+    from shardwise.trainer.lr_find import check_settings
+
+    check_settings(args.min_lr, args.max_lr, args.steps, args.smoothing, args.diverge)  # before the recipe is built
     trainer, parts = _recipe_trainer(args)
     cfg = trainer.config
     print(
@@ -135,8 +138,10 @@ def _lr(args: argparse.Namespace) -> int:
 
 
 def _batch_size(args: argparse.Namespace) -> int:
-    from shardwise.tune.batch_size import find_batch_size, format_bytes
+    from shardwise.tune.batch_size import find_batch_size, format_bytes, parse_bytes
 
+    if args.memory_budget is not None:
+        parse_bytes(args.memory_budget)  # a misspelt budget is said before the recipe is built
     trainer, parts = _recipe_trainer(args)
     cfg = trainer.config
     budget = f"a budget of {args.memory_budget} per process" if args.memory_budget else "CUDA memory"
