@@ -39,6 +39,8 @@ class PlotReport:
     """Chart name (``curves``, ``memory-RUN`` ...) -> the PNG written."""
     skipped: list[str] = field(default_factory=list)
     """One line per chart not drawn, saying why."""
+    notes: list[str] = field(default_factory=list)
+    """One line per chart drawn with some of its figures missing."""
     series: dict[str, Any] = field(default_factory=dict)
     """Chart name -> the numbers it drew."""
 
@@ -78,7 +80,7 @@ def _per_run(run: Run, suffix: str, out: Path, report: PlotReport, put: Any) -> 
         put(name, str(out / f"{name}.png"), charts.memory(run, figures, out / f"{name}.png"))
         missing = [k for k in read.MEMORY_KINDS if k not in figures]
         if missing:
-            report.skipped.append(f"memory{suffix}: {run.label} records no {', '.join(missing)} figures; the chart shows the others")
+            report.notes.append(f"memory{suffix}: {run.label} records no {', '.join(missing)} figures; the chart shows the others")
     traffic = read.comm(run)
     if traffic is None:
         report.skipped.append(f"comm{suffix}: {run.label} ({strategy}) recorded no collective that moved bytes")

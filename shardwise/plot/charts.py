@@ -62,19 +62,19 @@ def curves(runs: list[Run], path: Path) -> dict[str, dict[str, Series]]:
     colors = plt.get_cmap("tab10")
     for i, run in enumerate(runs):
         color = colors(i % 10)
+        width = max(1.2, 2.8 - 0.8 * i)  # earlier runs drawn wider: two runs with the same losses both show
         mine: dict[str, Series] = {}
-        for key, style in (("train_loss", {"linestyle": "-"}), ("val_loss", {"linestyle": "--", "marker": "o", "markersize": 3})):
+        for key, style in (("train_loss", {"linestyle": "-"}), ("val_loss", {"linestyle": "--", "marker": "o"})):
             xs, ys = read.curve(run, key)
             if xs:
                 mine[key] = (xs, ys)
-                loss_ax.plot(xs, ys, color=color, label=f"{run.label} {key.replace('_', ' ')}", **style)
+                loss_ax.plot(xs, ys, color=color, linewidth=width, label=f"{run.label} {key.replace('_', ' ')}", **style)
         if metric_keys:
             for j, key in enumerate(read.val_metrics(run)):
                 xs, ys = read.curve(run, key)
                 mine[key] = (xs, ys)
-                axes[0][1].plot(
-                    xs, ys, color=color, linestyle=["-", ":", "-."][j % 3], marker="o", markersize=3, label=f"{run.label} {key.removeprefix('val_')}"
-                )
+                look: dict[str, Any] = {"linestyle": ["-", ":", "-."][j % 3], "linewidth": width, "marker": "o", "markersize": 2 + width}
+                axes[0][1].plot(xs, ys, color=color, label=f"{run.label} {key.removeprefix('val_')}", **look)
         drawn[run.label] = mine
     loss_ax.set_xlabel("step")
     loss_ax.set_ylabel("loss")

@@ -20,6 +20,8 @@ def main(args: argparse.Namespace) -> int:
     report = plot_runs(list(args.runs), out)
     for path in report.files.values():
         print(f"wrote {path}")
+    for line in report.notes:
+        print(f"note: {line}")
     for line in report.skipped:
         print(f"not drawn: {line}")
     return 0
