@@ -170,7 +170,9 @@ def measure_step_overhead(steps: int = 60) -> float:
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory() as out:
-            cfg = TrainerConfig(strategy="single", max_steps=steps, global_batch_size=8, log_every=10, out=out, accelerator="cpu", progress_bar=False)
+            cfg = TrainerConfig(
+                strategy="single", max_steps=steps, global_batch_size=8, log_every=10, out=out, accelerator="cpu", progress_bar=False, model_summary=False
+            )
             trainer = Trainer(config=cfg, loss_fn=_mse, optimizer=_adam)
             trainer.fit(model, data)
             rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
