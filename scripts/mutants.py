@@ -160,6 +160,25 @@ MUTANTS = [
            ("tests/dist/test_tensor_parallel.py",)),
     Mutant("the pipeline schedule sums micro-batch gradients (a wrong scale)", "shardwise/strategies/pipeline/__init__.py",
            "loss_fn=self._loss, scale_grads=True)", "loss_fn=self._loss, scale_grads=False)", ("tests/dist/test_pipeline.py",)),
+    # -- tune and plot --------------------------------------------------------------------------------
+    Mutant("the range test suggests the lowest loss's rate, not the steepest descent", "shardwise/trainer/lr_find.py",
+           "    return min(range(start, lowest + 1), key=lambda i: grads[i])", "    return lowest", ("tests/unit/test_lr_find.py",)),
+    Mutant("the range test's moving average has no bias correction", "shardwise/trainer/lr_find.py",
+           "        out.append(avg / (1 - beta**t))", "        out.append(avg)", ("tests/unit/test_lr_find.py",)),
+    Mutant("the range test leaves the swept weights in the model", "shardwise/trainer/lr_find.py",
+           "            snapshot.restore(model)", "            pass", ("tests/unit/test_lr_find.py",)),
+    Mutant("the range test records the next step's rate against this step's loss", "shardwise/trainer/lr_find.py",
+           "        used, self._lr = self._lr, self._sweep(trainer).current_lr()", "        used = self._lr = self._sweep(trainer).current_lr()",
+           ("tests/unit/test_lr_find.py",)),
+    Mutant("the batch-size finder reads the current resident memory, not the peak", "shardwise/tune/batch_size.py",
+           '            if line.startswith("VmHWM:"):', '            if line.startswith("VmRSS:"):', ("tests/dist/test_tuners.py",)),
+    Mutant("the batch-size finder forgets the data-parallel split of the global batch", "shardwise/tune/batch_size.py",
+           "    per_micro = layout.data_parallel * cfg.accumulate", "    per_micro = cfg.accumulate", ("tests/dist/test_tuners.py",)),
+    Mutant("plot divides traffic by calls instead of steps", "shardwise/plot/runs.py",
+           'out[name] = {"sent": t.get("sent_bytes", 0) / steps', 'out[name] = {"sent": t.get("sent_bytes", 0) / max(t.get("count", 1), 1)',
+           ("tests/unit/test_plot.py",)),
+    Mutant("plot's throughput clock counts one step per logging interval", "shardwise/plot/runs.py",
+           '        t += steps * batch / r["samples_per_s"]', '        t += batch / r["samples_per_s"]', ("tests/unit/test_plot.py",)),
 ]
 
 

@@ -10,6 +10,8 @@
     shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
     shardwise strategies [NAME]                          # each strategy's options: flag, TOML key, default, help
     shardwise recipes
+    shardwise tune lr|batch-size --recipe NAME [...]          # learning-rate range test, largest batch that fits; see shardwise/tune
+    shardwise plot RUN_DIR [RUN_DIR ...] [--out DIR]         # PNGs of runs; see shardwise/plot
     shardwise plan --model NAME|PATH.json|module:factory|--params N --nproc N [...]   # which strategy; see shardwise/advisor
     shardwise --version
 """
@@ -315,6 +317,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardwise.plan.simulate_cli import add_arguments as simulate_arguments
 
     simulate_arguments(sub.add_parser("simulate", help="throughput and scaling efficiency against worker count, by simulation"))
+    from shardwise.tune.commands import TUNE_HELP
+    from shardwise.tune.commands import add_arguments as tune_arguments
+
+    tune_arguments(sub.add_parser("tune", help=TUNE_HELP, description=TUNE_HELP[0].upper() + TUNE_HELP[1:] + "."))
+    from shardwise.plot.commands import PLOT_HELP
+    from shardwise.plot.commands import add_arguments as plot_arguments
+
+    plot_arguments(sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP[0].upper() + PLOT_HELP[1:] + "."))
     args = parser.parse_args(argv)
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
@@ -330,6 +340,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardwise.plan.simulate_cli import main as simulate_main
 
         return _guard(lambda: simulate_main(args))
+    if args.command == "tune":
+        from shardwise.tune.commands import main as tune_main
+
+        return _guard(lambda: tune_main(args))
+    if args.command == "plot":
+        from shardwise.plot.commands import main as plot_main
+
+        return _guard(lambda: plot_main(args))
     if args.command == "recipes":
         from shardwise.recipes import available as recipes
         from shardwise.recipes import get_recipe

@@ -33,6 +33,8 @@ LAYER = {
     "trainer": 5,
     "bench": 6,
     "advisor": 6,
+    "tune": 6,
+    "plot": 6,
     "cli": 7,
     "__init__": 8,
     "__main__": 8,
