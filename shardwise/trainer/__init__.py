@@ -5,7 +5,4 @@ from shardwise.trainer.config import TrainerConfig
 from shardwise.trainer.loop import Trainer, batch_size_of, make_step_fn
 from shardwise.trainer.lr_find import LRFindResult, lr_find
 
-# Trainer.tune_lr(model, data, ...): the learning-rate range test (shardwise.trainer.lr_find).
-Trainer.tune_lr = lr_find  # type: ignore[attr-defined]
-
 __all__ = ["LRFindResult", "Trainer", "TrainerConfig", "batch_size_of", "lr_find", "make_step_fn", "model_inputs"]

@@ -26,6 +26,7 @@ from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
 from shardwise.trainer.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.trainer.logging import Progress, RunFiles
+from shardwise.trainer.lr_find import lr_find
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
 __all__ = ["Trainer", "batch_size_of", "copies_per_shard", "make_step_fn"]
@@ -195,6 +196,9 @@ class Trainer:
         return self.config.global_batch_size or dl_batch or 32
 
     # -- fit ------------------------------------------------------------------------------
+    tune_lr = lr_find
+    """The learning-rate range test (`shardwise.trainer.lr_find.lr_find`): ``trainer.tune_lr(model, data)``."""
+
     def fit(self, model: nn.Module, train_data: Any, val_data: Any = None) -> dict[str, Any]:
         """Train ``model``; returns the run summary (also written to ``out/summary.json``)."""
         stop_if_bootstrapping()  # a worker importing an unguarded script stops here (see launcher.worker)
