@@ -13,14 +13,16 @@ TEST_WORKERS ?= 2
 
 .PHONY: setup setup-dev demo lint test bench mutants clean
 
+# the README's examples draw PNGs and write TensorBoard events: make setup installs those two extras
 setup:
-	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-env.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-env.sh "[plot,tensorboard]"
 
 setup-dev:
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-env.sh "[dev]"
 
+# a second make demo moves the first run aside (OUT/replaced-<time>/; nothing is deleted)
 demo: setup
-	$(VENV)/bin/shardwise train --recipe digits --strategy ddp --nproc 2 --out $(OUT)
+	$(VENV)/bin/shardwise train --recipe digits --strategy ddp --nproc 2 --out $(OUT) --overwrite
 
 lint: setup-dev
 	$(VENV)/bin/ruff check shardwise tests
