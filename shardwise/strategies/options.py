@@ -406,9 +406,9 @@ def options_of(cls: type) -> tuple[Option, ...]:
 
 
 def summary_line(obj: Any) -> str:
-    """The first line of a strategy's docstring."""
+    """The first paragraph of a strategy's docstring, on one line (a sentence cut at a line break reads as cut)."""
     doc = inspect.getdoc(obj) or ""
-    return doc.splitlines()[0].strip() if doc else ""
+    return " ".join(line.strip() for line in doc.split("\n\n", 1)[0].splitlines()) if doc else ""
 
 
 # --- every registered strategy ----------------------------------------------------------------
