@@ -156,6 +156,27 @@ class TrainerConfig:
     def replace(self, **changes: Any) -> TrainerConfig:
         return dataclasses.replace(self, **changes)
 
+    def probe(self, steps: int, **changes: Any) -> TrainerConfig:
+        """These settings for a short probe run of ``steps`` steps that leaves nothing behind: no run
+        directory, validation, checkpoints, loggers, profile or model summary, one log line at the end
+        (the range test and the batch-size finder)."""
+        quiet: dict[str, Any] = dict(
+            max_steps=steps,
+            max_epochs=None,
+            out=None,
+            resume=None,
+            overwrite=False,
+            val_every=None,
+            checkpoint_every=None,
+            log_every=steps,
+            progress_bar=False,
+            loggers=(),
+            profile=False,
+            fast_dev_run=0,
+            model_summary=False,
+        )
+        return self.replace(**{**quiet, **changes})
+
 
 def _count_or_fraction(text: str) -> int | float:
     try:

@@ -245,21 +245,7 @@ def lr_find(
     with tempfile.TemporaryDirectory(prefix="shardwise-lr-find-") as tmp:
         rows_path = str(Path(tmp) / "rows.jsonl")
         monitor = SweepMonitor(rows_path, smoothing, diverge)
-        config = trainer.config.replace(
-            max_steps=steps,
-            max_epochs=None,
-            out=None,
-            resume=None,
-            overwrite=False,
-            val_every=None,
-            checkpoint_every=None,
-            log_every=steps,
-            progress_bar=False,
-            loggers=(),
-            profile=False,
-            fast_dev_run=0,
-            model_summary=False,
-        )
+        config = trainer.config.probe(steps)
         sweep = Trainer(
             config=config,
             optimizer=trainer.optimizer_factory,

@@ -141,22 +141,7 @@ def peak_resident_bytes() -> int:
 def _trial(template: Trainer, model: nn.Module, train_data: Any, global_batch: int, steps: int) -> dict[str, Any]:
     """One rank of one trial, in a fresh worker: a few training steps, then this process's peak memory."""
     clock = _StepClock()
-    config = template.config.replace(
-        global_batch_size=global_batch,
-        max_steps=steps,
-        max_epochs=None,
-        out=None,
-        resume=None,
-        overwrite=False,
-        val_every=None,
-        checkpoint_every=None,
-        log_every=steps,
-        progress_bar=False,
-        loggers=(),
-        profile=False,
-        fast_dev_run=0,
-        model_summary=False,
-    )
+    config = template.config.probe(steps, global_batch_size=global_batch)
     trainer = Trainer(config=config, optimizer=template.optimizer_factory, loss_fn=template.loss_fn, lr_scheduler=template.lr_scheduler, callbacks=[clock])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # a trial's log lines are noise here
         trainer.fit(model, train_data)
