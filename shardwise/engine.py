@@ -66,7 +66,16 @@ class Engine:
         env: DistEnv | None = None,
         sync_batchnorm: bool = False,
         layout: Layout | None = None,
+        out: str | os.PathLike[str] | None = None,
+        loggers: Sequence[Any] | str | None = None,
+        callbacks: Sequence[Any] = (),
     ) -> None:
+        self.out = Path(out) if out is not None else None
+        """Where the loggers write (``loggers=`` by name need it)."""
+        self.callbacks = list(callbacks)
+        """Objects whose methods `call` runs by name (as Lightning Fabric's ``fabric.call``)."""
+        self._loggers = _EngineLoggers(loggers, self.out)
+        self._finished: dict[str, Any] | None = None
         self.env = env if env is not None else detect_env()
         self.strategy: Strategy = get_strategy(strategy, **(strategy_options or {}))
         self.layout: Layout = layout if layout is not None else self.strategy.plan(self.env.world_size, mesh=mesh)
@@ -92,6 +101,7 @@ class Engine:
         """False on a training rank whose loop group lacks rank 0 (it loops alone, as an async
         parameter-server worker does): ``save`` writes nothing there, so it never races rank 0."""
         self.steps_taken = 0
+        self._loggers.open(self.is_rank_zero)
         if self.is_rank_zero and self.env.distributed and dist.is_initialized():
             print(f"shardwise: {self.env.world_size} processes, backend {dist.get_backend()} on {self.device.type}, strategy {self.strategy.name}", flush=True)
 
@@ -238,7 +248,38 @@ class Engine:
         once training is over) and return its section of summary.json."""
         run = self._run()
         run.finish()
-        return run.summary()
+        self._finished = run.summary()
+        return self._finished
+
+    # -- loggers and callbacks (rank 0 logs; every rank calls) ----------------------
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Log one metric to the loggers (rank 0 only; others return at once): ``value`` a number
+        or a one-element tensor, ``step`` by default the optimizer steps taken so far. The value is
+        rank 0's as it is: reduce it first (``engine.all_reduce(loss.detach().clone())``) to log
+        the mean over ranks."""
+        self.log_dict({name: value}, step)
+
+    def log_dict(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """`log` for several metrics at one step."""
+        if not self._loggers.active:
+            return
+        record = {k: (v.detach().item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+        self._loggers.active.log_metrics({**record, "step": self.steps_taken if step is None else int(step)})
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        """Record hyperparameters once (nested dicts are flattened to ``a.b`` keys); rank 0 only."""
+        if self._loggers.active:
+            from shardwise.trainer.loggers import flatten
+
+            self._loggers.active.log_hyperparams(flatten(params))
+
+    def call(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        """Run ``hook(*args, **kwargs)`` on every callback that defines it, in order (on this rank;
+        call it on every rank when the hook runs a collective)."""
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if callable(fn):
+                fn(*args, **kwargs)
 
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -377,12 +418,42 @@ class Engine:
         of your own that still holds the wrapped model keeps the group alive: drop it
         (``del model``) before ``close``.
         """
+        if self._loggers.active:
+            self._loggers.active.finalize({"steps": self.steps_taken, **(self._finished or {})})
+            self._loggers.active = None
         if self._owns_group and dist.is_initialized():
             self.parallel = None
             self._runs.clear()
             dist.destroy_process_group()
             gc.collect()
             self._owns_group = False
+
+
+class _EngineLoggers:
+    """The engine's loggers: named (``"csv"``, ...) or objects, built on rank 0 only once the
+    rank is known; ``active`` is their fan-out there, None elsewhere or without loggers."""
+
+    def __init__(self, loggers: Sequence[Any] | str | None, out: Path | None) -> None:
+        from shardwise.trainer.loggers import Logger, check_names
+
+        items = [x for x in (loggers.split(",") if isinstance(loggers, str) else list(loggers or ())) if x != ""]
+        for item in items:
+            if not isinstance(item, (str, Logger)):
+                raise ConfigError(f"loggers takes names ('csv', 'tensorboard', 'mlflow', 'wandb') or Logger objects; got {type(item).__name__}")
+        self.names = [x for x in items if isinstance(x, str)]
+        self.objects = [x for x in items if isinstance(x, Logger)]
+        check_names(self.names)
+        if self.names and out is None:
+            raise ConfigError(f"loggers ({', '.join(self.names)}) write into a run directory: pass Engine(out=DIR, loggers=...)")
+        self.out = out
+        self.active: Any = None
+
+    def open(self, rank_zero: bool) -> None:
+        if rank_zero and (self.names or self.objects):
+            from shardwise.rundir import new_run_id
+            from shardwise.trainer.loggers import Loggers, RunInfo
+
+            self.active = Loggers.build(self.names, self.objects, RunInfo(self.out, new_run_id()))
 
 
 def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -> Any:

@@ -205,16 +205,31 @@ class EarlyStopping(_Monitor):
 
     def on_metrics(self, trainer: Trainer, engine: Engine, record: MutableMapping[str, Any]) -> None:
         value = self.value_in(engine, record)
-        if value is None or self.stopped_step is not None:
-            return
+        if value is not None and self.stopped_step is None and self._stops(engine, value, trainer.step):
+            trainer.should_stop = True
+
+    def update(self, engine: Engine, value: float | torch.Tensor, step: int) -> bool:
+        """In a loop of your own (the `Engine`): feed the monitored value after each check, on
+        every rank; True when training should stop, the same answer on every rank (the value is
+        agreed across them first, one all-reduce). ``state_dict`` goes into your checkpoint::
+
+            if stop.update(engine, val_loss, step):
+                break
+        """
+        if self.stopped_step is not None:
+            return True
+        return self._stops(engine, agree(engine, float(value)), step)
+
+    def _stops(self, engine: Engine, value: float, step: int) -> bool:
         if self.better(value, self.best):
             self.best, self.wait = value, 0
-            return
+            return False
         self.wait += 1
-        if self.wait >= self.patience:
-            self.stopped_step = trainer.step
-            trainer.should_stop = True
-            engine.print(f"early stopping at step {trainer.step}: {self.monitor} did not improve on {self.best:.6g} for {self.wait} checks")
+        if self.wait < self.patience:
+            return False
+        self.stopped_step = step
+        engine.print(f"early stopping at step {step}: {self.monitor} did not improve on {self.best:.6g} for {self.wait} checks")
+        return True
 
     def on_fit_end(self, trainer: Trainer, engine: Engine, summary: dict[str, Any]) -> None:
         summary["early_stopping"] = {"monitor": self.monitor, "mode": self.mode, "best": self.best, "wait": self.wait, "stopped_step": self.stopped_step}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -88,3 +89,76 @@ def test_engine_loop_with_ddp_equals_plain_pytorch(tmp_path):
     n_bytes = sum(p.numel() for p in mlp().parameters()) * 8
     count, payload, seconds = r0["timed"]
     assert count == 3 and payload == 3 * n_bytes and seconds > 0  # one bucket a step, timed
+
+
+class _Hooks:
+    """A callback of the loop's own: Engine.call runs the hooks it defines, with what the loop passes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def on_step_end(self, engine: Engine, step: int) -> None:
+        self.calls.append(("on_step_end", step))
+
+
+def _engine_tools(out: str) -> dict:
+    from shardwise.trainer.callbacks import EarlyStopping
+
+    hooks = _Hooks()
+    engine = Engine(strategy="ddp", accelerator="cpu", precision="64", out=out, loggers="csv,tensorboard", callbacks=[hooks, object()])
+    model, opt = engine.setup(mlp(), sgd)
+    engine.log_hyperparams({"lr": 0.1, "model": {"width": 32}})
+    x, y = classification().tensors
+    # The monitored value differs across ranks (rank 0: 1, 2, 3, ... rises; rank 1: -2, -4, ... falls
+    # faster): only the agreed mean (-0.5 a step) decides, and patience 2 with min_delta 1 stops both
+    # ranks at the same step, 3 (step 1 is the first best; 2 and 3 improve by 0.5 < 1).
+    stop = EarlyStopping("score", "min", patience=2, min_delta=1.0)
+    stopped_at = None
+    for step in range(1, 9):
+        batch = (x[step * 8 + engine.rank * 4 :][:4], y[step * 8 + engine.rank * 4 :][:4])
+        loss = ce(model(batch[0]), batch)
+        engine.backward(loss)
+        engine.step(opt)
+        opt.zero_grad()
+        mean_loss = engine.all_reduce(loss.detach().clone())
+        engine.log_dict({"train_loss": mean_loss, "rank_loss": loss})  # rank 0's own loss as it is
+        engine.call("on_step_end", engine, step)
+        score = float(step) if engine.rank == 0 else -2.0 * step
+        if stop.update(engine, score, step):
+            stopped_at = step
+            break
+    summary = engine.finish()
+    engine.close()
+    return {"calls": hooks.calls, "stopped_at": stopped_at, "state": stop.state_dict(), "steps": summary}
+
+
+def test_engine_logs_once_from_rank_0_and_runs_callbacks_and_early_stopping(tmp_path):
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r0, r1 = launch(_engine_tools, str(tmp_path), nproc=2, timeout=150)
+    assert r0["stopped_at"] == r1["stopped_at"] == 3 and r0["state"] == r1["state"] == {"best": -0.5, "wait": 2, "stopped_step": 3}
+    assert r0["calls"] == r1["calls"] == [("on_step_end", s) for s in (1, 2, 3)]
+    with open(tmp_path / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]  # one row per step: rank 1 logged nothing
+    params = json.loads((tmp_path / "csv" / "hparams.json").read_text())
+    assert params == {"lr": 0.1, "model.width": 32}
+    summary = json.loads((tmp_path / "csv" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["ddp"]["world_size"] == 2  # finish()'s summary, at close
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("train_loss")] == [(int(r["step"]), round(float(r["train_loss"]), 5)) for r in rows]
+    assert all(float(r["train_loss"]) != float(r["rank_loss"]) for r in rows)  # the mean differs from rank 0's own
+
+
+def test_engine_loggers_refuse_bad_names_and_a_missing_out():
+    import pytest
+
+    from shardwise.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown logger 'csvv'. Did you mean 'csv'"):
+        Engine(strategy="single", accelerator="cpu", out="x", loggers=["csvv"])
+    with pytest.raises(ConfigError, match=r"pass Engine\(out=DIR, loggers=...\)"):
+        Engine(strategy="single", accelerator="cpu", loggers="csv")

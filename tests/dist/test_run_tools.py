@@ -1,6 +1,6 @@
 """Callbacks, the other loops and the profiler on every family at world size 2 (and 3), on digits.
 
-- EarlyStopping stops every rank after the same step on ddp, zero2, pipeline, local-sgd and ps,
+- EarlyStopping stops every rank after the same step on ddp, zero2, pipeline, tp, local-sgd and ps,
   even when the monitored value differs across ranks (each rank adds its own; `agree` makes one).
 - validate / test / predict are exact over a set that no world size divides (37 samples): the
   loss, accuracy and outputs equal a hand computation over the whole set in one process.
@@ -33,6 +33,7 @@ FAMILIES = {
     "ddp": {},
     "zero2": {},
     "pipeline": {"strategy_options": {"pp": 2, "microbatches": 2}},
+    "tp": {"strategy_options": {"plan": {"0": "colwise", "2": "rowwise"}}},  # the flat MLP names no pair: the plan says which
     "local-sgd": {"strategy_options": {"sync_every": 2}},
     "ps": {},
 }
