@@ -3,6 +3,10 @@
 1. Trainer vs a hand-written loop: the digits MLP, 1 process (target <= 1.05x).
 2. Trainer with ddp on 2 processes vs a hand-written DDP loop (target <= 1.03x).
 3. ``from shardwise import Trainer, Engine, launch`` vs ``import torch`` (target <= +0.15 s).
+4. The profiler when off (the default): what the loop's off-path adds to a step (its per-step
+   checks and three shared ``nullcontext`` phase markers, timed in a loop of 100,000) against
+   the Trainer's measured step (target <= 1.001x); and, for scale, the Trainer with
+   ``profile=True`` (a 3-step window traced) against it off.
 
 Each pair runs interleaved, ``--repeats`` times (A B, then B A, ...: a machine that slows
 down or speeds up during the run weighs on both sides alike), and the ratio of medians is
@@ -19,6 +23,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -74,12 +79,12 @@ def hand_loop(steps: int, rank: int = 0, world: int = 1, ddp: bool = False) -> f
     return time.perf_counter() - start
 
 
-def trainer_loop(steps: int, strategy: str = "single") -> float:
+def trainer_loop(steps: int, strategy: str = "single", **settings: Any) -> float:
     torch.manual_seed(0)
     train, _ = load_digits_split()
     trainer = shardwise.Trainer(
         strategy=strategy, global_batch_size=BATCH, max_steps=steps, log_every=LOG_EVERY,
-        optimizer=_optimizer, loss_fn=cross_entropy, metrics={"accuracy": accuracy}, progress_bar=False,
+        optimizer=_optimizer, loss_fn=cross_entropy, metrics={"accuracy": accuracy}, progress_bar=False, **settings,
     )
     summary = trainer.fit(DigitsMLP(), train)
     return float(summary["train_s"])
@@ -92,6 +97,33 @@ def _ddp_pair(steps: int, trainer_first: bool) -> tuple[float, float]:
         dist.barrier()
         times[side] = trainer_loop(steps, "ddp") if side == "ours" else hand_loop(steps, dist.get_rank(), dist.get_world_size(), ddp=True)
     return times["hand"], times["ours"]
+
+
+def profiler_off_path_s(n: int = 100_000) -> float:
+    """Seconds per step of what the Trainer's loop runs for the profiler when it is off: two
+    ``if profiler is not None`` checks and the three phase markers (the loop's own `_no_phase`)."""
+    from shardwise.trainer.loop import _no_phase
+
+    profiler = None
+    phase = _no_phase
+    start = time.perf_counter()
+    for _ in range(n):
+        if profiler is not None:
+            raise AssertionError
+        with phase("data"):
+            pass
+        with phase("forward_backward"):
+            pass
+        with phase("optimizer"):
+            pass
+        if profiler is not None:
+            raise AssertionError
+    return (time.perf_counter() - start) / n
+
+
+def profiled_loop(steps: int) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        return trainer_loop(steps, profile=True, out=out)
 
 
 def import_time(statement: str) -> float:
@@ -140,6 +172,11 @@ def main() -> None:
         ours_d.append(max(r[1] for r in results))
     rows.append(("Trainer ddp vs hand DDP, 2 processes", ours_d, hand_d, "<= 1.03x"))
 
+    off_path = statistics.median(profiler_off_path_s() for _ in range(5))
+    step_s = statistics.median(ours_t) / args.steps
+    plain_p, prof_p = interleaved(lambda: trainer_loop(args.steps), lambda: profiled_loop(args.steps), args.repeats)
+    rows.append(("Trainer profile=True vs off, 1 process", prof_p, plain_p, "(for scale)"))
+
     # `import shardwise` alone loads nothing (public names are lazy); what a user pays is
     # torch plus the trainer stack, so that is what is compared with `import torch`.
     torch_i, ours_i = interleaved(lambda: import_time("import torch"), lambda: import_time("from shardwise import Trainer, Engine, launch"), args.repeats)
@@ -151,6 +188,8 @@ def main() -> None:
     for name, ours, hand, target in rows:
         o, h = statistics.median(ours), statistics.median(hand)
         print(f"{name:40s} {o:12.3f} {h:10.3f} {o / h:7.3f}x  {target}  ({paired(ours, hand)})")
+    print(f"{'profiler off: its checks in a step':40s} {step_s + off_path:12.6f} {step_s:10.6f} {(step_s + off_path) / step_s:7.4f}x  <= 1.001x"
+          f"  ({off_path * 1e9:.0f} ns a step, against the Trainer's {step_s * 1e3:.3f} ms step)")
     print(f"{'from shardwise import Trainer vs torch':40s} {ours_s:12.3f} {torch_s:10.3f} {ours_s - torch_s:+7.3f}s  <= +0.15 s"
           f"  (pairs: median {statistics.median(extra):+.3f}s, range {extra[0]:+.3f} to {extra[-1]:+.3f}s)")
 

@@ -11,6 +11,8 @@ backend; the ``plot`` extra):
   zero2, zero3 / fsdp and hsdp);
 - ``comm[-RUN].png``: bytes sent and received per step by each collective (summary.json's
   ``comm``, rank 0's record);
+- ``comm_ranks[-RUN].png``: bytes each rank sends and receives per step, stacked by collective
+  (``comm/rank-*.json``, one file per rank: where a pipeline's or a server's traffic lies);
 - ``breakdown[-RUN].png``: where each rank's step goes (data, forward, backward, exposed
   communication, optimizer, idle), when the run was profiled (``--profile``: summary.json's
   ``profile``, `shardwise.trainer.profile`);
@@ -87,6 +89,12 @@ def _per_run(run: Run, suffix: str, out: Path, report: PlotReport, put: Any) -> 
     else:
         name = f"comm{suffix}"
         put(name, str(out / f"{name}.png"), charts.comm(run, traffic, out / f"{name}.png"))
+    per_rank = read.comm_per_rank(run)
+    if per_rank is None:
+        report.skipped.append(f"comm_ranks{suffix}: {run.label} has no per-rank traffic (comm/rank-*.json, written by runs of this version that moved bytes)")
+    else:
+        name = f"comm_ranks{suffix}"
+        put(name, str(out / f"{name}.png"), charts.comm_ranks(run, per_rank, out / f"{name}.png"))
     phases = read.breakdown(run)
     if phases is None:
         report.skipped.append(f"breakdown{suffix}: {run.label} was not profiled (train with --profile for the step breakdown)")

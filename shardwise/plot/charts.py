@@ -175,6 +175,40 @@ def comm(run: Run, figures: dict[str, dict[str, float]], path: Path) -> dict[str
     return figures
 
 
+def comm_ranks(run: Run, figures: dict[int, dict[str, dict[str, float]]], path: Path) -> dict[int, dict[str, dict[str, float]]]:
+    """Bytes each rank sends and receives per training step, two bars per rank (sent, received),
+    each stacked by collective (``group/op``): where the traffic of a pipeline or a parameter
+    server is uneven, this shows which rank carries it."""
+    plt = pyplot()
+    ranks = sorted(figures)
+    ops = sorted({op for per in figures.values() for op in per}, key=lambda op: -sum(figures[r].get(op, {}).get("sent", 0) for r in ranks))
+    totals = [max(sum(v["sent"] for v in figures[r].values()), sum(v["received"] for v in figures[r].values())) for r in ranks]
+    scale, unit = _unit(max(totals))
+    colors = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(_SIZE[0] + 2.0, max(2.6, 1.4 + 0.7 * len(ranks))))
+    h = 0.38
+    for offset, key, hatch in ((h / 2, "sent", None), (-h / 2, "received", "//")):
+        left = [0.0] * len(ranks)
+        for j, op in enumerate(ops):
+            widths = [figures[r].get(op, {}).get(key, 0.0) / scale for r in ranks]
+            ys = [y + offset for y in range(len(ranks))]
+            ax.barh(ys, widths, h, left=left, color=colors(j % 10), hatch=hatch, edgecolor="white", label=op if key == "sent" else None)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        for y, r in enumerate(ranks):
+            amount = sum(v[key] for v in figures[r].values())
+            ax.text(left[y], y + offset, f" {key} {_amount(amount)}", va="center", fontsize=7)
+    ax.set_yticks(list(range(len(ranks))))
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{unit} per training step (solid bar sent, hatched bar received)")
+    ax.set_title(f"{run.label}: bytes per step per rank, by collective", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_xlim(0, max(totals) / scale * 1.3)  # room for the labels beside the bars
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="collective", title_fontsize=7)
+    _save(fig, path)
+    return figures
+
+
 def breakdown(run: Run, figures: read.Breakdown, path: Path) -> read.Breakdown:
     """Each rank's step as one bar split into the profiler's parts (ms per step), the step time
     measured outside the profiler marked on it."""

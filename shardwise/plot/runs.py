@@ -136,6 +136,30 @@ def comm(run: Run) -> dict[str, dict[str, float]] | None:
     return out or None
 
 
+def comm_per_rank(run: Run) -> dict[int, dict[str, dict[str, float]]] | None:
+    """``{rank: {group/op: {"sent": bytes per step, "received": ...}}}`` from each rank's
+    ``comm/rank-RRRRR.json`` (every rank of the run's world size, servers included: a rank that
+    served is divided by the training steps); None when the run wrote no such files (older runs)."""
+    root = run.path / "comm"
+    world = run.summary.get("world_size")
+    steps = max(float(run.summary.get("steps_this_run") or run.summary.get("steps") or 1), 1.0)
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for path in sorted(root.glob("rank-*.json")) if root.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+        except ValueError:
+            raise ConfigError(f"{path} is not valid JSON") from None
+        if world is not None and doc.get("world_size") != world:
+            continue  # left by an earlier run at another world size
+        per = max(float(doc.get("steps") or steps), 1.0)
+        out[int(doc["rank"])] = {
+            name: {"sent": t.get("sent_bytes", 0) / per, "received": t.get("received_bytes", 0) / per}
+            for name, t in doc.get("by_op", {}).items()
+            if t.get("sent_bytes", 0) or t.get("received_bytes", 0)
+        }
+    return out if any(out.values()) else None
+
+
 @dataclass(frozen=True)
 class Breakdown:
     """The profiler's step breakdown (summary.json's ``profile``, `shardwise.trainer.profile`)."""

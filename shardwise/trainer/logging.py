@@ -90,6 +90,20 @@ class RunFiles:
             self._metrics = None
 
 
+def write_rank_comm(out: str | None, rank: int, world_size: int, report: dict[str, Any], steps: int | None) -> None:
+    """``out/comm/rank-RRRRR.json``: this rank's recorded traffic over the run (every rank writes
+    its own, servers included, so ``shardwise plot`` can draw bytes per rank; summary.json's
+    ``comm`` is rank 0's). ``steps`` is None on a rank that served rather than stepped."""
+    if out is None:
+        return
+    root = Path(out) / "comm"
+    root.mkdir(parents=True, exist_ok=True)
+    doc = {"rank": rank, "world_size": world_size, "steps": steps, "by_op": report.get("by_op", {})}
+    tmp = root / f"rank-{rank:05d}.json.tmp"
+    tmp.write_text(json.dumps(_clean(doc), indent=1) + "\n")
+    os.replace(tmp, root / f"rank-{rank:05d}.json")
+
+
 def _step_of(line: str) -> float:
     try:
         return float(json.loads(line).get("step", 0))

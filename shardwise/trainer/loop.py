@@ -25,7 +25,7 @@ from shardwise.trainer import callbacks, evaluate
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
 from shardwise.trainer.loggers import Logger, Loggers, RunInfo, check_names, flatten
-from shardwise.trainer.logging import Progress, RunFiles
+from shardwise.trainer.logging import Progress, RunFiles, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
@@ -335,6 +335,8 @@ class Trainer:
         if not engine.trains:
             # A rank the strategy keeps for service (a parameter server): it served inside
             # setup until the training ranks finished; rank 0 trains and writes the summary.
+            if not cfg.fast_dev_run:
+                write_rank_comm(cfg.out, engine.rank, engine.world_size, engine.recorder.report(1), None)
             return {}, None
         # The model is built and identical everywhere; from here each rank draws its own
         # stream, so dropout masks differ across data shards (a resume restores them).
@@ -498,6 +500,7 @@ class Trainer:
         steps_run = self.step - start_step
         wall = time.perf_counter() - wall_start
         comm = engine.recorder.report(steps_run)
+        write_rank_comm(out, engine.rank, engine.world_size, comm, steps_run)
         strategy_section = engine.finish()  # on every rank: the strategy's end of run (collective reports, servers stop)
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,

@@ -71,7 +71,7 @@ def records(run: Path) -> list[dict]:
 
 def test_every_chart_is_a_png_and_holds_the_run_s_own_numbers(runs, tmp_path):
     report = plot_runs([str(runs["ddp"]), str(runs["pipe"])], tmp_path / "plots")
-    assert sorted(report.files) == ["breakdown-ddp", "comm-ddp", "comm-pipe", "curves", "throughput", "timeline-pipe"]
+    assert sorted(report.files) == ["breakdown-ddp", "comm-ddp", "comm-pipe", "comm_ranks-ddp", "comm_ranks-pipe", "curves", "throughput", "timeline-pipe"]
     for name, path in report.files.items():
         assert Path(path).parent == tmp_path / "plots", name
         height, width = png_shape(path)
@@ -99,6 +99,17 @@ def test_every_chart_is_a_png_and_holds_the_run_s_own_numbers(runs, tmp_path):
     summary = json.loads((runs["pipe"] / "summary.json").read_text())
     sends = summary["comm"]["by_op"]["pp/send"]
     assert report.series["comm-pipe"]["pp/send"]["sent"] == sends["sent_bytes"] / 6
+    # Per rank: each rank's own file. ddp's ranks move the same bytes; the pipeline's point-to-point
+    # traffic balances across its two stages (what one stage sends, the other receives).
+    ddp_ranks = report.series["comm_ranks-ddp"]
+    assert sorted(ddp_ranks) == [0, 1]
+    assert all(ddp_ranks[r]["dp/all_reduce"] == {"sent": 4 * DIGITS_PARAMS, "received": 4 * DIGITS_PARAMS} for r in (0, 1))
+    pipe_ranks = report.series["comm_ranks-pipe"]
+    assert sorted(pipe_ranks) == [0, 1] and pipe_ranks[0]["pp/send"]["sent"] == sends["sent_bytes"] / 6
+    for a, b in ((0, 1), (1, 0)):
+        assert pipe_ranks[a]["pp/send"]["sent"] == pipe_ranks[b]["pp/recv"]["received"] > 0, (a, b)
+    assert pipe_ranks[0]["pp/send"]["sent"] != pipe_ranks[1]["pp/send"]["sent"]  # activations forward, gradients back: not a copy of rank 0
+
     # The timeline is the one the pipeline saved: 4 forwards and 4 backwards on each of 2 stages.
     saved = json.loads((runs["pipe"] / "timeline.png.json").read_text())["events"]
     drawn_events = report.series["timeline-pipe"]
