@@ -62,7 +62,7 @@ class Engine:
         mesh: dict[str, int] | None = None,
         seed: int | None = None,
         deterministic: bool = False,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         env: DistEnv | None = None,
         sync_batchnorm: bool = False,
         layout: Layout | None = None,
@@ -84,7 +84,9 @@ class Engine:
         self.sync_batchnorm = sync_batchnorm
         """BatchNorm layers become SyncBatchNorm over the data-parallel group in ``setup``."""
         self.device = choose_device(accelerator, self.env)
-        self._owns_group = connect(self.env, self.device, timeout_s)
+        self._owns_group = connect(self.env, self.device, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        if timeout_s is not None and not self._owns_group and dist.is_initialized():
+            _set_timeout(timeout_s)  # a group made before (launch's, the user's): the timeout asked for here holds
         self.world_mesh = Mesh.build(world_size=self.env.world_size, rank=self.env.rank, device=self.device, **self.layout.degrees)
         """The mesh over every process, as the plan laid it out (`mesh` is the loop's)."""
         self.precision = Precision(precision, self.device)
@@ -427,6 +429,19 @@ class Engine:
             dist.destroy_process_group()
             gc.collect()
             self._owns_group = False
+
+
+def _set_timeout(seconds: float) -> None:
+    """Set the default group's collective timeout (a group the engine joined rather than made)."""
+    import datetime
+
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=seconds))
+    except (ImportError, AttributeError, ValueError, RuntimeError) as exc:  # a torch without it, or a backend that refuses
+        if dist.get_rank() == 0:
+            print(f"shardwise: could not set the collective timeout of the existing process group to {seconds:g} s ({exc}); it keeps its own", flush=True)
 
 
 class _EngineLoggers:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardwise.comm import ledger
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 from shardwise.errors import CommError
 
@@ -58,8 +59,11 @@ WORLD = Group()
 
 
 def _guard(op: str, group: Group, call: Callable[[], T]) -> T:
+    ledger.enter(op, group.name)  # where this rank is, for the launcher's report if a peer never comes
     try:
-        return call()
+        out = call()
+        ledger.leave()
+        return out
     except RuntimeError as exc:
         rank = dist.get_rank() if dist.is_initialized() else 0
         raise CommError(

@@ -26,6 +26,7 @@ the job at once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -264,6 +265,7 @@ def _spawn(
                 SHARDWISE_PARENT_PID=str(os.getpid()),
                 SHARDWISE_ACCELERATOR=accelerator,
                 SHARDWISE_COLLECTIVE_TIMEOUT_S=str(collective_timeout_s),
+                SHARDWISE_LEDGER_DIR=str(boot / "ledger"),
             )
             procs.append(
                 subprocess.Popen(
@@ -330,12 +332,31 @@ def _supervise(
     return [results[r] for r in range(len(procs))]
 
 
+def _whereabouts(procs: list[subprocess.Popen[bytes]], boot: Path, failed: int) -> list[str]:
+    """Every rank's position in its collectives (`shardwise.comm.ledger`) when ``failed`` failed, and
+    a stack dump of each rank still running (SIGUSR1: the worker's faulthandler writes it)."""
+    from shardwise.comm import ledger
+
+    positions = {r: ledger.read(boot / "ledger" / f"rank-{r}") for r in range(len(procs))}
+    if all(p is None for p in positions.values()):
+        return []  # no shardwise collective ran: nothing to say beyond the failure itself
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        with contextlib.suppress(OSError):
+            p.send_signal(signal.SIGUSR1)
+    if running:
+        time.sleep(0.3)  # let faulthandler write (it runs in the signal handler, at once)
+    finished = {r for r in range(len(procs)) if procs[r].poll() == 0 and (boot / f"result-{r}.pkl").exists()}
+    return ledger.whereabouts(positions, failed, finished)
+
+
 def _raise_failure(
     procs: list[subprocess.Popen[bytes]], boot: Path, rank: int, failure: Any, exc_bytes: bytes, error_dir: str | os.PathLike[str] | None
 ) -> None:
     """Stop the other ranks, gather every rank that failed by then, raise the first one's exception."""
     from shardwise.launcher import report
 
+    where = _whereabouts(procs, boot, rank)  # before stopping them: their ledgers and stacks as they stand
     _stop(procs)  # peers blocked in a collective with the failed rank would wait for its timeout
     found = {rank: (failure, exc_bytes)}
     for other in range(len(procs)):
@@ -343,10 +364,21 @@ def _raise_failure(
         if other != rank and path.exists():
             found[other] = pickle.loads(path.read_bytes())
     # The earliest failure is the cause; a peer that noticed it in a collective fails later.
+    first = rank
     rank = min(found, key=lambda r: found[r][0].at)
     failure, exc_bytes = found[rank]
     failures = [f for f, _ in found.values()]
     directory = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="shardwise-errors-"))
     text = report.summarize(failures, report.write_tracebacks(failures, directory))
+    if where:
+        stacks = []
+        for other in range(len(procs)):
+            dumped = boot / f"stack-{other}.txt"
+            if dumped.exists() and dumped.stat().st_size:
+                shutil.copy(dumped, directory / f"stack-rank-{other}.txt")
+                stacks.append(str(directory / f"stack-rank-{other}.txt"))
+        text += "\nwhere each rank was when rank " + str(first) + " failed:\n" + "\n".join(where)
+        if stacks:
+            text += "\n  stacks of the ranks still running: " + ", ".join(stacks)
     exc = pickle.loads(exc_bytes) if exc_bytes else LaunchError(f"rank {rank} raised {failure.kind}: {failure.message}")
     raise _WorkerFailed(exc.with_traceback(None), text)
