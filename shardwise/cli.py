@@ -46,6 +46,7 @@ _TRAINER_FLAGS = {
     "val_every": "val_every",
     "logger": "loggers",
     "profile": "profile",
+    "debug_collectives": "debug_collectives",
     "fast_dev_run": "fast_dev_run",
     "overfit_batches": "overfit_batches",
     "limit_train_batches": "limit_train_batches",

@@ -7,6 +7,7 @@ the group, instead of a bare gloo message.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,6 +153,20 @@ def barrier(*, group: Group = WORLD, recorder: Recorder | None = None) -> None:
         # A tiny allreduce instead of dist.barrier: it honours the group's timeout on gloo and NCCL alike.
         flag = torch.zeros(1, device=_device_of(group))
         _guard("barrier", group, lambda: dist.all_reduce(flag, group=group.pg))
+
+
+def monitored_barrier(*, group: Group = WORLD, timeout_s: float, recorder: Recorder | None = None) -> None:
+    """A barrier that names the ranks that did not arrive within ``timeout_s`` (gloo's monitored
+    barrier, waiting for all of them); a plain `barrier` on other backends."""
+    if group.size == 1 or not dist.is_initialized():
+        return
+    if dist.get_backend(group.pg) != "gloo":
+        barrier(group=group, recorder=recorder)
+        return
+    rec = recorder or _NULL
+    with rec.timed("monitored_barrier", group.name, group.size, 0, 0, 0):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        _guard("monitored_barrier", group, lambda: dist.monitored_barrier(group=group.pg, timeout=timeout, wait_all_ranks=True))
 
 
 def _device_of(group: Group) -> torch.device:

@@ -93,6 +93,7 @@ def launch(
     collective_timeout_s: float = 120.0,
     expendable: Collection[int] = (),
     error_dir: str | os.PathLike[str] | None = None,
+    debug_collectives: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nproc`` local processes joined in one process group.
@@ -112,7 +113,10 @@ def launch(
 
     A failing rank raises its own exception here (its type unchanged), caused by a
     ``RemoteTraceback`` with a short report; the full traceback of each failed rank is in
-    ``error_dir/rank-N.txt`` (a new temporary directory by default). ``start_method`` is
+    ``error_dir/rank-N.txt`` (a new temporary directory by default), with where every rank stood
+    among its collectives and, for ranks still running, a stack dump (``stack-rank-N.txt``).
+    ``debug_collectives`` starts the workers with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: torch then
+    checks that every rank runs the same collective with the same shapes. ``start_method`` is
     kept for compatibility: workers are always fresh interpreters.
 
     >>> def hello():
@@ -135,7 +139,10 @@ def launch(
     if env.distributed:
         return [join_and_run(fn, args, kwargs, nproc=nproc, accelerator=accelerator, timeout_s=collective_timeout_s)]
     try:
-        return _spawn(fn, args, kwargs, nproc, timeout, threads_per_proc or _default_threads(nproc), accelerator, collective_timeout_s, lost_ok, error_dir)
+        extra_env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug_collectives else {}
+        return _spawn(
+            fn, args, kwargs, nproc, timeout, threads_per_proc or _default_threads(nproc), accelerator, collective_timeout_s, lost_ok, error_dir, extra_env
+        )
     except _WorkerFailed as failed:
         # Raised here, not where it was found: the user's traceback then shows their own call
         # and this line, not the supervisor's internals.
@@ -229,6 +236,7 @@ def _spawn(
     collective_timeout_s: float,
     lost_ok: set[int],
     error_dir: str | os.PathLike[str] | None,
+    extra_env: dict[str, str],
 ) -> list[Any]:
     import torch.distributed as dist
 
@@ -266,6 +274,7 @@ def _spawn(
                 SHARDWISE_ACCELERATOR=accelerator,
                 SHARDWISE_COLLECTIVE_TIMEOUT_S=str(collective_timeout_s),
                 SHARDWISE_LEDGER_DIR=str(boot / "ledger"),
+                **extra_env,
             )
             procs.append(
                 subprocess.Popen(

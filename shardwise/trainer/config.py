@@ -71,6 +71,10 @@ class TrainerConfig:
     """How local workers start: 'spawn' (objects must pickle) or 'fork' (notebooks)."""
     timeout_s: float = 300.0
     """Seconds a collective waits for its peers before failing with the rank and operation named."""
+    debug_collectives: bool = False
+    """Check that every rank runs the same collectives in the same order with the same shapes (torch's
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), and meet at a monitored barrier after every step that names the
+    ranks that did not come; slower: for finding a mismatch, which on gloo can give wrong values instead of a hang."""
     mesh: dict[str, int] = field(default_factory=dict)
     """Parallel degrees other than data parallel, e.g. ``{"tp": 2}``."""
     sync_batchnorm: bool = False
@@ -191,6 +195,12 @@ def _count_or_fraction(text: str) -> int | float:
 def add_run_tool_flags(p: argparse.ArgumentParser) -> None:
     """``shardwise train``'s flags for loggers, quick runs and the profiler (TrainerConfig fields)."""
     p.add_argument("--logger", metavar="NAMES", help="experiment loggers on rank 0, comma-separated: csv, tensorboard, mlflow, wandb")
+    p.add_argument(
+        "--debug-collectives",
+        action="store_true",
+        default=None,
+        help="check every collective's op, order and shapes across ranks, and a monitored barrier after each step (slower)",
+    )
     p.add_argument("--profile", action="store_true", default=None, help="profile a window of steps: Chrome traces in OUT/profile/, a step breakdown")
     p.add_argument("--fast-dev-run", type=int, nargs="?", const=1, metavar="N", help="N steps (default 1) and N validation batches; nothing saved")
     p.add_argument("--overfit-batches", type=int, metavar="N", help="train on the first N global batches only, in the same order each epoch")

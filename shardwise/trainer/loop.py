@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -13,9 +14,10 @@ from torch import nn
 
 from shardwise import checkpoint as ckpt
 from shardwise.batches import call_model, check_batch_fits, loss_from_output, returns_own_loss
+from shardwise.comm import monitored_barrier
 from shardwise.data import ShardedLoader, fetch, unpack_data
 from shardwise.engine import Engine, call_through, seed_everything
-from shardwise.errors import ConfigError
+from shardwise.errors import CommError, ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size, launch, stop_if_bootstrapping
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
@@ -236,11 +238,14 @@ class Trainer:
             collective_timeout_s=self.config.timeout_s,
             expendable=self._expendable_ranks(),
             error_dir=Path(self.config.out) / "errors" if self.config.out else None,
+            debug_collectives=self.config.debug_collectives,
         )
         return results[0]
 
     def _make_engine(self) -> Engine:
         cfg = self.config
+        if cfg.debug_collectives:
+            os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # joining a job in this process: before its group exists
         strategy, layout = self._strategy, self._layout
         return Engine(
             strategy=strategy if strategy is not None else cfg.strategy,
@@ -482,6 +487,11 @@ class Trainer:
                     progress.write("  ".join(f"{k} {v:.4g}" for k, v in {"step": self.step, **val_metrics}.items()))
                 if ckpt_root is not None and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and not done:
                     last_ckpt = self._save(engine, state, ckpt_root)
+                if cfg.debug_collectives:
+                    try:
+                        monitored_barrier(group=engine.group, timeout_s=cfg.timeout_s, recorder=engine.recorder)
+                    except CommError as exc:
+                        raise CommError(f"debug_collectives: at the barrier after step {self.step}: {exc}") from exc
                 self._callback("on_train_step_end", engine, self.step, loss)
                 if done or self.should_stop:
                     break

@@ -16,6 +16,7 @@ import torch
 
 from shardwise import Engine, launch
 from shardwise.errors import CommError
+from shardwise.trainer.callbacks import Callback
 
 
 def _skip(kind: str) -> int:
@@ -83,3 +84,54 @@ def test_the_engine_s_timeout_holds_under_launch_s_group(tmp_path):
     # up (or 40 s): rank 0 waits about 3 s when the engine's timeout holds, 40 s or more when not.
     waited = launch(_skip_with_engine_timeout, str(tmp_path / "flag"), nproc=2, collective_timeout_s=300, timeout=90)
     assert 2.5 <= waited[0] < 20, waited
+
+
+def _swapped() -> None:
+    engine = Engine(strategy="ddp", accelerator="cpu")
+    a, b = torch.ones(2), torch.ones(3)
+    first, second = (a, b) if engine.rank == 0 else (b, a)  # the same two all-reduces, in another order on rank 1
+    engine.all_reduce(first)
+    engine.all_reduce(second)
+
+
+@pytest.mark.timeout(120)
+def test_debug_collectives_names_a_swapped_order():
+    with pytest.raises(CommError) as failed:
+        launch(_swapped, nproc=2, collective_timeout_s=20, timeout=60, debug_collectives=True)
+    text = str(failed.value)
+    assert "mismatch between collectives" in text and "TensorShape=[2]" in text and "TensorShape=[3]" in text, text
+
+
+def _mse(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(output, batch[1])
+
+
+class _SlowRank1(Callback):
+    def on_train_step_start(self, trainer, engine, step):
+        if step == 2 and engine.rank == 1:
+            time.sleep(8)  # rank 0 finishes step 2 and waits at the step's monitored barrier
+
+
+@pytest.mark.timeout(120)
+def test_the_step_barrier_of_debug_collectives_names_the_rank_that_did_not_come():
+    from shardwise import Trainer
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    trainer = Trainer(
+        strategy="local-sgd",  # no collective inside a step: only the barrier waits
+        strategy_options={"sync_every": 100},
+        nproc=2,
+        max_steps=3,
+        log_every=100,
+        global_batch_size=8,
+        timeout_s=3,
+        debug_collectives=True,
+        progress_bar=False,
+        model_summary=False,
+        loss_fn=_mse,
+        callbacks=[_SlowRank1()],
+    )
+    with pytest.raises(CommError) as failed:
+        trainer.fit(torch.nn.Linear(4, 1), data)
+    text = str(failed.value)
+    assert "at the barrier after step 2" in text and "Ranks 1 failed to pass monitoredBarrier" in text, text
