@@ -195,10 +195,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         hparams=hparams,
     )
     summary = trainer.fit(parts.model, parts.train, parts.val)
-    if parts.after_fit is not None and _is_rank_zero():
+    preempted = (summary or {}).get("preempted")
+    if parts.after_fit is not None and _is_rank_zero() and not preempted:
         print(parts.after_fit(parts.model), flush=True)
     if args.print_summary:
         print(json.dumps(summary, indent=2, default=str))
+    if preempted:
+        from shardwise.trainer.preempt import EXIT_PREEMPTED
+
+        if _is_rank_zero():
+            print(
+                f"shardwise: preempted by {preempted['signal']} at step {preempted['step']}: checkpoint written; "
+                f"--resume auto continues (exit {EXIT_PREEMPTED})",
+                flush=True,
+            )
+        return EXIT_PREEMPTED
     return 0
 
 

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -283,19 +283,45 @@ def _spawn(
                     stdin=subprocess.DEVNULL,
                 )
             )
-        return _supervise(procs, boot, timeout, lost_ok, error_dir)
+        with _forwarding(procs):
+            return _supervise(procs, boot, timeout, lost_ok, error_dir)
     finally:
         _stop(procs)
         del store
         shutil.rmtree(boot, ignore_errors=True)
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+@contextlib.contextmanager
+def _forwarding(procs: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """While the workers run, SIGTERM and SIGUSR1 sent to this process go on to them (a preemption
+    notice: a Trainer's ranks checkpoint and return, `shardwise.trainer.preempt`); this process
+    keeps waiting for their results. Main thread only; the handlers are put back after."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.send_signal(signum)
+
+    before = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, old in before.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float = _GRACE_S) -> None:
     """SIGTERM every child still running, SIGKILL those that outlive the grace period."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
@@ -343,7 +369,7 @@ def _supervise(
 
 def _whereabouts(procs: list[subprocess.Popen[bytes]], boot: Path, failed: int) -> list[str]:
     """Every rank's position in its collectives (`shardwise.comm.ledger`) when ``failed`` failed, and
-    a stack dump of each rank still running (SIGUSR1: the worker's faulthandler writes it)."""
+    a stack dump of each rank still running (SIGUSR2: the worker's faulthandler writes it)."""
     from shardwise.comm import ledger
 
     positions = {r: ledger.read(boot / "ledger" / f"rank-{r}") for r in range(len(procs))}
@@ -352,7 +378,7 @@ def _whereabouts(procs: list[subprocess.Popen[bytes]], boot: Path, failed: int) 
     running = [p for p in procs if p.poll() is None]
     for p in running:
         with contextlib.suppress(OSError):
-            p.send_signal(signal.SIGUSR1)
+            p.send_signal(signal.SIGUSR2)
     if running:
         time.sleep(0.3)  # let faulthandler write (it runs in the signal handler, at once)
     finished = {r for r in range(len(procs)) if procs[r].poll() == 0 and (boot / f"result-{r}.pkl").exists()}
@@ -366,7 +392,9 @@ def _raise_failure(
     from shardwise.launcher import report
 
     where = _whereabouts(procs, boot, rank)  # before stopping them: their ledgers and stacks as they stand
-    _stop(procs)  # peers blocked in a collective with the failed rank would wait for its timeout
+    # Peers blocked in a collective with the failed rank would wait for its timeout; a Trainer's rank
+    # takes SIGTERM as a preemption notice and stays blocked, so the grace is short.
+    _stop(procs, grace_s=1.0)
     found = {rank: (failure, exc_bytes)}
     for other in range(len(procs)):
         path = boot / f"error-{other}.pkl"

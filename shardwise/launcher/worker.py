@@ -74,9 +74,9 @@ def main(boot_dir: str, rank: int) -> int:
 
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     boot = Path(boot_dir)
-    # On SIGUSR1 (the launcher's request when a peer failed) the stacks go to a file it keeps.
+    # On SIGUSR2 (the launcher's request when a peer failed) the stacks go to a file it keeps.
     stacks = open(boot / f"stack-{rank}.txt", "w")  # noqa: SIM115  # open for the life of the process: faulthandler writes to its descriptor
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, file=stacks, all_threads=True)
     with open(boot / "boot.pkl", "rb") as f:
         main_spec, sys_path, argv = pickle.load(f)
     sys.path[:] = sys_path

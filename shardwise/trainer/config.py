@@ -71,6 +71,9 @@ class TrainerConfig:
     """How local workers start: 'spawn' (objects must pickle) or 'fork' (notebooks)."""
     timeout_s: float = 300.0
     """Seconds a collective waits for its peers before failing with the rank and operation named."""
+    preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """Signals that stop training with a checkpoint at the next log step instead of ending the process
+    (a spot notice, Slurm's --signal); ``shardwise train`` then exits with 75. Empty: signals act as usual."""
     debug_collectives: bool = False
     """Check that every rank runs the same collectives in the same order with the same shapes (torch's
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), and meet at a monitored barrier after every step that names the
@@ -129,7 +132,19 @@ class TrainerConfig:
             raise ConfigError("resume='auto' looks for checkpoints in out/checkpoints; set out as well")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0; got {self.timeout_s}")
+        self._check_preempt_signals()
         self._check_run_tools()
+
+    def _check_preempt_signals(self) -> None:
+        import signal
+
+        given = self.preempt_signals
+        names = tuple(x.strip() for x in given.split(",") if x.strip()) if isinstance(given, str) else tuple(given or ())
+        allowed = sorted(s.name for s in signal.Signals if s.name not in ("SIGKILL", "SIGSTOP", "SIGUSR2", "SIGINT") and not s.name.startswith("SIGRT"))
+        for name in names:
+            if name not in allowed:
+                raise ConfigError(f"preempt_signals: {name!r} cannot be caught for preemption; use names such as SIGTERM, SIGUSR1 (SIGUSR2 is the launcher's)")
+        object.__setattr__(self, "preempt_signals", names)
 
     def _check_run_tools(self) -> None:
         """Loggers, quick-run limits and the profiler window (issue 14's settings)."""

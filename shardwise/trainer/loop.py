@@ -29,6 +29,7 @@ from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
 from shardwise.trainer.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.trainer.logging import Progress, RunFiles, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
+from shardwise.trainer.preempt import Preemption
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
 __all__ = ["Trainer", "batch_size_of", "copies_per_shard", "make_step_fn"]
@@ -123,6 +124,8 @@ class Trainer:
         """The running fit's optimizer (for callbacks; None outside fit)."""
         self.step = 0
         self.should_stop = False
+        self.preemption = Preemption()
+        """The preemption signal this process got during the running fit (`shardwise.trainer.preempt`)."""
         self._engine: Engine | None = None
         self._state: dict[str, Any] | None = None
         self._strategy: Strategy | None = None
@@ -264,8 +267,10 @@ class Trainer:
         wall_start = time.perf_counter()
         engine = self._make_engine()
         self.engine = engine
+        self.preemption = Preemption()
         try:
-            return self._run(engine, model, train_data, val_data, wall_start, return_state)
+            with self.preemption.installed(self.config.preempt_signals):
+                return self._run(engine, model, train_data, val_data, wall_start, return_state)
         finally:
             self.engine = self._engine = None
             self._state = None
@@ -416,6 +421,7 @@ class Trainer:
         t_log, steps_at_log = time.perf_counter(), start_step
         train_start = time.perf_counter()
         last_ckpt: Path | None = None
+        preempted: dict[str, Any] | None = None  # the signal and the step, once the log step's reduction says one came
         profiler = StepProfiler(cfg, engine, Path(out) if out else None, start_step, total) if cfg.profile else None
         phase = profiler.phase if profiler is not None else _no_phase
 
@@ -427,9 +433,15 @@ class Trainer:
         def log_train() -> None:
             # The only per-log collective: the mean training loss over the loop's group and steps
             # (a rank that loops alone, an async parameter-server worker, logs its own).
-            nonlocal last_train_loss, t_log, steps_at_log
-            mean = engine.all_reduce(torch.stack(losses).double().mean().reshape(1), "mean")
+            nonlocal last_train_loss, t_log, steps_at_log, preempted
+            # One reduction carries the loss and whether any rank got a preemption signal (`preempt`).
+            local = torch.stack(losses).double().mean()
+            both = engine.all_reduce(torch.stack([local, torch.full_like(local, self.preemption.flag)]), "mean")
+            mean, preempt = both[0], float(both[1].item())
             last_train_loss = float(mean.item())
+            if preempt > 0 and preempted is None:
+                preempted = {"signal": self.preemption.signal or "on another rank", "step": self.step}
+                self.should_stop = True
             now = time.perf_counter()
             record = {
                 "step": self.step,
@@ -502,7 +514,7 @@ class Trainer:
         train_s = time.perf_counter() - train_start
         loader.close()  # data-loading workers end with the training (they would outlive the run otherwise)
         profile_section = profiler.finish() if profiler is not None else None
-        if val[0] is not None and val_step != self.step:
+        if val[0] is not None and val_step != self.step and preempted is None:  # preempted: the checkpoint first, no evaluation
             val_metrics = validate()
         if ckpt_root is not None:
             last_ckpt = self._save(engine, state, ckpt_root)
@@ -536,6 +548,8 @@ class Trainer:
             summary["model_summary"] = model_summary
         if profile_section is not None:
             summary["profile"] = profile_section
+        if preempted is not None:
+            summary["preempted"] = preempted
         self._callback("on_fit_end", engine, summary)  # every rank; a callback may add its section
         files.summary(summary)
         loggers.finalize(summary)
