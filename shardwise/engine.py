@@ -271,7 +271,7 @@ class Engine:
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         """Record hyperparameters once (nested dicts are flattened to ``a.b`` keys); rank 0 only."""
         if self._loggers.active:
-            from shardwise.trainer.loggers import flatten
+            from shardwise.loggers import flatten
 
             self._loggers.active.log_hyperparams(flatten(params))
 
@@ -449,7 +449,7 @@ class _EngineLoggers:
     rank is known; ``active`` is their fan-out there, None elsewhere or without loggers."""
 
     def __init__(self, loggers: Sequence[Any] | str | None, out: Path | None) -> None:
-        from shardwise.trainer.loggers import Logger, check_names
+        from shardwise.loggers import Logger, check_names
 
         items = [x for x in (loggers.split(",") if isinstance(loggers, str) else list(loggers or ())) if x != ""]
         for item in items:
@@ -465,8 +465,8 @@ class _EngineLoggers:
 
     def open(self, rank_zero: bool) -> None:
         if rank_zero and (self.names or self.objects):
+            from shardwise.loggers import Loggers, RunInfo
             from shardwise.rundir import new_run_id
-            from shardwise.trainer.loggers import Loggers, RunInfo
 
             self.active = Loggers.build(self.names, self.objects, RunInfo(self.out, new_run_id()))
 

@@ -20,13 +20,13 @@ from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import CommError, ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size, launch, stop_if_bootstrapping
+from shardwise.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
 from shardwise.trainer import callbacks, evaluate
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
-from shardwise.trainer.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.trainer.logging import Progress, RunFiles, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
 from shardwise.trainer.preempt import Preemption

@@ -18,9 +18,9 @@ import torch
 
 from shardwise import Trainer
 from shardwise.errors import ConfigError
+from shardwise.loggers import Logger
 from shardwise.trainer import profile
 from shardwise.trainer.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from shardwise.trainer.loggers import Logger
 from tests.dist.models import adam, ce, classification, mlp, step_lr
 
 SCORES = [5.0, 4.0, 4.5, 3.9, 3.95, 4.2, 3.0, 3.1, 3.2, 3.3, 3.4, 3.5]
