@@ -551,6 +551,8 @@ class LightningAdapter:
             if step and epoch:  # Lightning's names for a value logged both ways
                 self._step[f"{name}_step"] = self._step.pop(name)
                 self._epoch[f"{name}_epoch"] = self._epoch.pop(name)
+            for key, logged in self._step.items():  # this rank's value so far, for a scheduler's monitor this step
+                self.latest[key] = logged.total / max(logged.weight, 1e-300)
         elif context in ("val", "test"):
             self._hook[name] = _Logged(x, 1.0, logger=keep)  # the evaluation weights it by the batch
         else:  # an epoch hook: one value per rank, averaged over the ranks
