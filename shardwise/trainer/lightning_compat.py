@@ -191,8 +191,7 @@ _SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "n
 def _one(items: list[Any], what: str) -> Any:
     if len(items) != 1:
         raise ConfigError(
-            f"configure_optimizers returned {len(items)} {what}s; one {what} is supported "
-            f"(several optimizers need manual optimization): return one {what}"
+            f"configure_optimizers returned {len(items)} {what}s; one {what} is supported (several optimizers need manual optimization): return one {what}"
         )
     return items[0]
 
@@ -456,19 +455,20 @@ class LightningAdapter:
         """Attach to ``module`` in this process: ``self.trainer``, ``self.log`` and the step shims."""
         self.__init__(self.kind, self.total)  # type: ignore[misc]
         self._module, self._trainer, self._engine = module, trainer, engine
-        module.trainer = TrainerView(trainer, self, engine, self.total)
-        module.log = self.log
-        module.log_dict = self.log_dict
-        user_step = module.training_step
+        # nn.Module keeps plain attributes in __dict__; `trainer` may be a property (Lightning's, ours)
+        setattr(module, "trainer", TrainerView(trainer, self, engine, self.total))  # noqa: B010
+        own = module.__dict__
+        own["log"], own["log_dict"] = self.log, self.log_dict
+        user_step: Callable[..., Any] = module.training_step  # type: ignore[assignment]
         user_predict = getattr(module, "predict_step", None)
         takes_idx = _takes_index(user_step)
 
         def training_step(batch: Any) -> torch.Tensor:
             return self._training_step(user_step, batch, takes_idx)
 
-        module.training_step = training_step  # what the Trainer's step function calls
+        own["training_step"] = training_step  # what the Trainer's step function calls
         if callable(user_predict) and _defines(module, "predict_step"):
-            module.predict_step = lambda batch: self._call(user_predict, batch, "predict")
+            own["predict_step"] = lambda batch: self._call(user_predict, batch, "predict")
 
     def detach(self) -> None:
         """Remove what `bind` added (the module may be the caller's own, in a one-process run)."""
@@ -480,7 +480,7 @@ class LightningAdapter:
         if "trainer" in module.__dict__:
             del module.__dict__["trainer"]
         else:
-            module.trainer = None
+            setattr(module, "trainer", None)  # noqa: B010
         self._module = self._trainer = self._engine = None
 
     # -- optimizer and schedule -----------------------------------------------------------------
@@ -488,7 +488,8 @@ class LightningAdapter:
         """The optimizer factory the strategy calls: the module's ``configure_optimizers``, checked to
         optimize parameters the strategy hands over (its shards under sharded strategies)."""
         assert self._module is not None
-        optimizer, scheduler = parse_optimizers(self._module.configure_optimizers())
+        configure: Callable[[], Any] = self._module.configure_optimizers  # type: ignore[assignment]
+        optimizer, scheduler = parse_optimizers(configure())
         given = {id(p) for p in params}
         strays = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in given)
         if strays:
@@ -599,9 +600,7 @@ class LightningAdapter:
                 raise ConfigError(f"training_step returned a dict without 'loss' (keys {sorted(result)}); return the loss or {{'loss': loss, ...}}")
             result = result["loss"]
         if result is None:
-            raise ConfigError(
-                f"{self.kind}.training_step returned None (skipping a batch): not supported, every rank must step together; return the loss"
-            )
+            raise ConfigError(f"{self.kind}.training_step returned None (skipping a batch): not supported, every rank must step together; return the loss")
         if not isinstance(result, torch.Tensor):
             raise ConfigError(f"training_step must return the loss tensor; got {type(result).__name__}")
         return result

@@ -151,7 +151,8 @@ class Trainer:
         dataset, collate, _, dl_batch = unpack_data(train_data)
         if dataset is None:
             raise ConfigError("fit needs training data: a Dataset or a DataLoader")
-        estimate = cfg.fast_dev_run or cfg.max_steps or (cfg.max_epochs or 1) * (len(dataset) // self._global_batch(dl_batch) if hasattr(dataset, "__len__") else 0)
+        per_epoch = len(dataset) // self._global_batch(dl_batch) if hasattr(dataset, "__len__") else 0
+        estimate = cfg.fast_dev_run or cfg.max_steps or (cfg.max_epochs or 1) * per_epoch
         self._lightning = adapter_for(self, model, "fit", has_val=val_data is not None, total=estimate or None)
         # The strategy is built once, here, and planned once: the plan checks the world, the mesh,
         # the batch split and the model before any process starts; workers receive both.

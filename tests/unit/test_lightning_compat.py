@@ -160,7 +160,11 @@ FORMS: dict[str, Any] = {
     "dict": lambda p: ({"optimizer": (o := _sgd(p))}, o, None),
     "dict+scheduler": lambda p: ({"optimizer": (o := _sgd(p)), "lr_scheduler": (s := _step(o))}, o, ("epoch", 1, s)),
     "dict+step": lambda p: ({"optimizer": (o := _sgd(p)), "lr_scheduler": {"scheduler": (s := _step(o)), "interval": "step"}}, o, ("step", 1, s)),
-    "dict+step/2": lambda p: ({"optimizer": (o := _sgd(p)), "lr_scheduler": {"scheduler": (s := _step(o)), "interval": "step", "frequency": 2}}, o, ("step", 2, s)),
+    "dict+step/2": lambda p: (
+        {"optimizer": (o := _sgd(p)), "lr_scheduler": {"scheduler": (s := _step(o)), "interval": "step", "frequency": 2}},
+        o,
+        ("step", 2, s),
+    ),
     "lists": lambda p: ([o := _sgd(p)], [s := _step(o)]) and (([o], [s]), o, ("epoch", 1, s)),
     "lists+dict": lambda p: ([o := _sgd(p)], [s := _step(o)]) and (([o], [{"scheduler": s, "interval": "step"}]), o, ("step", 1, s)),
     "dicts in a list": lambda p: ([{"optimizer": (o := _sgd(p)), "lr_scheduler": (s := _step(o))}], o, ("epoch", 1, s)),
@@ -400,7 +404,7 @@ def test_validate_test_predict_call_the_lightning_steps():
 
 # -- the same module under Lightning's own Trainer ------------------------------------------------
 def test_same_loss_curve_as_lightning(tmp_path, monkeypatch):
-    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)  # Lightning sets it; put back afterwards
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # importing Lightning sets it; monkeypatch removes it afterwards
     L = pytest.importorskip("lightning")
     from torch.utils.data import DataLoader
 
