@@ -5,7 +5,8 @@ LightningModule (duck typing: Lightning is never imported). Write it as for Ligh
 `LightningModule` from here as the base class (or a real ``lightning.LightningModule``, which
 works unchanged when Lightning is installed)::
 
-    from shardwise import LightningModule, Trainer
+    from shardwise import Trainer
+    from shardwise.trainer.lightning_compat import LightningModule
 
     class Classifier(LightningModule):
         def __init__(self):
