@@ -27,6 +27,7 @@ from shardwise.strategies.batchnorm import check_sync_batchnorm
 from shardwise.trainer import callbacks, evaluate
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
+from shardwise.trainer.lightning_compat import LightningAdapter, adapter_for
 from shardwise.trainer.logging import Progress, RunFiles, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
 from shardwise.trainer.preempt import Preemption
@@ -81,7 +82,8 @@ class Trainer:
 
     ``optimizer`` is a factory of the parameters (strategies that shard build the
     optimizer after wrapping). The loss is ``loss_fn(output, batch)`` or, without
-    one, the module's ``training_step(batch)``. With ``nproc > 1`` (and no launcher
+    one, the module's ``training_step(batch)``. A module written for Lightning (``training_step``
+    and ``configure_optimizers``) trains as it is: see `shardwise.trainer.lightning_compat`. With ``nproc > 1`` (and no launcher
     around), ``fit`` starts the worker processes itself and, when they finish,
     loads the trained weights back into ``model``.
     """
@@ -115,6 +117,8 @@ class Trainer:
         self.hparams = dict(hparams or {})
         """Extra hyperparameters for the loggers (the CLI passes the recipe's options)."""
         self.optimizer_factory = optimizer or _default_optimizer
+        self.optimizer_given = optimizer is not None
+        self._lightning: LightningAdapter | None = None
         self.loss_fn = loss_fn
         self.lr_scheduler = lr_scheduler
         self.metrics = dict(metrics or {})
@@ -152,6 +156,9 @@ class Trainer:
         dataset, collate, _, dl_batch = unpack_data(train_data)
         if dataset is None:
             raise ConfigError("fit needs training data: a Dataset or a DataLoader")
+        per_epoch = len(dataset) // self._global_batch(dl_batch) if hasattr(dataset, "__len__") else 0
+        estimate = cfg.fast_dev_run or cfg.max_steps or (cfg.max_epochs or 1) * per_epoch
+        self._lightning = adapter_for(self, model, "fit", has_val=val_data is not None, total=estimate or None)
         # The strategy is built once, here, and planned once: the plan checks the world, the mesh,
         # the batch split and the model before any process starts; workers receive both.
         strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
@@ -275,6 +282,8 @@ class Trainer:
             self.engine = self._engine = None
             self._state = None
             self.optimizer = None
+            if self._lightning is not None:
+                self._lightning.detach()
             engine.close()
 
     # -- validate, test, predict ---------------------------------------------------------
@@ -309,6 +318,7 @@ class Trainer:
                 raise ConfigError("no loss to evaluate: pass loss_fn=... to the Trainer or define validation_step(batch) on the model")
         if ckpt_path is not None and not Path(ckpt_path).exists():
             raise ConfigError(f"ckpt_path={ckpt_path!r}: no such checkpoint directory")
+        self._lightning = adapter_for(self, model, kind)
         strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
         self._strategy = strategy
         self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
@@ -320,6 +330,8 @@ class Trainer:
     def _evaluate_here(self, model: nn.Module, kind: str, data: Any, ckpt_path: str | None) -> Any:
         engine = self._make_engine()
         try:
+            if self._lightning is not None:
+                self._lightning.bind(self, model, engine)
             wrapped, _ = engine.setup(model, self.optimizer_factory)
             if not engine.trains:
                 return None  # a parameter server: it served inside setup until the workers finished
@@ -336,12 +348,17 @@ class Trainer:
             engine.finish()  # the strategy's end of run (parameter servers stop)
             return result if engine.is_rank_zero or kind != "predict" else None  # metrics are agreed: every rank has them
         finally:
+            if self._lightning is not None:
+                self._lightning.detach()
             engine.close()
 
     def _run(self, engine: Engine, model: nn.Module, train_data: Any, val_data: Any, wall_start: float, return_state: bool) -> tuple[dict[str, Any], Any]:
         cfg = self.config
         table = evaluate.module_table(model) if cfg.model_summary else None  # the whole model, before the strategy splits it
-        wrapped, optimizer = engine.setup(model, self.optimizer_factory)
+        lightning = self._lightning
+        if lightning is not None:
+            lightning.bind(self, model, engine)
+        wrapped, optimizer = engine.setup(model, lightning.make_optimizer if lightning is not None else self.optimizer_factory)
         if not engine.trains:
             # A rank the strategy keeps for service (a parameter server): it served inside
             # setup until the training ranks finished; rank 0 trains and writes the summary.
@@ -353,6 +370,8 @@ class Trainer:
         seed_everything(cfg.seed + 1 + engine.rank)
         self.optimizer = optimizer
         scheduler = self.lr_scheduler(optimizer) if self.lr_scheduler is not None else None
+        if lightning is not None:
+            scheduler = lightning.make_schedule(optimizer)
         dataset, collate, workers, dl_batch = unpack_data(train_data)
         global_batch = self._global_batch(dl_batch)
         if cfg.overfit_batches:
@@ -429,6 +448,8 @@ class Trainer:
             self._callback("on_metrics", engine, record)  # every rank: a callback may add keys or decide to stop
             files.log(record)
             loggers.log_metrics(record)
+
+        self._emit = emit  # for callbacks that log records of their own (a Lightning module's epoch values)
 
         def log_train() -> None:
             # The only per-log collective: the mean training loss over the loop's group and steps
@@ -653,7 +674,10 @@ class Trainer:
         dataset = evaluate.head(dataset, evaluate.limited_size(len(dataset), limit, batch_size, engine.mesh.size("dp")))
         if prefix == "val":
             self._callback("on_validation_start", engine)
-        out = evaluate.evaluate(engine, engine.unwrap(wrapped), dataset, collate, batch_size, self._eval_batch, prefix)
+        if self._lightning is not None:
+            out = self._lightning.evaluate(engine, engine.unwrap(wrapped), dataset, collate, batch_size, prefix)
+        else:
+            out = evaluate.evaluate(engine, engine.unwrap(wrapped), dataset, collate, batch_size, self._eval_batch, prefix)
         if prefix == "val":
             self._callback("on_validation_end", engine, out)
         return out
@@ -683,7 +707,8 @@ class Trainer:
         return {"loss": loss, **{name: fn(output, batch) for name, fn in self.metrics.items()}}
 
     def _callback(self, hook: str, *args: Any) -> None:
-        callbacks.dispatch(self.callbacks, hook, self, *args)
+        first = [self._lightning] if self._lightning is not None and self._lightning.bound else []  # the module's hooks run first
+        callbacks.dispatch([*first, *self.callbacks], hook, self, *args)
 
 
 def _fit_worker(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any) -> tuple[dict[str, Any], Any]:
