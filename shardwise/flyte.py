@@ -39,7 +39,7 @@ __all__ = ["TrainOutputs", "outputs"]
 class TrainOutputs(NamedTuple):
     """A training task's outputs."""
 
-    summary: dict  # type: ignore[type-arg]  # flytekit maps a bare dict to a JSON value; dict[str, Any] it cannot
+    summary: dict  # flytekit maps a bare dict to a JSON value; dict[str, Any] it cannot
     """The run's summary (summary.json), JSON values only."""
     checkpoints: FlyteDirectory
     """The run's checkpoint directory (``out/checkpoints``)."""

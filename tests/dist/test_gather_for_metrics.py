@@ -34,7 +34,7 @@ def _ranks() -> dict:
         mine.append((preds, losses, correct))
         # Accelerate's pattern: one gather per batch (offset = samples of this rank before the batch).
         per_batch.append(engine.gather_for_metrics((preds, losses, correct), total=N, offset=i * BATCH))
-    whole = engine.gather_for_metrics(tuple(torch.cat(c) for c in zip(*mine)), total=N)
+    whole = engine.gather_for_metrics(tuple(torch.cat(c) for c in zip(*mine, strict=True)), total=N)
     try:
         engine.gather_for_metrics(torch.zeros(N), total=N)
         refused = ""
@@ -44,7 +44,7 @@ def _ranks() -> dict:
     out = {
         "index": engine.gather_for_metrics(index, total=N),
         "whole": whole,
-        "per_batch": tuple(torch.cat(c) for c in zip(*per_batch)),
+        "per_batch": tuple(torch.cat(c) for c in zip(*per_batch, strict=True)),
         "naive": naive,
         "refused": refused,
     }
