@@ -1,8 +1,19 @@
 """Where this process stands in a distributed job, and joining its process group.
 
 This is the only module of shardwise that reads the environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*); everything else receives a
-`DistEnv` value.
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*, and a Kubeflow PyTorchJob's PET_*);
+everything else receives a `DistEnv` value.
+
+Kubeflow's PyTorchJob (training operator v1, ``pkg/controller.v1/pytorch/envvar.go`` and
+``master.go``) gives every pod MASTER_ADDR/MASTER_PORT and the same as PET_MASTER_ADDR/
+PET_MASTER_PORT, RANK = PET_NODE_RANK = the pod's index (the master 0, worker i is i + 1),
+PET_NNODES = the number of pods ("MIN:MAX" under an elastic policy), PET_NPROC_PER_NODE when
+the job sets nprocPerNode, and WORLD_SIZE = pods x nprocPerNode. The PET_* names are torchrun's
+own flags as environment variables, so a pod whose command is torchrun needs nothing from us
+(its workers carry torchrun's RANK and TORCHELASTIC_RUN_ID). A pod that runs shardwise itself
+is read here: one process per pod joins as rank PET_NODE_RANK of PET_NNODES; one pod with N
+processes starts them as any single machine does (``--nproc N``); several pods with several
+processes each, or an elastic range, need torchrun to number the processes, and say so.
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ class DistEnv:
     """Port of rank 0's rendezvous store."""
     source: str = "none"
     """Who set this up: 'none' (one plain process), 'spawn' (shardwise.launch),
-    'torchrun', 'slurm', or 'existing' (a process group already initialized)."""
+    'torchrun', 'slurm', 'kubeflow' (a PyTorchJob pod's own process), or 'existing'
+    (a process group already initialized)."""
 
     @property
     def distributed(self) -> bool:
@@ -96,8 +108,9 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     """Read this process's place in the job from the environment.
 
     torchrun (and Ray Train, and anything that follows torch's convention) sets
-    RANK and WORLD_SIZE; Slurm's srun sets SLURM_PROCID and SLURM_NTASKS. With
-    neither, this is a single plain process.
+    RANK and WORLD_SIZE; a Kubeflow PyTorchJob sets them per pod with its PET_*
+    variables (read by `kubeflow_env`); Slurm's srun sets SLURM_PROCID and SLURM_NTASKS.
+    With none of them, this is a single plain process.
     """
     env = os.environ if environ is None else environ
     if dist.is_available() and dist.is_initialized():
@@ -108,6 +121,8 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             local_world_size=_int(env, "LOCAL_WORLD_SIZE", 1),
             source="existing",
         )
+    if any(k in env for k in _PYTORCHJOB) and not any(k in env for k in _LAUNCHED):
+        return kubeflow_env(env)
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(
             rank=_int(env, "RANK"),
@@ -132,6 +147,53 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             source="slurm",
         )
     return DistEnv(rank=0, world_size=1, source="none")
+
+
+_PYTORCHJOB = ("PET_NNODES", "PET_NODE_RANK", "PET_NPROC_PER_NODE")
+"""Variables only a Kubeflow PyTorchJob sets on a pod (torchrun reads them as its flags)."""
+_LAUNCHED = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "SHARDWISE_LAUNCHER")
+"""Set by a launcher on each process it starts: such a process is a rank, whatever its pod says."""
+
+
+def kubeflow_env(env: Mapping[str, str]) -> DistEnv:
+    """This process's place in a Kubeflow PyTorchJob, read from the variables the operator sets on the pod."""
+    nnodes_raw = env.get("PET_NNODES", env.get("WORLD_SIZE", "1"))
+    if ":" in nnodes_raw:
+        raise ConfigError(
+            f"this PyTorchJob is elastic (PET_NNODES={nnodes_raw}): its processes are numbered by torchrun; "
+            "make the container command `torchrun -m shardwise train ...` (torchrun reads the PET_* variables)"
+        )
+    nnodes = _int(env, "PET_NNODES", _int(env, "WORLD_SIZE", 1))
+    nproc_raw = env.get("PET_NPROC_PER_NODE", "1")
+    if not nproc_raw.isdigit() or int(nproc_raw) < 1:
+        raise ConfigError(
+            f"PET_NPROC_PER_NODE={nproc_raw!r}: shardwise needs a whole number of processes per pod; set nprocPerNode "
+            "to a number, or make the container command `torchrun -m shardwise train ...`"
+        )
+    nproc = int(nproc_raw)
+    node_rank = _int(env, "PET_NODE_RANK", _int(env, "RANK", 0))
+    if "WORLD_SIZE" in env and _int(env, "WORLD_SIZE") != nnodes * nproc:
+        raise ConfigError(
+            f"the PyTorchJob's variables disagree: WORLD_SIZE={env['WORLD_SIZE']} but PET_NNODES x PET_NPROC_PER_NODE = "
+            f"{nnodes} x {nproc}; set them as the training operator does (WORLD_SIZE = pods x processes per pod)"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"PET_NODE_RANK={node_rank} is outside the job's {nnodes} pods (PET_NNODES); set it to 0 .. {nnodes - 1}")
+    if nproc > 1 and nnodes > 1:
+        raise ConfigError(
+            f"this PyTorchJob runs {nnodes} pods x {nproc} processes: each pod's processes are numbered by torchrun; "
+            "make the container command `torchrun -m shardwise train ...` (torchrun reads the PET_* variables)"
+        )
+    if nnodes * nproc == 1 or nproc > 1:
+        # One pod: its processes are this machine's to start, as anywhere else (`--nproc N`).
+        return DistEnv(rank=0, world_size=1, source="none")
+    return DistEnv(
+        rank=node_rank,
+        world_size=nnodes,
+        master_addr=env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR", "127.0.0.1"),
+        master_port=_int(env, "MASTER_PORT", _int(env, "PET_MASTER_PORT", 29500)),
+        source="kubeflow",
+    )
 
 
 def choose_device(accelerator: str, env: DistEnv) -> torch.device:

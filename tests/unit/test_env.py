@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shardwise.errors import ConfigError
@@ -39,3 +41,64 @@ def test_torchrun_defaults_that_work():
     assert not elastic.standalone
     mine = prepare(["--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=9", "train.py"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
     assert mine.rdzv_conf == "last_call_timeout=9"
+
+
+# -- Kubeflow PyTorchJob: the variables the training operator v1 sets on each pod ------------------
+def _pod(index: int, pods: int, nproc: int | None = None, **extra: str) -> dict[str, str]:
+    """A pod's environment as the operator writes it (envvar.go, master.go): the master is pod 0,
+    worker i is pod i + 1; WORLD_SIZE is pods x nprocPerNode; PET_NNODES the number of pods."""
+    env = {
+        "MASTER_ADDR": "job-master-0",
+        "PET_MASTER_ADDR": "job-master-0",
+        "MASTER_PORT": "23456",
+        "PET_MASTER_PORT": "23456",
+        "WORLD_SIZE": str(pods * (nproc or 1)),
+        "RANK": str(index),
+        "PET_NODE_RANK": str(index),
+        "PET_NNODES": str(pods),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if nproc is not None:
+        env["PET_NPROC_PER_NODE"] = str(nproc)
+    env.update(extra)
+    return env
+
+
+def test_a_pytorchjob_pod_with_one_process_is_one_rank():
+    for index in range(3):
+        env = detect_env(_pod(index, 3))
+        assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, env.source) == (index, 3, 0, "job-master-0", 23456, "kubeflow")
+    assert detect_env(_pod(1, 2, nproc=1)).rank == 1
+    # Only the PET_ variables: the master's address and port are read from them.
+    pet_only = {k: v for k, v in _pod(1, 2).items() if k.startswith("PET_")}
+    assert (detect_env(pet_only).rank, detect_env(pet_only).world_size, detect_env(pet_only).master_addr) == (1, 2, "job-master-0")
+
+
+def test_a_pytorchjob_pod_under_torchrun_or_spawn_is_the_launchers_rank():
+    # torchrun (the pod's command) sets each worker's own RANK/WORLD_SIZE/LOCAL_RANK over the pod's.
+    worker = _pod(1, 2, nproc=2, RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RUN_ID="job")
+    env = detect_env(worker)
+    assert (env.rank, env.world_size, env.local_rank, env.source) == (3, 4, 1, "torchrun")
+    spawned = _pod(0, 1, nproc=2, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", SHARDWISE_LAUNCHER="spawn")
+    assert (detect_env(spawned).rank, detect_env(spawned).source) == (1, "spawn")
+
+
+def test_a_one_pod_job_starts_its_own_processes():
+    # One pod with nprocPerNode 2 is one machine: nothing to join, `--nproc 2` starts the processes.
+    assert detect_env(_pod(0, 1, nproc=2)).distributed is False
+    assert detect_env(_pod(0, 1)).distributed is False
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        (_pod(1, 2, nproc=2), "2 pods x 2 processes: each pod's processes are numbered by torchrun"),
+        (_pod(0, 2, PET_NNODES="1:4"), "elastic (PET_NNODES=1:4)"),
+        (_pod(0, 2, nproc=1, PET_NPROC_PER_NODE="auto"), "PET_NPROC_PER_NODE='auto'"),
+        (_pod(0, 2, WORLD_SIZE="3"), "WORLD_SIZE=3 but PET_NNODES x PET_NPROC_PER_NODE = 2 x 1"),
+        (_pod(2, 2), "PET_NODE_RANK=2 is outside the job's 2 pods"),
+    ],
+)
+def test_a_pytorchjob_that_shardwise_cannot_number_is_one_clear_line(env, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        detect_env(env)

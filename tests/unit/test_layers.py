@@ -37,6 +37,8 @@ LAYER = {
     "tune": 6,
     "plot": 6,
     "cli": 7,
+    "torchx": 7,
+    "flyte": 7,
     "__init__": 8,
     "__main__": 8,
 }

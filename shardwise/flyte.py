@@ -1,0 +1,58 @@
+"""Flyte: the Trainer inside a Flyte task, its summary and checkpoint directory as the task's outputs.
+
+A Flyte task is a Python function; the Trainer runs inside it as it runs anywhere:
+
+- **a plain ``@task``** calls ``Trainer(nproc=2).fit``: the task's process starts the workers
+  itself (``shardwise.launch``), waits for them and returns rank 0's summary;
+- **an elastic task** (``@task(task_config=Elastic(nnodes=1, nproc_per_node=2))`` from
+  flytekit's PyTorch plugin, ``flytekitplugins-kfpytorch``) is started by torch's elastic agent
+  once per process; each process's Trainer joins that job (torchrun's variables) and the plugin
+  returns rank 0's value. Every rank must write into the same ``out``, so the directory is a
+  task input (each elastic worker has its own Flyte working directory).
+
+`TrainOutputs` is the task's output type (``summary``: the run's summary.json; ``checkpoints``:
+the run's ``out/checkpoints/`` as a ``FlyteDirectory``, uploaded by Flyte like any directory
+output), and `outputs` builds it from what ``fit`` returned. ``examples/flyte_workflow.py``
+holds both tasks in a workflow that runs locally (``python examples/flyte_workflow.py``)
+with no cluster; on a cluster the same file registers with ``pyflyte register``.
+
+Needs flytekit (``pip install 'shardwise[flyte]'``, which also installs the elastic plugin).
+This module keeps real annotations (no postponed ones): flytekit reads `TrainOutputs`' field
+types at run time to build the task's interface.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from shardwise.errors import ConfigError
+
+try:
+    from flytekit.types.directory import FlyteDirectory
+except ImportError:  # pragma: no cover - depends on the installation
+    raise ConfigError("the Flyte integration needs flytekit, which is not installed: pip install 'shardwise[flyte]'") from None
+
+__all__ = ["TrainOutputs", "outputs"]
+
+
+class TrainOutputs(NamedTuple):
+    """A training task's outputs."""
+
+    summary: dict  # flytekit maps a bare dict to a JSON value; dict[str, Any] it cannot
+    """The run's summary (summary.json), JSON values only."""
+    checkpoints: FlyteDirectory
+    """The run's checkpoint directory (``out/checkpoints``)."""
+
+
+def outputs(summary: dict[str, Any] | None, out: str | os.PathLike[str]) -> TrainOutputs:
+    """The task's outputs from ``fit``'s summary and the run's ``out`` directory.
+
+    The summary goes through JSON (as summary.json does), so the task's output holds only what
+    Flyte can store. ``fit`` returns None on a rank other than 0 under an elastic task; the
+    plugin keeps rank 0's value, so those ranks return an empty summary.
+    """
+    checkpoints = Path(out) / "checkpoints"
+    if summary is not None and not checkpoints.is_dir():
+        raise ConfigError(f"the run in {out} wrote no checkpoints/ to return; keep checkpoint_every (the default saves at the end) or return only the summary")
+    return TrainOutputs(summary=json.loads(json.dumps(summary or {}, default=str)), checkpoints=FlyteDirectory(str(checkpoints)))
