@@ -38,6 +38,7 @@ from shardwise.errors import CheckpointError, ConfigError
 from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
+from shardwise.precision import normalize as normalize_precision
 from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, get_strategy
 from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, check_sync_batchnorm, convert_sync_batchnorm, unsynced_batchnorm_warning
 
@@ -80,6 +81,7 @@ class Engine:
         self.strategy: Strategy = get_strategy(strategy, **(strategy_options or {}))
         self.layout: Layout = layout if layout is not None else self.strategy.plan(self.env.world_size, mesh=mesh)
         """The strategy's plan for this job (the Trainer's parent passes the one it made; alone, the engine plans)."""
+        self.strategy.check_precision(normalize_precision(precision), self.layout)
         check_sync_batchnorm(self.strategy.name, sync_batchnorm)
         self.sync_batchnorm = sync_batchnorm
         """BatchNorm layers become SyncBatchNorm over the data-parallel group in ``setup``."""
@@ -238,7 +240,10 @@ class Engine:
         Then the strategy's ``after_step`` runs (local SGD's averaging round), on every rank,
         skipped step or not, so all ranks reach the same rounds.
         """
-        stepped = self.precision.step(optimizer)
+        agree = None
+        if self.precision.scaler is not None and self.group.size > 1:
+            agree = lambda flag: all_reduce(flag, "max", group=self.group, recorder=self.recorder)  # noqa: E731  # one overflow verdict
+        stepped = self.precision.step(optimizer, agree)
         self.steps_taken += 1
         run = next((r for r in reversed(self._runs) if r.optimizer is optimizer), self.parallel)
         if run is not None:

@@ -14,6 +14,7 @@ bf16-mixed float32          autocast bf16  plain (bf16 keeps fp32's exponent ran
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -75,11 +76,28 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer; returns False when fp16 overflow made the scaler skip it."""
+    def step(self, optimizer: torch.optim.Optimizer, agree: Callable[[torch.Tensor], Any] | None = None) -> bool:
+        """Step the optimizer; returns False when fp16 overflow made the scaler skip it.
+
+        ``agree`` (a max all-reduce over the ranks that step together) makes the overflow verdict one
+        for all of them: a rank holds only its shard or its stage of the gradients, and a rank that
+        skipped while the others stepped would leave the replicas apart and the scales differing."""
         if self.scaler is None:
             optimizer.step()
             return True
+        if self.scaler._scale is None:  # a pipeline stage that computes no loss never called scale()
+            self.scaler.scale(torch.zeros((), device=self.device))
+        if agree is not None:
+            from torch.amp.grad_scaler import OptState
+
+            state = self.scaler._per_optimizer_states[id(optimizer)]
+            if state["stage"] is not OptState.UNSCALED:
+                self.scaler.unscale_(optimizer)
+            found = list(state["found_inf_per_device"].values())
+            flag = torch.stack([f.reshape(()) for f in found]).amax().reshape(1) if found else torch.zeros(1, device=self.device)
+            agree(flag)
+            for f in found:
+                f.copy_(flag.reshape(f.shape))
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()

@@ -164,6 +164,11 @@ class Strategy(ABC):
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> Parallel:
         """Place and wrap the model on this process, build its optimizer, return the run's `Parallel`."""
 
+    def check_precision(self, precision: str, layout: Layout) -> None:
+        """Refuse, with a `ConfigError`, a precision this strategy cannot train in under ``layout``
+        (called in the parent before launch, and by the Engine). Every precision runs by default."""
+        return None
+
     def options(self) -> dict[str, Any]:
         """The options as plain values (for summary.json and the resolved config)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} if dataclasses.is_dataclass(self) else {}

@@ -164,6 +164,7 @@ class Trainer:
         strategy = get_strategy(cfg.strategy, **cfg.strategy_options)
         self._strategy = strategy
         self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
+        strategy.check_precision(cfg.precision, self._layout)
         check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
         self._check_tools(val_data)
         if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)

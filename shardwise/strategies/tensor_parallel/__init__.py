@@ -466,6 +466,15 @@ class TensorParallel(Strategy):
         """The tp degree for ``world_size`` processes: ``tp``, else the mesh settings' ``tp``, else the world size."""
         return self.tp or int((mesh or {}).get("tp") or 0) or world_size
 
+    def check_precision(self, precision: str, layout: Layout) -> None:
+        if precision == "16-mixed" and not (layout.degrees.get("dp", 1) > 1 and self.dp_strategy == "fsdp"):
+            # torch's GradScaler unscales all gradients in one foreach call, which refuses a mix of
+            # DTensor (split linears) and plain tensors (embedding, head).
+            raise ConfigError(
+                "strategy 'tp' does not run with precision '16-mixed' (torch's GradScaler cannot unscale a mix of "
+                "DTensor and plain gradients); use precision 'bf16-mixed', which needs no scaler, or '32'"
+            )
+
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
         pp = int((mesh or {}).get("pp", 1))
         if pp != 1:
@@ -569,13 +578,6 @@ class TensorParallelRun(Parallel):
         return self.model  # parallelize_module and fully_shard change the module in place; names stay the user's
 
     def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        if precision.mode == "16-mixed" and not self._fsdp():
-            # torch's GradScaler unscales all gradients in one foreach call, which refuses a mix of
-            # DTensor (split linears) and plain tensors (embedding, head): fail before the first step.
-            raise ConfigError(
-                "strategy 'tp' does not run with precision '16-mixed' (torch's GradScaler cannot unscale a mix of "
-                "DTensor and plain gradients); use precision 'bf16-mixed', which needs no scaler, or '32'"
-            )
         mode = _collective_counter_mode()(self._recorder, self._names) if self._strategy.count_collectives else None
         if mode is not None:
             inner = step_fn
