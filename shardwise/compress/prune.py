@@ -30,6 +30,7 @@ while masks are applied holds ``weight_orig`` and ``weight_mask``; it is not mea
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -164,7 +165,9 @@ def sparse_bytes(model: nn.Module) -> int:
     weights = {f"{name}.weight" if name else "weight" for name, _ in linears(model)}
     for key, value in model.state_dict().items():
         if key in weights and value.dim() == 2:
-            csr = value.to_sparse_csr()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+                csr = value.to_sparse_csr()
             state[key] = (csr.crow_indices().int(), csr.col_indices().int(), csr.values(), tuple(value.shape))
         else:
             state[key] = value
