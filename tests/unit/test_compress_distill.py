@@ -72,7 +72,10 @@ def test_student_in_float64_with_a_float32_teacher():
     assert out.dtype == torch.float64
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"temperature": 0}, "temperature"), ({"soft_weight": -1}, "soft_weight"), ({"soft_weight": 0, "hard_weight": 0}, "not both 0")])
+_BAD = [({"temperature": 0}, "temperature"), ({"soft_weight": -1}, "soft_weight"), ({"soft_weight": 0, "hard_weight": 0}, "not both 0")]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), _BAD)
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Distillation(nn.Linear(2, 2), **kwargs)

@@ -95,6 +95,10 @@ def test_sparsity_outside_0_1_is_refused(bad):
         ModelPruning(bad)
 
 
+def _ce(output: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, batch[1])
+
+
 def test_model_pruning_callback_keeps_masks_while_training():
     from torch.utils.data import TensorDataset
 
@@ -104,9 +108,8 @@ def test_model_pruning_callback_keeps_masks_while_training():
     data = TensorDataset(torch.randn(256, 64), torch.randint(0, 10, (256,)))
     model = DigitsMLP(hidden=32)
     pruning = ModelPruning(0.6, at_steps=(1, 4))
-    summary = Trainer(max_steps=8, global_batch_size=32, progress_bar=False, model_summary=False, callbacks=[pruning], loss_fn=lambda o, b: nn.functional.cross_entropy(o, b[1])).fit(
-        model, data
-    )
+    trainer = Trainer(max_steps=8, global_batch_size=32, progress_bar=False, model_summary=False, callbacks=[pruning], loss_fn=_ce)
+    summary = trainer.fit(model, data)
     n = 64 * 32 + 32 * 32 + 32 * 10
     # Pruned at 30% before step 1, 60% before step 4, trained 8 steps: the zeros stay zeros.
     assert sparsity_of(model)["zeros"] == round(0.6 * n)
