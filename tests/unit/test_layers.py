@@ -35,6 +35,7 @@ LAYER = {
     "advisor": 6,
     "tune": 6,
     "plot": 6,
+    "compress": 6,
     "cli": 7,
     "__init__": 8,
     "__main__": 8,
