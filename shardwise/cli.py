@@ -337,6 +337,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardwise.plot.commands import add_arguments as plot_arguments
 
     plot_arguments(sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP[0].upper() + PLOT_HELP[1:] + "."))
+    from shardwise.compress.commands import COMPRESS_HELP
+    from shardwise.compress.commands import add_arguments as compress_arguments
+
+    compress_arguments(sub.add_parser("compress", help=COMPRESS_HELP, description=COMPRESS_HELP[0].upper() + COMPRESS_HELP[1:] + "."))
     args = parser.parse_args(argv)
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
@@ -360,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardwise.plot.commands import main as plot_main
 
         return _guard(lambda: plot_main(args))
+    if args.command == "compress":
+        from shardwise.compress.commands import main as compress_main
+
+        return _guard(lambda: compress_main(args))
     if args.command == "recipes":
         from shardwise.recipes import available as recipes
         from shardwise.recipes import get_recipe

@@ -36,6 +36,7 @@ LAYER = {
     "advisor": 6,
     "tune": 6,
     "plot": 6,
+    "compress": 6,
     "cli": 7,
     "torchx": 7,
     "flyte": 7,
