@@ -206,9 +206,8 @@ class ModelPruning(Callback):
             raise ConfigError(f"ModelPruning needs the whole model on every rank; strategy {strategy!r} splits it; use single, ddp, zero1 or zero2")
 
     def _module(self, trainer: Trainer, engine: Engine) -> nn.Module:
-        state = trainer._state  # the running fit's model (wrapped by the strategy)
-        assert state is not None, "ModelPruning hooks run inside fit"
-        return engine.unwrap(state["model"])
+        assert trainer.model is not None, "ModelPruning hooks run inside fit"
+        return engine.unwrap(trainer.model)
 
     def on_train_step_start(self, trainer: Trainer, engine: Engine, step: int) -> None:
         if step not in self.at_steps:

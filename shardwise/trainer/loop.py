@@ -126,6 +126,9 @@ class Trainer:
         self.engine: Engine | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         """The running fit's optimizer (for callbacks; None outside fit)."""
+        self.model: nn.Module | None = None
+        """The running fit's model as the strategy wrapped it (for callbacks: ``engine.unwrap(trainer.model)``
+        is the user's module; None outside fit)."""
         self.step = 0
         self.should_stop = False
         self.preemption = Preemption()
@@ -282,7 +285,7 @@ class Trainer:
         finally:
             self.engine = self._engine = None
             self._state = None
-            self.optimizer = None
+            self.optimizer = self.model = None
             if self._lightning is not None:
                 self._lightning.detach()
             engine.close()
@@ -369,7 +372,7 @@ class Trainer:
         # The model is built and identical everywhere; from here each rank draws its own
         # stream, so dropout masks differ across data shards (a resume restores them).
         seed_everything(cfg.seed + 1 + engine.rank)
-        self.optimizer = optimizer
+        self.optimizer, self.model = optimizer, wrapped
         scheduler = self.lr_scheduler(optimizer) if self.lr_scheduler is not None else None
         if lightning is not None:
             scheduler = lightning.make_schedule(optimizer)
