@@ -225,10 +225,18 @@ def verify(path: Path) -> dict[str, Any]:
 
 
 def latest_valid(root: Path) -> Path | None:
-    """The newest checkpoint under ``root`` that verifies; damaged ones are skipped with a warning."""
+    """The newest checkpoint under ``root`` that verifies and loads; damaged ones are skipped with a warning.
+
+    Verifying is the manifest's checksums; loading is every ``.pt`` file through `load_file`
+    (``weights_only``: tensors and plain data, nothing else unpickled), so a file that matches its
+    checksum but holds something else (written over, manifest and all) is skipped too, the same way
+    on every rank, before any rank starts to load it."""
     for path in reversed(list_checkpoints(root)):
         try:
-            verify(path)
+            manifest = verify(path)
+            for name in manifest["files"]:
+                if name.endswith(".pt") and not name.startswith(SHARDED_DIR + "/"):
+                    load_file(Path(path) / name)
             return path
         except CheckpointError as exc:
             warnings.warn(f"skipping damaged checkpoint: {exc}", stacklevel=2)

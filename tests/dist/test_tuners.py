@@ -78,8 +78,9 @@ def test_the_largest_micro_batch_is_the_one_the_activation_memory_predicts():
     # Doubling until a size does not fit, then bisecting between 2 and 4 (the search itself: test_batch_size.py).
     assert [(t.micro_batch, t.fits) for t in result.trials] == [(1, True), (2, True), (4, False), (3, True)]
     assert peaks[3] <= budget < peaks[4]
-    # Each sample adds HELD bytes to the measured peak (within 2%: the allocator's pages).
-    assert (peaks[4] - peaks[2]) / 2 == pytest.approx(HELD, rel=0.02)
+    # Each sample adds HELD bytes to the measured peak (within 5%: the allocator's pages; 1% alone,
+    # 2.6% once in a full suite beside other work).
+    assert (peaks[4] - peaks[2]) / 2 == pytest.approx(HELD, rel=0.05)
     assert all(t.samples_per_s is not None and t.samples_per_s > 0 for t in result.trials)
 
 

@@ -139,3 +139,28 @@ def test_rng_streams_round_trip():
     expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
     ckpt.restore_rng(state)
     assert (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
+
+
+def test_a_checkpoint_whose_state_was_replaced_by_a_code_running_pickle_is_skipped(tmp_path):
+    """Checksums rewritten to match: only loading weights-only tells. It is skipped, the previous one
+    used, and the pickle's code never runs."""
+    import hashlib
+    import json
+    import os
+
+    _write(tmp_path, 1, 1.0)
+    newest = _write(tmp_path, 2, 2.0)
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self):  # noqa: ANN204
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model": Payload()}, newest / "state.pt")
+    manifest = json.loads((newest / "manifest.json").read_text())
+    data = (newest / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint: cannot read .*state.pt"):
+        assert ckpt.latest_valid(tmp_path) == tmp_path / "step-00000001"
+    assert not marker.exists()
