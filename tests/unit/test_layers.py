@@ -36,6 +36,8 @@ LAYER = {
     "advisor": 6,
     "tune": 6,
     "plot": 6,
+    "predict": 6,
+    "preprocess": 6,
     "cli": 7,
     "torchx": 7,
     "flyte": 7,
