@@ -43,7 +43,7 @@ RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
 
 # Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
 # rerun (ddp, common, data, checkpoint, engine, trainer, precision).
-OWNED = ("shardwise/strategies/ddp.py", "shardwise/strategies/common.py", "shardwise/data.py", "shardwise/checkpoint/files.py",
+OWNED = ("shardwise/strategies/ddp.py", "shardwise/strategies/common.py", "shardwise/data/__init__.py", "shardwise/checkpoint/files.py",
          "shardwise/engine.py", "shardwise/trainer/", "shardwise/precision.py")
 
 MUTANTS = [
@@ -80,10 +80,10 @@ MUTANTS = [
     Mutant("16-mixed clips the scaled gradients (no unscale before the clip: a wrong scale)", "shardwise/engine.py",
            "        self.precision.unscale(optimizer)\n        return self._run(model).clip_grad_norm(max_norm)",
            "        return self._run(model).clip_grad_norm(max_norm)", (SINGLE,)),
-    Mutant("the sampler takes one sample short (off by one)", "shardwise/data.py",
+    Mutant("the sampler takes one sample short (off by one)", "shardwise/data/__init__.py",
            "mine = perm[start : start + self.micro * self.accumulate].tolist()",
            "mine = perm[start : start + self.micro * self.accumulate - 1].tolist()", (SINGLE,)),
-    Mutant("consecutive global batches overlap by one sample (off by one)", "shardwise/data.py",
+    Mutant("consecutive global batches overlap by one sample (off by one)", "shardwise/data/__init__.py",
            "start = step * self.global_batch + self.rank", "start = step * (self.global_batch - 1) + self.rank", (SINGLE,)),
     Mutant("engine.print prints on every rank", "shardwise/engine.py",
            "        if self.is_rank_zero:\n            print(*args, **kwargs, flush=True)", "        print(*args, **kwargs, flush=True)", (REPLICAS,)),

@@ -13,6 +13,8 @@
     shardwise tune lr|batch-size --recipe NAME [...]          # learning-rate range test, largest batch that fits; see shardwise/tune
     shardwise plot RUN_DIR [RUN_DIR ...] [--out DIR]         # PNGs of runs; see shardwise/plot
     shardwise plan --model NAME|PATH.json|module:factory|--params N --nproc N [...]   # which strategy; see shardwise/advisor
+    shardwise predict CHECKPOINT --recipe NAME --out DIR [--nproc N] [--strategy S]   # shards + index.json; see shardwise/predict.py
+    shardwise preprocess --recipe charlm|digits --workers 1,2                          # shardwise.data.map, timed; see shardwise/preprocess.py
     shardwise --version
 """
 
@@ -341,6 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardwise.compress.commands import add_arguments as compress_arguments
 
     compress_arguments(sub.add_parser("compress", help=COMPRESS_HELP, description=COMPRESS_HELP[0].upper() + COMPRESS_HELP[1:] + "."))
+    from shardwise import predict, preprocess
+
+    predict.add_arguments(sub.add_parser("predict", help=predict.HELP, description=predict.HELP[0].upper() + predict.HELP[1:] + "."))
+    preprocess.add_arguments(sub.add_parser("preprocess", help=preprocess.HELP, description=preprocess.HELP[0].upper() + preprocess.HELP[1:] + "."))
     args = parser.parse_args(argv)
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
@@ -368,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardwise.compress.commands import main as compress_main
 
         return _guard(lambda: compress_main(args))
+    if args.command in ("predict", "preprocess"):
+        return _guard(lambda: (predict if args.command == "predict" else preprocess).main(args))
     if args.command == "recipes":
         from shardwise.recipes import available as recipes
         from shardwise.recipes import get_recipe

@@ -37,6 +37,8 @@ LAYER = {
     "tune": 6,
     "plot": 6,
     "compress": 6,
+    "predict": 6,
+    "preprocess": 6,
     "cli": 7,
     "torchx": 7,
     "flyte": 7,

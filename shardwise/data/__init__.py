@@ -9,6 +9,9 @@ The loader's position (epoch, steps taken in the epoch) is all the state it has:
 the order is a pure function of (seed, epoch), so a resume mid-epoch continues
 with exactly the next samples, at any world size.
 
+``shardwise.data.map(fn, dataset, workers=N)`` (in `shardwise.data.parallel`) is the other
+side of data: preprocessing before training, in worker processes or on Ray, cached by content.
+
 Design notes: Data: global-batch semantics
 ==========================================
 
@@ -353,3 +356,8 @@ def unpack_data(data: Any) -> tuple[Any, Collate | None, int, int | None]:
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
         raise ConfigError(f"data must be a map-style Dataset (with __getitem__ and __len__) or a DataLoader over one; got {type(data).__name__}")
     return data, None, 0, None
+
+
+# The public ``shardwise.data.map`` (parallel preprocessing, `shardwise.data.parallel`), after this module's own names.
+from shardwise.data.parallel import Mapped as Mapped  # noqa: E402
+from shardwise.data.parallel import map as map  # noqa: E402,A004
