@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,22 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
         raise ConfigError("exporting to safetensors needs the safetensors package; install it with: pip install safetensors") from None
     path = Path(path)
     manifest = verify(path)
+    # Independent, contiguous tensors: safetensors refuses views that share storage (tied weights).
+    tensors = {k: v.contiguous().clone() for k, v in model_weights(path, key, manifest).items()}
+    meta = {"format": "pt", "source": str(path), "step": str(manifest.get("step")), "strategy": str(manifest.get("strategy"))}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata=meta)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out, 0o666 & ~umask)  # safetensors creates its file 0600; a user's export is theirs to share
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def model_weights(path: str | os.PathLike[str], key: str = "model", manifest: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """A checkpoint's model state, whole, on the CPU: any strategy's (sharded ones are assembled from
+    every rank's files in this process); verified against its manifest unless ``manifest`` is given."""
+    path = Path(path)
+    manifest = verify(path) if manifest is None else manifest
     if key in manifest.get("sharded", {}).get("keys", []):
         weights = read_sharded_full(path)[key]
     else:
@@ -41,12 +58,4 @@ def export_safetensors(path: str | os.PathLike[str], out: str | os.PathLike[str]
             held = sorted(k for k, v in state.items() if isinstance(v, dict) and not k.startswith("__"))
             raise CheckpointError(f"checkpoint {path} has no model state {key!r}; it holds {held} (choose one with --key)")
         weights = state[key]
-    # Independent, contiguous tensors: safetensors refuses views that share storage (tied weights).
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in weights.items() if isinstance(v, torch.Tensor)}
-    meta = {"format": "pt", "source": str(path), "step": str(manifest.get("step")), "strategy": str(manifest.get("strategy"))}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out), metadata=meta)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(out, 0o666 & ~umask)  # safetensors creates its file 0600; a user's export is theirs to share
-    return len(tensors), sum(t.numel() * t.element_size() for t in tensors.values())
+    return {k: v.detach().cpu() for k, v in weights.items() if isinstance(v, torch.Tensor)}

@@ -42,8 +42,7 @@ def checkpoint_path(source: str | os.PathLike[str]) -> Path:
 
 def load_weights(path: Path, key: str = "model") -> dict[str, torch.Tensor]:
     """The model state (whole tensors) of a checkpoint directory or a .safetensors file."""
-    from shardwise.checkpoint.files import load_file, verify
-    from shardwise.checkpoint.sharded import read_sharded_full
+    from shardwise.checkpoint.export import model_weights
 
     if path.is_file():
         try:
@@ -51,15 +50,7 @@ def load_weights(path: Path, key: str = "model") -> dict[str, torch.Tensor]:
         except ImportError:
             raise ConfigError("reading a .safetensors file needs the safetensors package; install it with: pip install safetensors") from None
         return dict(load_safetensors(str(path)))
-    manifest = verify(path)
-    if key in manifest.get("sharded", {}).get("keys", []):
-        weights = read_sharded_full(path)[key]
-    else:
-        state = load_file(path / "state.pt")
-        if key not in state or not isinstance(state[key], dict):
-            raise CheckpointError(f"checkpoint {path} has no model state {key!r}")
-        weights = state[key]
-    return {k: v.detach().cpu() for k, v in weights.items() if isinstance(v, torch.Tensor)}
+    return model_weights(path, key)
 
 
 def load_recipe_model(source: str | os.PathLike[str], recipe: str, options: Mapping[str, Any] | None = None) -> tuple[nn.Module, RecipeParts, Path]:
