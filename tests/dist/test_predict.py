@@ -1,5 +1,5 @@
 """``shardwise predict``: a digits checkpoint over 37 validation samples (no world size divides
-37 evenly into 10-row shards) at world sizes 1 and 2; the shards, read back in index order,
+37 evenly into 10-row shards) at world sizes 1, 2 and 3; the shards, read back in index order,
 equal a forward of the checkpoint's weights written out by hand, row for row (so in order, none
 missing, none duplicated); bad paths and another model's checkpoint are one-line errors."""
 
@@ -53,7 +53,7 @@ def _read_shards(out: Path) -> tuple[dict, torch.Tensor]:
     return index, torch.cat(parts)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, 2, 3])
 def test_outputs_in_order_none_duplicated_shards_and_index_consistent(digits_checkpoint: Path, tmp_path: Path, nproc: int) -> None:
     index = predict_checkpoint(digits_checkpoint, "digits", tmp_path, nproc=nproc, limit=N, rows_per_shard=10, batch_size=4)
     on_disk, rows = _read_shards(tmp_path)
@@ -95,3 +95,36 @@ def test_bad_paths_and_settings_are_one_line_errors(digits_checkpoint: Path, tmp
         timeout=120,
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no such directory" in proc.stderr
+
+
+def test_a_tensor_parallel_checkpoint_predicts_split_under_tp_and_whole_under_ddp(tmp_path: Path) -> None:
+    """A charlm checkpoint trained under tp (DCP shards) predicted with ``--strategy tp`` (the model
+    split over 2 processes while predicting) and with the default data-parallel ddp: both equal a
+    forward of the checkpoint's weights, read whole, by hand."""
+    from shardwise.checkpoint.export import model_weights
+    from shardwise.recipes import get_recipe
+
+    options = {"d_model": 32, "n_heads": 2, "n_layers": 2, "block_size": 16}
+    recipe = get_recipe("charlm")
+    torch.manual_seed(0)
+    parts = recipe.parts(options)
+    run = tmp_path / "run"
+    trainer = Trainer(
+        strategy="tp", nproc=2, optimizer=parts.optimizer, loss_fn=parts.loss_fn, max_steps=2, global_batch_size=8, checkpoint_every=2,
+        out=str(run), model_summary=False,
+    )  # fmt: skip
+    trainer.fit(parts.model, parts.train)
+    (step,) = (run / "checkpoints").glob("step-*")
+    n = 12
+    model = recipe.parts(options).model.double().eval()
+    model.load_state_dict({k: v.double() for k, v in model_weights(step).items()})
+    with torch.no_grad():
+        expected = model(torch.stack([parts.val[i][0] for i in range(n)]))
+    for strategy in ("tp", "ddp"):
+        index = predict_checkpoint(
+            step, "charlm", tmp_path / strategy, nproc=2, strategy=strategy, recipe_options=options, limit=n, rows_per_shard=5, batch_size=2, baseline=False
+        )
+        assert index["checkpoint_strategy"] == "tp" and index["throughput"]["strategy"] == strategy
+        assert [(s["first_row"], s["rows"]) for s in index["shards"]] == [(0, 5), (5, 5), (10, 2)]
+        _, rows = _read_shards(tmp_path / strategy)
+        torch.testing.assert_close(rows.double(), expected, atol=1e-4, rtol=1e-4)
