@@ -203,7 +203,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_summary:
         print(json.dumps(summary, indent=2, default=str))
     if preempted:
-        from shardwise.trainer.preempt import EXIT_PREEMPTED
+        from shardwise.errors import EXIT_PREEMPTED
 
         if _is_rank_zero():
             print(

@@ -5,6 +5,11 @@ Every message says what was wrong, what was received, and how to fix it.
 
 from __future__ import annotations
 
+EXIT_PREEMPTED = 75
+"""The exit code of ``shardwise train`` and ``shardwise run`` when a preemption signal stopped the run
+with a checkpoint (EX_TEMPFAIL of sysexits.h, "try again later": a code Slurm scripts and supervisors
+requeue on)."""
+
 
 class ShardwiseError(Exception):
     """Base class of every error shardwise raises on purpose."""

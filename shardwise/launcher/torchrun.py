@@ -12,13 +12,26 @@ users, so shardwise changes them (a flag or variable the user sets wins):
   ``DEFAULT_LAST_CALL_TIMEOUT_S``.
 - One machine with no rendezvous endpoint gets ``--standalone`` (a c10d rendezvous
   on a free local port), so two jobs on one machine never collide on port 29500.
+
+Preemption: torchrun's agent passes a SIGTERM on to its workers (which stop at their next log
+step with a checkpoint, `shardwise.trainer.preempt`) and waits for them, then raises; SIGUSR1
+(Slurm's ``--signal=USR1@60`` reaches every task, the agent included) would end the agent alone
+and leave its workers running. ``shardwise run`` turns SIGUSR1 into that SIGTERM, and after
+either exits with `EXIT_PREEMPTED` (75) and one line, not the agent's traceback, so a Slurm
+script or a supervisor requeues the job and ``--resume auto`` continues it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
+import threading
 from collections.abc import Sequence
+from typing import Any
+
+from shardwise.errors import EXIT_PREEMPTED
 
 DEFAULT_LAST_CALL_TIMEOUT_S = 2
 
@@ -46,16 +59,38 @@ def prepare(argv: Sequence[str], environ: dict[str, str] | None = None) -> argpa
     return args
 
 
+def _as_sigterm(signum: int, frame: Any) -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own handler then stops the workers
+
+
 def run(argv: Sequence[str]) -> int:
     """Run a user's script under torchrun; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run as torch_run
 
     args = prepare(argv)
+    main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    before = signal.signal(signal.SIGUSR1, _as_sigterm) if main_thread else None
     try:
         torch_run(args)
     except ChildFailedError as exc:
         # torchrun already printed which rank failed and its traceback.
         first = next(iter(exc.failures.values()), None)
         return first.exitcode if first is not None and first.exitcode else 1
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        if exc.sigval != signal.SIGTERM:
+            print(f"shardwise run: {name} received: the workers were stopped", file=sys.stderr, flush=True)
+            return 128 + int(exc.sigval)
+        print(
+            f"shardwise run: SIGTERM or SIGUSR1 received: the workers were asked to stop with a checkpoint; exit {EXIT_PREEMPTED} "
+            "(requeue on it; --resume auto continues)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_PREEMPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGUSR1, before)
     return 0

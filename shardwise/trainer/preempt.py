@@ -5,7 +5,7 @@ the handler notes the signal, and the next log step's reduction (the mean traini
 ``log_every`` steps, which carries one more number: did any rank get a signal?) tells every rank at
 the same step. Every rank then stops after that step, the run's checkpoint is written (as at the
 end of a run), ``summary.json`` records ``preempted`` (the signal and the step), and ``shardwise
-train`` exits with `EXIT_PREEMPTED` (75, EX_TEMPFAIL of sysexits.h: "try again later"), a code a
+train`` exits with `shardwise.errors.EXIT_PREEMPTED` (75, EX_TEMPFAIL of sysexits.h: "try again later"), a code a
 Slurm batch script or a supervisor requeues on; the next start with ``--resume auto`` continues
 bit-exact. The check costs nothing per step (it rides on a reduction the loop makes anyway), so the
 run stops within ``log_every`` steps of the signal: keep ``log_every`` x step time under the
@@ -13,7 +13,8 @@ notice (about 30 s on some clouds, 2 minutes on others).
 
 A signal only one rank receives is enough: the reduction carries it to the others. The launcher
 (`shardwise.launch`, ``Trainer(nproc=N)``) passes the signals it receives on to its workers;
-torchrun does so for SIGTERM itself.
+torchrun does so for SIGTERM itself, and ``shardwise run`` turns a SIGUSR1 to torchrun's agent into
+that SIGTERM (torchrun alone would die on SIGUSR1 and leave its workers running) and exits 75.
 """
 
 from __future__ import annotations
@@ -23,9 +24,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-
-EXIT_PREEMPTED = 75
-"""The exit code of ``shardwise train`` when a run stopped on a preemption signal (EX_TEMPFAIL)."""
 
 SIGNALS = ("SIGTERM", "SIGUSR1")
 
