@@ -22,6 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,9 +120,10 @@ def read(path: Path) -> Position | None:
     return Position(parts[0] == "1", parts[1], parts[2], int(parts[3]), parts[4], counts)
 
 
-def whereabouts(positions: dict[int, Position | None], waiting: int, finished: set[int]) -> list[str]:
+def whereabouts(positions: dict[int, Position | None], waiting: int, finished: set[int], dead: Collection[int] = ()) -> list[str]:
     """Lines naming who is where, given that rank ``waiting`` failed (timed out) in a collective:
-    first the ranks that never reached its collective, then every rank's position."""
+    first the ranks that never reached its collective, then every rank's position (``dead``: ranks
+    whose process died, so they are not "outside" anything: they are gone)."""
     lines = []
     mine = positions.get(waiting)
     if mine is not None and mine.inside and not mine.op.startswith(_P2P):  # point-to-point counts need not match
@@ -132,13 +134,17 @@ def whereabouts(positions: dict[int, Position | None], waiting: int, finished: s
             if pos is not None and mine.group not in pos.counts and mine.group != "world":
                 continue  # not a member of that group, as far as its ledger says
             if reached < mine.seq:
-                lines.append(f"rank {rank} never reached {mine.describe()}: {_state(pos, rank in finished)}")
+                lines.append(f"rank {rank} never reached {mine.describe()}: {_state(pos, rank in finished, rank in dead)}")
     for rank, pos in sorted(positions.items()):
-        lines.append(f"  rank {rank}: {_state(pos, rank in finished)}")
+        lines.append(f"  rank {rank}: {_state(pos, rank in finished, rank in dead)}")
     return lines
 
 
-def _state(pos: Position | None, finished: bool) -> str:
+def _state(pos: Position | None, finished: bool, dead: bool = False) -> str:
+    if dead:
+        if pos is None:
+            return "its process died before any shardwise collective"
+        return f"its process died {'inside' if pos.inside else 'after'} {pos.describe()}"
     if finished:
         return "it had returned from the function" if pos is None else f"it had returned from the function after {pos.describe()}"
     if pos is None:

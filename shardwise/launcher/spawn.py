@@ -357,7 +357,9 @@ def _supervise(
                     results[rank] = None
                     report.to_stderr(f"shardwise: rank {rank} died with exit code {code}; the strategy can lose it, so the run goes on without it")
                     continue
-                raise LaunchError(f"rank {rank} died with exit code {code} before reporting a result (killed, out of memory, or a crash in native code)")
+                died = f"rank {rank} died with exit code {code} before reporting a result (killed, out of memory, or a crash in native code)"
+                where = _whereabouts(procs, boot, rank, dead=(rank,))  # the others, still waiting for it: where
+                raise LaunchError(died + ("; where each rank was:\n" + "\n".join(where) if where else ""))
             failure, exc_bytes = pickle.loads(error_file.read_bytes())
             if rank in expendable:
                 results[rank] = None
@@ -367,7 +369,7 @@ def _supervise(
     return [results[r] for r in range(len(procs))]
 
 
-def _whereabouts(procs: list[subprocess.Popen[bytes]], boot: Path, failed: int) -> list[str]:
+def _whereabouts(procs: list[subprocess.Popen[bytes]], boot: Path, failed: int, dead: Collection[int] = ()) -> list[str]:
     """Every rank's position in its collectives (`shardwise.comm.ledger`) when ``failed`` failed, and
     a stack dump of each rank still running (SIGUSR2: the worker's faulthandler writes it)."""
     from shardwise.comm import ledger
@@ -382,7 +384,7 @@ def _whereabouts(procs: list[subprocess.Popen[bytes]], boot: Path, failed: int) 
     if running:
         time.sleep(0.3)  # let faulthandler write (it runs in the signal handler, at once)
     finished = {r for r in range(len(procs)) if procs[r].poll() == 0 and (boot / f"result-{r}.pkl").exists()}
-    return ledger.whereabouts(positions, failed, finished)
+    return ledger.whereabouts(positions, failed, finished, dead)
 
 
 def _raise_failure(

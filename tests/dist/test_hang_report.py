@@ -8,6 +8,8 @@ the collective the failed rank was in, and where every rank stood.
 from __future__ import annotations
 
 import inspect
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from shardwise import Engine, launch
-from shardwise.errors import CommError
+from shardwise.errors import CommError, LaunchError
 from shardwise.trainer.callbacks import Callback
 
 
@@ -135,3 +137,41 @@ def test_the_step_barrier_of_debug_collectives_names_the_rank_that_did_not_come(
         trainer.fit(torch.nn.Linear(4, 1), data)
     text = str(failed.value)
     assert "at the barrier after step 2" in text and "Ranks 1 failed to pass monitoredBarrier" in text, text
+
+
+def _die_in_the_middle(clock: str) -> int:
+    engine = Engine(strategy="ddp", accelerator="cpu")
+    t = torch.ones(1)
+    engine.all_reduce(t)
+    if engine.rank == 1:
+        Path(clock).write_text(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)  # no exception, no goodbye: a crash, an out-of-memory kill
+    engine.all_reduce(t)  # rank 0 waits here for a peer that is gone
+    return engine.rank
+
+
+def _die_lines() -> tuple[int, int]:
+    lines, first = inspect.getsourcelines(_die_in_the_middle)
+    calls = [first + i for i, x in enumerate(lines) if "engine.all_reduce(t)" in x]
+    return calls[0], calls[1]
+
+
+_DIE_AT = _die_lines()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_is_reported_dead_within_seconds_not_as_a_hang(tmp_path):
+    # The collective timeout is 100 s: a report within seconds of the death comes from the launcher
+    # seeing it, not from the waiting rank giving up. Timed from the death (process start-up on a
+    # loaded machine is not what is measured).
+    clock = tmp_path / "died-at"
+    with pytest.raises(LaunchError) as failed:
+        launch(_die_in_the_middle, str(clock), nproc=2, collective_timeout_s=100, timeout=110)
+    took = time.time() - float(clock.read_text())
+    text = str(failed.value)
+    assert "rank 1 died with exit code -9" in text, text
+    died_after = f"test_hang_report.py:{_DIE_AT[0]}"
+    waiting_in = f"test_hang_report.py:{_DIE_AT[1]}"
+    assert f"rank 0: it was in world all_reduce #2 ({waiting_in})" in text, text
+    assert f"rank 1: its process died after world all_reduce #1 ({died_after})" in text, text
+    assert took < 15, f"reported {took:.1f} s after the death"
