@@ -37,7 +37,10 @@ What it does, on every worker:
   (``RunConfig(storage_path=...)``); the Trainer's own copy stays in ``out/checkpoints/``.
 - **Resumes from Ray's checkpoint** when Ray restarts the workers (``ray.train.get_checkpoint()``,
   the latest one reported): it takes the place of ``resume=``, and the run continues as a
-  shardwise resume does, bitwise where an uninterrupted run would be.
+  shardwise resume does, bitwise where an uninterrupted run would be. Ray Train 2 also hands the
+  latest checkpoint to a run started again under the same ``RunConfig(name=...)`` and
+  ``storage_path``: a finished run then says so, trains nothing, and reports its last checkpoint
+  with the metrics logged before it (kept in the callback's checkpoint state).
 
 Strategies with serving ranks (parameter servers: ``ps``, ``central``) are refused: a server
 rank never reaches the loop's reports, so Ray's barrier would wait for it forever.
@@ -85,7 +88,15 @@ class RayReport(Callback):
 
     def __init__(self) -> None:
         self.metrics: dict[str, Any] = {}
-        """Every key logged so far, the newest value of each: what a checkpoint is reported with."""
+        """Every key logged so far, the newest value of each: what a checkpoint is reported with. Saved
+        in each checkpoint, so a resumed run reports what was logged before it too (and a run that had
+        already finished reports its last metrics with the checkpoint it hands over)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metrics": dict(self.metrics)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.metrics = dict(state.get("metrics", {}))
 
     def check(self, trainer: Trainer, has_val: bool) -> None:
         layout = trainer.layout
@@ -136,10 +147,11 @@ def fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any = Non
     try:
         if checkpoint is None:
             return trainer.fit(model, train_data, val_data)
-        # A restart: Ray's latest checkpoint replaces resume= (auto, or a path), whatever it was.
+        # Ray restarted the workers, or the run was started again under the same RunConfig name: Ray's
+        # latest checkpoint replaces resume= (auto, or a path), whatever it was.
         with checkpoint.as_directory() as directory:
             if rank == 0:
-                print(f"shardwise: Ray Train restarted the workers; resuming from Ray's checkpoint {checkpoint.path}", flush=True)
+                print(f"shardwise: Ray Train holds a checkpoint of this run; resuming from {checkpoint.path}", flush=True)
             trainer.config = dataclasses.replace(cfg, resume=str(directory))
             return trainer.fit(model, train_data, val_data)
     finally:
