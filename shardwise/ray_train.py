@@ -42,6 +42,9 @@ What it does, on every worker:
   ``storage_path``: a finished run then says so, trains nothing, and reports its last checkpoint
   with the metrics logged before it (kept in the callback's checkpoint state).
 
+A plain ``trainer.fit`` inside a Ray worker trains too (Ray's group is an existing group), but
+reports nothing to Ray and does not resume from Ray's checkpoints: call `fit` instead.
+
 Strategies with serving ranks (parameter servers: ``ps``, ``central``) are refused: a server
 rank never reaches the loop's reports, so Ray's barrier would wait for it forever.
 
