@@ -188,6 +188,12 @@ class Trainer:
                 cb.check(self, has_val)
 
     @property
+    def layout(self) -> Layout | None:
+        """The strategy's plan of the running (or last) fit or evaluation: world size, training and
+        serving ranks (`Layout`); None before ``fit`` has checked its arguments. For callbacks' ``check``."""
+        return self._layout
+
+    @property
     def saves_nothing(self) -> bool:
         """True under ``fast_dev_run`` (nothing is written: no checkpoints, no logs)."""
         return bool(self.config.fast_dev_run)

@@ -46,6 +46,8 @@ def guarded(code: str) -> str:
 def env() -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")  # `shardwise` and `python` of this venv
+    # The Ray Train block's local Ray instance: on loopback (a single-machine cluster), no usage report.
+    e.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
     root = str(README.parent)
     e["PYTHONPATH"] = root + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     return e

@@ -42,6 +42,7 @@ LAYER = {
     "cli": 7,
     "torchx": 7,
     "flyte": 7,
+    "ray_train": 7,
     "__init__": 8,
     "__main__": 8,
 }
