@@ -22,10 +22,11 @@ from shardwise.recipes import get_recipe
 def train_digits(out: str, strategy: str, max_steps: int) -> TrainOutputs:
     """The digits recipe as ``shardwise train --recipe digits --nproc 2`` trains it."""
     recipe = get_recipe("digits")
-    trainer = Trainer(**{**recipe.trainer_defaults, "max_steps": max_steps}, strategy=strategy, nproc=2, out=out)
-    seed_everything(trainer.config.seed)  # the same initial model on every rank
+    seed_everything(0)  # the same initial model on every rank (0 is the Trainer's default seed)
     parts = recipe.parts()
-    trainer.optimizer_factory, trainer.loss_fn, trainer.metrics = parts.optimizer, parts.loss_fn, parts.metrics
+    settings = {**recipe.trainer_defaults, "max_steps": max_steps}
+    # a second run of the example moves the first aside (out/replaced-<time>/; nothing is deleted)
+    trainer = Trainer(**settings, strategy=strategy, nproc=2, optimizer=parts.optimizer, loss_fn=parts.loss_fn, metrics=parts.metrics, out=out, overwrite=True)
     summary = trainer.fit(parts.model, parts.train, parts.val)
     return outputs(summary, out)
 

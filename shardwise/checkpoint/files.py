@@ -267,8 +267,12 @@ def read(path: Path, rank: int, *, verify_files: bool = True) -> tuple[dict[str,
     return shared, own, manifest
 
 
-def check_model_state(expected: dict[str, Any], found: dict[str, Any], path: Path) -> None:
-    """A clear error when a checkpoint's model does not match the model being trained."""
+RESUME_FIX = "Resume with the model it was saved from, or start a fresh run in another --out directory"
+
+
+def check_model_state(expected: dict[str, Any], found: dict[str, Any], path: Path, fix: str = RESUME_FIX) -> None:
+    """A clear error when a checkpoint's model does not match the model being trained (``fix``: how
+    to mend it, in the words of the command that read the checkpoint)."""
     exp = {k: tuple(v.shape) for k, v in expected.items() if isinstance(v, torch.Tensor)}
     got = {k: tuple(v.shape) for k, v in found.items() if isinstance(v, torch.Tensor)}
     missing = sorted(set(exp) - set(got))
@@ -282,8 +286,4 @@ def check_model_state(expected: dict[str, Any], found: dict[str, Any], path: Pat
             parts.append(f"unexpected {len(unexpected)} (e.g. {unexpected[:3]})")
         if shapes:
             parts.append("different shapes for " + ", ".join(f"{k}: checkpoint {got[k]} vs model {exp[k]}" for k in shapes[:3]))
-        raise CheckpointError(
-            f"checkpoint {path} was saved from another model: "
-            + "; ".join(parts)
-            + ". Resume with the model it was saved from, or start a fresh run in another --out directory"
-        )
+        raise CheckpointError(f"checkpoint {path} was saved from another model: " + "; ".join(parts) + f". {fix}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.errors import CheckpointError, ConfigError
+from shardwise.errors import ConfigError
 from shardwise.recipes import RecipeParts, get_recipe
 
 
@@ -66,10 +66,10 @@ def load_recipe_model(source: str | os.PathLike[str], recipe: str, options: Mapp
     weights = load_weights(path)
     model = parts.model
     expected = model.state_dict()
-    try:
-        check_model_state(expected, weights, path)
-    except CheckpointError as exc:
-        hint = f"the recipe {recipe!r} with options {dict(options or {})}; pass the options it was trained with as --set recipe.KEY=VALUE"
-        raise CheckpointError(f"{exc} ({hint})") from None
+    fix = (
+        f"It does not hold the model recipe {recipe!r} builds with options {dict(options or {})}: pass the --recipe and the "
+        "--set recipe.KEY=VALUE it was trained with"
+    )
+    check_model_state(expected, weights, path, fix=fix)
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in weights.items()})
     return model.eval(), parts, path

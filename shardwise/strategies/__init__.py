@@ -50,15 +50,26 @@ def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
     _EXTRA[name] = factory
 
 
+def check_name(name: str) -> None:
+    """A `ConfigError` naming the closest known strategies when ``name`` is none of them."""
+    if name in _EXTRA or name in _BUILTIN:
+        return
+    known = available()
+    if name.lower() in known:
+        hint = f" Did you mean {name.lower()!r}? (strategy names are lower case)"
+    else:
+        # two suggestions: one edit away can be a deletion or a swap ('dpp': 'dp' or 'ddp')
+        close = difflib.get_close_matches(name.lower(), known, n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ConfigError(f"unknown strategy {name!r}.{hint} Known strategies: {', '.join(known)}")
+
+
 def _factory(name: str) -> Callable[..., Any]:
+    check_name(name)
     if name in _EXTRA:
         return _EXTRA[name]
-    if name in _BUILTIN:
-        module, attr = _BUILTIN[name].split(":")
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
-    close = difflib.get_close_matches(name, available(), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"unknown strategy {name!r}.{hint} Known strategies: {', '.join(available())}")
+    module, attr = _BUILTIN[name].split(":")
+    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
 
 
 def get_strategy(spec: str | Strategy, **options: Any) -> Strategy:

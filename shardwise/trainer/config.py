@@ -117,6 +117,10 @@ class TrainerConfig:
             positive(name, allow_none=False)
         for name in ("global_batch_size", "max_steps", "max_epochs", "val_every", "val_batch_size", "checkpoint_every"):
             positive(name)
+        if isinstance(self.strategy, str):  # a misspelt name is refused here, not at fit
+            from shardwise.strategies import check_name
+
+            check_name(self.strategy)
         object.__setattr__(self, "precision", normalize(self.precision))
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0 (or None to disable); got {self.clip_grad_norm}")

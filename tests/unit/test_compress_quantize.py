@@ -91,8 +91,10 @@ def test_load_a_run_and_refuse_another_model(digits_run):
         assert torch.equal(a, b)
     with pytest.raises(CheckpointError, match="saved from another model"):
         load_recipe_model(out, "digits", {"hidden": 64})
-    with pytest.raises(CheckpointError, match="saved from another model"):
+    with pytest.raises(CheckpointError, match="saved from another model") as refused:
         load_recipe_model(out, "charlm")
+    # the fix is the one this command takes (the recipe and its options), not a training run's "resume"
+    assert "pass the --recipe and the --set recipe.KEY=VALUE it was trained with" in str(refused.value) and "Resume" not in str(refused.value)
 
 
 def test_cli_quantize_writes_the_report(digits_run, tmp_path, capsys):
