@@ -39,8 +39,34 @@ def test_torchrun_defaults_that_work():
     elastic = prepare(["--nnodes", "1:2", "--rdzv-endpoint", "host:29400", "train.py"], {})
     assert elastic.rdzv_backend == "c10d" and elastic.rdzv_conf == "last_call_timeout=2"  # the README's "a 2 s last_call_timeout", not the module's constant
     assert not elastic.standalone
-    mine = prepare(["--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=9", "train.py"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    flags = ["--nnodes", "1:2", "--rdzv-endpoint", "host:29400", "--rdzv-conf", "last_call_timeout=9"]
+    mine = prepare([*flags, "train.py"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
     assert mine.rdzv_conf == "last_call_timeout=9"
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--nnodes", "x"], "--nnodes takes a node count N or an elastic range MIN:MAX"),
+        (["--nnodes", "2:1"], "got '2:1'"),
+        (["--nnodes", "0:2"], "got '0:2'"),
+        (["--nnodes", "1:2:3"], "got '1:2:3'"),
+        # several machines on a dynamic rendezvous, no endpoint: each node would wait alone on its localhost
+        (["--nnodes", "2", "--rdzv-backend", "c10d"], "needs --rdzv-endpoint HOST:PORT"),
+        (["--nnodes", "1:2"], "--nnodes 1:2 with --rdzv-backend c10d needs --rdzv-endpoint"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:abc"], "a port from 1 to 65535; got 'head:abc'"),
+    ],
+)
+def test_torchrun_flags_that_cannot_work_across_machines_are_refused(flags, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        prepare([*flags, "train.py"], {})
+
+
+def test_torchrun_multinode_flags_pass_through():
+    args = prepare(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "t.py"], {})
+    assert (args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.standalone) == ("2", "c10d", "head:29400", False)
+    static = prepare(["--nnodes", "2", "--node-rank", "1", "--master-addr", "head", "--master-port", "29500", "t.py"], {})
+    assert static.rdzv_backend == "static" and not static.standalone  # the static backend takes --master-addr, no endpoint
 
 
 # -- Kubeflow PyTorchJob: the variables the training operator v1 sets on each pod ------------------
