@@ -165,6 +165,7 @@ def cmd_prune(args: argparse.Namespace) -> dict[str, Any]:
         config = from_mapping(dict(get_recipe(args.recipe).trainer_defaults)).probe(args.finetune_steps)
         seed_everything(config.seed)
         pruning = ModelPruning(args.sparsity, at_steps=steps, structured=args.structured)
+        print(f"pruned_finetuned: fine-tuning {args.finetune_steps} steps, pruning at steps {steps}", flush=True)
         Trainer(config=config, optimizer=tparts.optimizer, loss_fn=tparts.loss_fn, callbacks=[pruning]).fit(tuned.train(), tparts.train)
         rows["pruned_finetuned"] = {**row(tuned.eval()), "finetune_steps": args.finetune_steps, "prune_at_steps": steps}
         torch.save(tuned.state_dict(), out / "pruned_finetuned.pt")
@@ -202,6 +203,7 @@ def cmd_distill(args: argparse.Namespace) -> dict[str, Any]:
     teacher_scores = measure.evaluate(teacher, val, tparts.loss_fn, tparts.metrics)
     rows: dict[str, dict[str, Any]] = {"teacher": {"parameters": sum(p.numel() for p in teacher.parameters()), **teacher_scores}}
     for name, loss_fn in (("student_alone", None), ("student_distilled", loss)):
+        print(f"{name}: {'the student trained alone' if loss_fn is None else 'the same student distilled from the teacher'}", flush=True)
         seed_everything(args.seed)  # both students start from the same weights and see the same batches
         parts = recipe.parts(student_options)
         Trainer(config=config, optimizer=parts.optimizer, loss_fn=loss_fn or parts.loss_fn).fit(parts.model, parts.train)

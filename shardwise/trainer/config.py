@@ -98,6 +98,8 @@ class TrainerConfig:
     """Evaluate on the first N x val batch x data-parallel ranks samples (every rank N batches), or a fraction (0, 1] of the set; still each sample once."""
     model_summary: bool = True
     """Print parameters per top-level module (trainable or not) and per rank after sharding at the start; also in summary.json."""
+    announce_outputs: bool = True
+    """Print the run's first line, on what is saved where (off in the short internal runs of tune and compress, whose command saves its own)."""
     profile: bool = False
     """Profile a window of steps on every rank with torch.profiler: a Chrome trace per rank in out/profile/, and the step breakdown in summary.json."""
     profile_skip: int = 2
@@ -197,6 +199,7 @@ class TrainerConfig:
             profile=False,
             fast_dev_run=0,
             model_summary=False,
+            announce_outputs=False,
         )
         return self.replace(**{**quiet, **changes})
 

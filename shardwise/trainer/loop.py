@@ -410,7 +410,7 @@ class Trainer:
 
         if cfg.fast_dev_run:
             engine.print(f"shardwise: fast_dev_run: {total} step(s) and {total} validation batch(es) per rank; nothing is saved or logged")
-        else:
+        elif cfg.announce_outputs:
             engine.print(describe_outputs(cfg.out, cfg.checkpoint_every, cfg.keep_last))
         if getattr(self, "_run_id", None) is None:
             self._run_id = new_run_id()
