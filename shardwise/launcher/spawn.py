@@ -345,6 +345,9 @@ def _supervise(
         if not done:
             time.sleep(_POLL_S)
             continue
+        # A rank that died (no result, no error written) first: its peers' errors ("connection closed
+        # by peer") follow from its death, and by the time they are seen it is seen too.
+        done.sort(key=lambda r: not (procs[r].returncode != 0 and not (boot / f"error-{r}.pkl").exists()))
         for rank in done:
             pending.discard(rank)
             code = procs[rank].returncode

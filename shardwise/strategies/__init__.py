@@ -50,6 +50,27 @@ def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
     _EXTRA[name] = factory
 
 
+def _edits(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) from ``a`` to ``b``."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
+
+
+def _closest(name: str, known: list[str]) -> list[str]:
+    """The known names fewest edits away (2 at most; all of them when tied: 'dpp' is one edit from
+    both 'dp' and 'ddp'), else difflib's closest."""
+    distance = {k: _edits(name, k) for k in known}
+    best = min(distance.values())
+    if best <= 2:
+        return [k for k in known if distance[k] == best][:3]
+    return difflib.get_close_matches(name, known, n=1)
+
+
 def check_name(name: str) -> None:
     """A `ConfigError` naming the closest known strategies when ``name`` is none of them."""
     if name in _EXTRA or name in _BUILTIN:
@@ -58,8 +79,7 @@ def check_name(name: str) -> None:
     if name.lower() in known:
         hint = f" Did you mean {name.lower()!r}? (strategy names are lower case)"
     else:
-        # two suggestions: one edit away can be a deletion or a swap ('dpp': 'dp' or 'ddp')
-        close = difflib.get_close_matches(name.lower(), known, n=2)
+        close = _closest(name.lower(), known)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ConfigError(f"unknown strategy {name!r}.{hint} Known strategies: {', '.join(known)}")
 

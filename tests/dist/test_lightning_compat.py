@@ -1,12 +1,14 @@
 """The Lightning-written classifier of tests/unit/test_lightning_compat.py trains under ddp, zero3 and
 tp at world size 2 (float64): every rank ends with the parameters of the plain PyTorch loop over the
 same global batches (within 1e-9), and metrics.jsonl holds its logged values: the epoch means and the
-validation numbers the plain loop computes, reduced over both ranks.
+validation numbers the plain loop computes, reduced over both ranks, and so does the csv logger.
 
 One launch runs the three fits (the Trainer inside a launched worker joins its process group)."""
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ def _world_of_two(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy, options in STRATEGIES.items():
         model = LitClassifier()
-        summary = Trainer(strategy=strategy, strategy_options=options, out=str(Path(root) / strategy), **SETTINGS).fit(model, data(), data(VAL, seed=5))
+        trainer = Trainer(strategy=strategy, strategy_options=options, out=str(Path(root) / strategy), loggers="csv", **SETTINGS)
+        summary = trainer.fit(model, data(), data(VAL, seed=5))
         params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
         out[strategy] = (params, summary["mesh"], summary["val_acc"])
     return out
@@ -46,3 +49,13 @@ def test_lightning_module_equals_the_plain_loop(strategy, runs):
         check_run(holder, root / strategy, ref, per_step_loss=strategy == "tp")
         assert val_acc == pytest.approx(ref["val_acc"], abs=1e-12)
     assert (mesh.get("dp", 1), mesh.get("tp", 1)) == ((1, 2) if strategy == "tp" else (2, 1))  # tp really split the layers
+    # the values the module logged (self.log) reach the loggers too: the csv rows are metrics.jsonl's
+    jsonl = [json.loads(x) for x in (root / strategy / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    with open(root / strategy / "csv" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(jsonl)
+    for key in ("train_loss_avg", "val_loss", "val_acc"):
+        logged = [r for r in jsonl if key in r]
+        in_csv = [r for r in rows if r.get(key)]
+        assert logged and [int(r["step"]) for r in in_csv] == [r["step"] for r in logged], key
+        assert [float(r[key]) for r in in_csv] == pytest.approx([r[key] for r in logged], abs=1e-12), key
