@@ -1,8 +1,9 @@
 """Every code block of the README runs as written, in a fresh directory, with a timeout.
 
 Python blocks run as a user runs them after saving them to a file (``python mine.py``), once as
-written and once with the statements after the last definition moved under an
-``if __name__ == "__main__":`` guard (both must work: the workers stop at the launch call).
+written and, when the block starts shardwise's processes, once with the statements after the last
+definition moved under an ``if __name__ == "__main__":`` guard (both must work: the workers stop at
+the launch call).
 Shell blocks run line by line with ``bash -e``; ``make demo`` and ``make test`` (the first block)
 are what CI and a new user run themselves, so they are left out here (make test runs this file).
 """
@@ -63,8 +64,16 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert first is not None and "make demo" in first.group(2) and "make test" in first.group(2)
 
 
-@pytest.mark.parametrize("guard", [False, True], ids=["as-written", "with-guard"])
-@pytest.mark.parametrize("line,code", PYTHON, ids=[f"line{line}" for line, _ in PYTHON])
+def _starts_processes(code: str) -> bool:
+    """Whether a block starts shardwise's own processes (``nproc=``, ``launch(``): only there can a
+    main guard change what runs (the workers re-run the script up to the launch call)."""
+    return "nproc=" in code or "launch(" in code
+
+
+CASES = [(line, code, guard) for line, code in PYTHON for guard in ((False, True) if _starts_processes(code) else (False,))]
+
+
+@pytest.mark.parametrize("line,code,guard", CASES, ids=[f"line{line}-{'with-guard' if g else 'as-written'}" for line, _, g in CASES])
 def test_python_block_runs_as_written(tmp_path, line, code, guard):
     script = tmp_path / "mine.py"
     script.write_text(guarded(code) if guard else code)
