@@ -66,7 +66,9 @@ class Recipe:
         overrides = dict(overrides or {})
         unknown = sorted(set(overrides) - set(self.options))
         if unknown:
-            raise ConfigError(f"recipe {self.name!r} has no options {unknown}; its options are {sorted(self.options)}")
+            close = {u: difflib.get_close_matches(u, list(self.options), n=1) for u in unknown}
+            hints = "".join(f" (did you mean {c[0]!r} for {u!r}?)" for u, c in close.items() if c)
+            raise ConfigError(f"recipe {self.name!r} has no options {unknown}{hints}; its options are {sorted(self.options)}")
         return self.build({**self.options, **overrides})
 
 

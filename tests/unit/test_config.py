@@ -93,7 +93,7 @@ def test_toml_and_overrides(tmp_path):
     bad.write_text("[trainer\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_toml(bad)
-    with pytest.raises(ConfigError, match="recipe 'digits' has no options \\['hiden'\\]"):
+    with pytest.raises(ConfigError, match="recipe 'digits' has no options \\['hiden'\\] \\(did you mean 'hidden' for 'hiden'\\?\\)"):
         get_recipe("digits").parts({"hiden": 3})
     with pytest.raises(ConfigError, match="unknown recipe 'digit'. Did you mean 'digits'"):
         get_recipe("digit")
