@@ -85,8 +85,8 @@ def _train_loop(config: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[Any]:
-    if importlib.util.find_spec("ray") is None:  # not importorskip: importing ray sets RAY_* variables
-        pytest.skip("the optional ray extra: pip install 'shardwise[ray]'")
+    # a test extra (dev installs ray[train]): missing, this fails rather than skips, so CI cannot pass without testing it
+    assert importlib.util.find_spec("ray") is not None, "the ray extra is missing: pip install -e '.[dev]' (or '.[ray]')"
     environ = dict(os.environ)
     imported_before = "ray" in sys.modules
     # Workers inherit the raylet's environment: this clone's shardwise and tests (the worker
