@@ -10,12 +10,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardwise import Trainer, launch
 from shardwise.checkpoint import read_sharded_full, verify
+from shardwise.rundir import new_run_id
+from shardwise.trainer.loop import _fit_worker
 from tests.dist.models import adam, ce, classification, max_diff, mlp, params, step_lr
 
-# One module fixture runs every fit (eight launches, 1 to 4 processes): more than the 180 s a
+# One module fixture runs every fit (three launches, 1 to 4 processes): more than the 180 s a
 # single dist test gets on a busy two-core machine.
 pytestmark = pytest.mark.timeout(480)
 
@@ -48,6 +51,34 @@ def _fit(strategy: str, nproc: int, out: Path, max_steps: int, resume: str | Non
     return params(model), summary
 
 
+def _fit_as_a_rank(strategy: str, out: Path, max_steps: int, resume: str | None = None) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """One fit as one rank of the running job, as ``Trainer.fit`` runs it: the checks and the run's
+    id first (the same id on every rank, as fit sends it), then what each process it starts runs
+    (rank 0 returns the whole model's state)."""
+    trainer, model, data = _trainer(strategy, 2, out, max_steps, resume), mlp(), classification(100)
+    trainer._check(model, data, None)
+    ids = [new_run_id()]
+    dist.broadcast_object_list(ids, src=0)
+    trainer._run_id = ids[0]
+    summary, state = _fit_worker(trainer, model, data, None)
+    return state, summary
+
+
+def _fits_at_two(root: Path) -> dict[str, Any]:
+    """The fits at world size 2, one after another in one launch (process start-up, not the steps,
+    is most of each fit's time: 5 launches took ~30 s); each a fresh Trainer and model."""
+    out: dict[str, Any] = {}
+    out["first"] = _fit_as_a_rank("zero3", root / "z3", N)
+    # The zero3 checkpoint resumed under ddp.
+    out["ddp"] = _fit_as_a_rank("ddp", root / "ddp", 2 * N, str(root / "z3/checkpoints/step-00000008"))
+    # zero2 keeps its parameters gathered between steps: its checkpoints reshard first, then gather again.
+    out["z2_first"] = _fit_as_a_rank("zero2", root / "z2", N)
+    out["z2_resumed"] = _fit_as_a_rank("zero2", root / "z2", 2 * N, "auto")
+    # The ddp run's own (plain, unsharded) checkpoint at step 16, resumed under zero3.
+    out["from_ddp"] = _fit_as_a_rank("zero3", root / "from_ddp", 3 * N, str(root / "ddp/checkpoints/step-00000016"))
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("reshard")
@@ -55,15 +86,10 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     # The uninterrupted runs: single, in this process (zero3 equals it to ~1e-16, tested elsewhere).
     out["full"] = _fit("single", 1, root / "full", 2 * N)
     out["full3"] = _fit("single", 1, root / "full3", 3 * N)
-    out["first"] = _fit("zero3", 2, root / "z3", N)
+    out.update(launch(_fits_at_two, root, nproc=2)[0])
     ckpt = root / "z3/checkpoints/step-00000008"
-    for name, strategy, nproc in (("at1", "zero3", 1), ("at4", "zero3", 4), ("ddp", "ddp", 2)):
+    for name, strategy, nproc in (("at1", "zero3", 1), ("at4", "zero3", 4)):
         out[name] = _fit(strategy, nproc, root / name, 2 * N, str(ckpt))
-    # zero2 keeps its parameters gathered between steps: its checkpoints reshard first, then gather again.
-    out["z2_first"] = _fit("zero2", 2, root / "z2", N)
-    out["z2_resumed"] = _fit("zero2", 2, root / "z2", 2 * N, "auto")
-    # The ddp run's own (plain, unsharded) checkpoint at step 16, resumed under zero3.
-    out["from_ddp"] = _fit("zero3", 2, root / "from_ddp", 3 * N, str(root / "ddp/checkpoints/step-00000016"))
     return out
 
 
