@@ -315,7 +315,14 @@ from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout, tp_info
-from shardwise.strategies.tensor_parallel.counting import _collective_counter_mode, count_collectives, group_names, ns_is_input_shard
+from shardwise.strategies.tensor_parallel.counting import (
+    StepCounts,
+    _collective_counter_mode,
+    batch_signature,
+    count_collectives,
+    group_names,
+    ns_is_input_shard,
+)
 from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
 from shardwise.strategies.tensor_parallel.plan import (
     ATTN_COLWISE,
@@ -547,6 +554,7 @@ class TensorParallelRun(Parallel):
         }
         self.params = list(model.parameters())
         self.counts: Counter[tuple[str, str, str]] = Counter()
+        self._sampler = StepCounts()
         self.steps = 0
         self._dirty = False
         self._report: dict[str, Any] | None = None
@@ -578,7 +586,13 @@ class TensorParallelRun(Parallel):
         return self.model  # parallelize_module and fully_shard change the module in place; names stay the user's
 
     def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        mode = _collective_counter_mode()(self._recorder, self._names) if self._strategy.count_collectives else None
+        mode = None
+        if self._strategy.count_collectives:
+            signature = batch_signature(microbatches)
+            if self._sampler.must_count(signature):
+                mode = _collective_counter_mode()(self._recorder, self._names)
+            else:
+                self._sampler.replay(signature, self._recorder, self.counts)
         if mode is not None:
             inner = step_fn
 
@@ -593,6 +607,7 @@ class TensorParallelRun(Parallel):
             loss = accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
         if mode is not None:
             self.counts.update(mode.counts)
+            self._sampler.counted_step(signature, mode.log)
         self.steps += 1
         self.finish_grads()
         return loss
@@ -667,5 +682,6 @@ class TensorParallelRun(Parallel):
                 **self.roles,
                 "collectives_per_step": per_step if s.count_collectives else None,
                 "counted_steps": self.steps if s.count_collectives else 0,
+                "counting": self._sampler.summary() if s.count_collectives else None,
             }
         }

@@ -1,0 +1,384 @@
+"""Every strategy family against the hand-written PyTorch it wraps, side by side in one run.
+
+For each family the same model (charlm's GPT, ``--d-model`` wide, ``--layers`` blocks), data
+(charlm's windows of Python's documentation, as one tensor), seed, optimizer (AdamW), global
+batch and number of steps run twice in the same launched processes: once through
+``shardwise.Trainer`` and once through the torch calls it stands on, written out by hand as a
+careful user would (the same order of samples: epoch ``e``'s permutation seeded ``(seed, e)``,
+rank ``r`` taking the ``r``-th slice of each global batch; a loss allreduced every 20 steps):
+
+=========== ======================================================================== =======
+family      hand-written                                                              ranks
+=========== ======================================================================== =======
+ddp         ``DistributedDataParallel``                                               2
+zero1       ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer``                 2
+zero2       ``fully_shard(reshard_after_forward=False)`` per block and the root,      2
+            resharding after backward off, parameters gathered after each step
+zero3       ``fully_shard`` per block and the root                                    2
+hsdp        ``fully_shard`` on a 2 x 2 ``(replicate, shard)`` DeviceMesh              4
+tp          ``parallelize_module``: q, k, v, fc colwise, proj rowwise, the            2
+            attention's input made one replicated DTensor (``PrepareModuleInput``)
+pipeline    ``PipelineStage`` + ``Schedule1F1B``, 2 stages, 4 micro-batches            2
+local-sgd   each rank steps alone; one allreduce of the parameters every 8 steps       2
+=========== ======================================================================== =======
+
+(``ps`` and ``central`` need server ranks and their own wire protocol: no short hand-written
+equivalent, so they are not in the table.)
+
+Each row's pair runs ``--repeats`` times, alternating which side goes first, inside one launch
+(so process start is out of it); the training loop's time is each side's slowest rank. The
+ratio is of the medians, with the median and range of the per-pair ratios. The final losses of
+both sides are printed: they agree to float32 round-off (a different loss means the two
+sides did not train the same thing and the row is not a comparison).
+
+``--whole`` adds a second table: the whole process (``python -c`` that trains with 2 processes
+and exits) for ``ddp`` and the other families named by ``--whole-families``: ``Trainer(nproc=2)``
+against the hand-written loop under ``torch.multiprocessing.spawn``, interleaved likewise.
+
+    python benchmarks/families.py [--families ddp zero3 tp pipeline ...] [--steps 30] [--repeats 3] [--whole]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+FAMILIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pipeline", "local-sgd")
+RANKS = {"hsdp": 4}
+LOG_EVERY = 20
+SYNC_EVERY = 8
+MICROBATCHES = 4
+
+
+def settings(args: Any) -> dict[str, Any]:
+    return {"d_model": args.d_model, "layers": args.layers, "batch": args.batch, "block": args.block, "steps": args.steps}
+
+
+# ---------------------------------------------------------------- shared parts (both sides)
+
+
+def data(block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    from shardwise.recipes.charlm import load_charlm_split
+
+    vocab, train, _ = load_charlm_split(block)
+    x = torch.stack([train[i][0] for i in range(len(train))])
+    y = torch.stack([train[i][1] for i in range(len(train))])
+    return x, y, len(vocab)
+
+
+def model(vocab: int, s: dict[str, Any]) -> torch.nn.Module:
+    from shardwise.recipes.charlm import CharGPT
+
+    torch.manual_seed(0)
+    return CharGPT(vocab, s["block"], s["d_model"], 4, s["layers"])
+
+
+def optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def batch_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+    return lm_loss(logits, batch[1])
+
+
+def batches(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, part: int, parts: int) -> Any:
+    """The global batches the Trainer draws (epoch e: randperm seeded seed * 1_000_003 + e, seed 0),
+    this rank's ``part`` of ``parts`` contiguous slices of each."""
+    per = batch // parts
+    step, epoch = 0, 0
+    while True:
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        for i in range(len(x) // batch):
+            idx = perm[i * batch + part * per : i * batch + (part + 1) * per]
+            yield x[idx], y[idx]
+            step += 1
+            if step == steps:
+                return
+        epoch += 1
+
+
+def log_loss(recent: list[torch.Tensor], step: int, group: Any = None) -> float | None:
+    """Every LOG_EVERY steps: the mean of the recent losses over the replicas, as a number."""
+    if step % LOG_EVERY:
+        return None
+    mean = torch.stack(recent).mean().reshape(1)
+    recent.clear()
+    dist.all_reduce(mean, group=group)
+    return mean.item() / dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------- the hand-written side
+
+
+def hand(family: str, s: dict[str, Any]) -> tuple[float, float]:
+    """(seconds of the training loop, last logged loss) of the hand-written loop, on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    x, y, vocab = data(s["block"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = model(vocab, s)
+    logged: float | None = None
+    if family == "pipeline":
+        return hand_pipeline(net, x, y, s)
+    if family == "tp":
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in net.blocks:
+            parallelize_module(
+                block,
+                mesh,
+                {
+                    "attn": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+                    "attn.q": ColwiseParallel(),
+                    "attn.k": ColwiseParallel(),
+                    "attn.v": ColwiseParallel(),
+                    "attn.proj": RowwiseParallel(),
+                    "mlp.fc": ColwiseParallel(),
+                    "mlp.proj": RowwiseParallel(),
+                },
+            )
+        part, parts = 0, 1  # every tp rank reads the whole batch
+    else:
+        part, parts = rank, world
+    if family in ("zero2", "zero3", "hsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if family == "hsdp" else init_device_mesh("cpu", (world,))
+        reshard = family != "zero2"
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(net, mesh=mesh, reshard_after_forward=reshard)
+        units = [*net.blocks, net]
+        if family == "zero2":
+            net.set_reshard_after_backward(False)
+    if family in ("ddp", "zero1"):
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    if family == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    else:
+        opt = optimizer(net.parameters())
+    recent: list[torch.Tensor] = []
+    start = time.perf_counter()
+    for step, (xb, yb) in enumerate(batches(x, y, s["batch"], s["steps"], part, parts), 1):
+        loss = lm_loss(net(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if family == "zero2":  # ZeRO-2: the updated shards are gathered again for the next step
+            for unit in units:
+                unit.reshard()
+            for unit in units:
+                unit.unshard()
+        if family == "local-sgd" and step % SYNC_EVERY == 0:
+            with torch.no_grad():
+                flat = torch.cat([p.reshape(-1) for p in net.parameters()])
+                dist.all_reduce(flat)
+                flat /= world
+                torch.nn.utils.vector_to_parameters(flat, net.parameters())
+        recent.append(loss.detach())
+        logged = log_loss(recent, step) if step % LOG_EVERY == 0 else logged
+    return time.perf_counter() - start, float(logged if logged is not None else float("nan"))
+
+
+def hand_pipeline(net: Any, x: torch.Tensor, y: torch.Tensor, s: dict[str, Any]) -> tuple[float, float]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank = dist.get_rank()
+    half = len(net.blocks) // 2
+
+    class First(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.blocks = net.embed, torch.nn.ModuleList(net.blocks[:half])
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            h = self.embed(idx)
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+    class Last(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks, self.head = torch.nn.ModuleList(net.blocks[half:]), net.head
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                h = b(h)
+            return self.head(h)
+
+    stage_mod = First() if rank == 0 else Last()
+    stage = PipelineStage(stage_mod, rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=lm_loss)
+    opt = optimizer(stage_mod.parameters())
+    recent: list[torch.Tensor] = []
+    logged = float("nan")
+    start = time.perf_counter()
+    for step, (xb, yb) in enumerate(batches(x, y, s["batch"], s["steps"], 0, 1), 1):
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(xb)
+        else:
+            schedule.step(target=yb, losses=losses)
+            recent.append(torch.stack(losses).mean().detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % LOG_EVERY == 0:
+            mean = torch.stack(recent).mean().reshape(1) if recent else torch.zeros(1)
+            recent.clear()
+            dist.broadcast(mean, src=1)
+            logged = mean.item()
+    return time.perf_counter() - start, logged
+
+
+# ---------------------------------------------------------------- the shardwise side
+
+
+def ours(family: str, s: dict[str, Any], nproc: int | None = None) -> tuple[float, float]:
+    """(seconds of the training loop, last logged loss) of ``shardwise.Trainer`` on the same work."""
+    from torch.utils.data import TensorDataset
+
+    import shardwise
+
+    x, y, vocab = data(s["block"])
+    options: dict[str, Any] = {
+        "tp": {"tp": 2},
+        "pipeline": {"pp": 2, "microbatches": MICROBATCHES, "schedule": "1f1b"},
+        "hsdp": {"replicate": 2},
+        "local-sgd": {"sync_every": SYNC_EVERY},
+    }.get(family, {})
+    trainer = shardwise.Trainer(
+        strategy=family,
+        strategy_options=options,
+        global_batch_size=s["batch"],
+        max_steps=s["steps"],
+        log_every=LOG_EVERY,
+        optimizer=optimizer,
+        loss_fn=batch_loss,
+        progress_bar=False,
+        model_summary=False,
+        announce_outputs=False,
+        **({"nproc": nproc} if nproc else {}),
+    )
+    summary = trainer.fit(model(vocab, s), TensorDataset(x, y))
+    return float(summary["train_s"]), float(summary["train_loss"])
+
+
+def pair(family: str, s: dict[str, Any], repeats: int) -> list[tuple[float, float, float, float]]:
+    """Inside each launched rank: (hand s, ours s, hand loss, ours loss) per repeat, alternating the order."""
+    torch.set_num_threads(1)
+    warm = {**s, "steps": min(s["steps"], 3)}
+    hand(family, warm), ours(family, warm)  # first calls (imports, lazy initialisation) out of the timed pairs
+    out = []
+    for i in range(repeats):
+        got: dict[str, tuple[float, float]] = {}
+        for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
+            dist.barrier()
+            got[side] = hand(family, s) if side == "hand" else ours(family, s)
+        out.append((got["hand"][0], got["ours"][0], got["hand"][1], got["ours"][1]))
+    return out
+
+
+# ---------------------------------------------------------------- whole process
+
+
+def _spawned(rank: int, world: int, port: int, family: str, s: dict[str, Any]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    hand(family, s)
+    dist.destroy_process_group()
+
+
+def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
+    """Seconds of a fresh ``python`` that trains ``family`` on 2 processes and exits."""
+    if side == "ours":
+        body = f"import benchmarks.families as b; b.ours({family!r}, {s!r}, nproc={RANKS.get(family, 2)})"
+    else:
+        body = (
+            "import socket, torch.multiprocessing as mp, benchmarks.families as b\n"
+            "sock = socket.socket(); sock.bind(('127.0.0.1', 0)); port = sock.getsockname()[1]; sock.close()\n"
+            f"mp.spawn(b._spawned, args=({RANKS.get(family, 2)}, port, {family!r}, {s!r}), nprocs={RANKS.get(family, 2)})"
+        )
+    code = "if __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def spread(ours_t: list[float], hand_t: list[float]) -> str:
+    r = sorted(o / h for o, h in zip(ours_t, hand_t, strict=True))
+    return f"pairs: median {statistics.median(r):.3f}x, range {r[0]:.3f}-{r[-1]:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--d-model", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--whole", action="store_true", help="also time the whole process (start to exit)")
+    parser.add_argument("--whole-families", nargs="+", default=["ddp", "zero3", "tp", "pipeline"], choices=FAMILIES)
+    args = parser.parse_args()
+    import shardwise
+
+    s = settings(args)
+    params = sum(p.numel() for p in model(data(args.block)[2], s).parameters())
+    print(
+        f"charlm GPT, {params / 1e6:.2f} M parameters (d_model {args.d_model}, {args.layers} blocks), global batch {args.batch} x "
+        f"{args.block} characters, {args.steps} steps, AdamW, fp32, gloo, 1 thread per process, {args.repeats} interleaved pairs\n"
+    )
+    print(f"{'family':10s} {'ranks':>5s} {'shardwise s':>12s} {'hand s':>8s} {'ratio':>7s}  {'loss (shardwise / hand)':>24s}")
+    for family in args.families:
+        nproc = RANKS.get(family, 2)
+        results = shardwise.launch(pair, family, s, args.repeats, nproc=nproc, threads_per_proc=1)
+        hand_t = [max(r[i][0] for r in results) for i in range(args.repeats)]
+        ours_t = [max(r[i][1] for r in results) for i in range(args.repeats)]
+        hand_loss, ours_loss = results[0][-1][2], results[0][-1][3]
+        ratio = statistics.median(ours_t) / statistics.median(hand_t)
+        print(
+            f"{family:10s} {nproc:5d} {statistics.median(ours_t):12.3f} {statistics.median(hand_t):8.3f} {ratio:6.3f}x  "
+            f"{ours_loss:11.6f} / {hand_loss:.6f}  ({spread(ours_t, hand_t)})",
+            flush=True,
+        )
+    if args.whole:
+        print(f"\nwhole process: a fresh python that trains {args.steps} steps and exits (Trainer(nproc=N) against mp.spawn of the hand loop)\n")
+        print(f"{'family':10s} {'shardwise s':>12s} {'hand s':>8s} {'extra':>8s}")
+        for family in args.whole_families:
+            ours_t, hand_t = [], []
+            for i in range(args.repeats):
+                for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
+                    (hand_t if side == "hand" else ours_t).append(whole_process(side, family, s))
+            extra = sorted(o - h for o, h in zip(ours_t, hand_t, strict=True))
+            o, h = statistics.median(ours_t), statistics.median(hand_t)
+            print(
+                f"{family:10s} {o:12.2f} {h:8.2f} {o - h:+7.2f}s"
+                f"  (pairs: median {statistics.median(extra):+.2f}s, range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
