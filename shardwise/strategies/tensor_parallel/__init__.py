@@ -236,8 +236,13 @@ norm gradients, under ddp one dp allreduce of all gradients, under fsdp one all-
 forward and backward and one reduce-scatter per unit. `summary.json` gets `tp`: `degree`, `dp`,
 `dp_strategy`, `sequence_parallel`, `plan` (module -> style, as applied), `collectives_per_step`
 (`{"tp/all_reduce": {"forward": 4, "backward": 4}, ...}`, the mean over counted steps) and
-`counted_steps`; `comm.by_op` has the bytes. Counting costs one Python call per operator
-(`count_collectives=False` turns it off; the benchmark shows both).
+`counted_steps`, and `counting` (how many steps ran under the mode and how many replayed);
+`comm.by_op` has the bytes. The mode costs one Python call per operator, about 6% of charlm's tp
+step, so it runs only on a batch shape's first two steps and every 32nd (`counting.StepCounts`):
+the steps between replay the counted list, which is exact whenever the collectives follow from the
+code and the input shapes, and a verification that disagrees counts every step from then on
+(`count_collectives=False` turns counting off; `benchmarks/families.py` measures the loop against
+hand-written `parallelize_module`).
 
 **Cost** (`benchmarks/tensor_parallel.py`, charlm with 2 blocks, 4 heads, block 64, global batch
 16, fp32; tp=2 is two processes on gloo, one thread each). Bytes sent per rank on the tp group
@@ -413,7 +418,7 @@ class TensorParallel(Strategy):
     dp_strategy: Literal["ddp", "fsdp"] = "ddp"
     """Data parallel over the rest: ddp (one gradient allreduce per step) or fsdp (FSDP2 over the dp dimension)."""
     count_collectives: bool = True
-    """Count and record DTensor's collectives each step through a dispatch mode (a little Python per operator)."""
+    """Count and record DTensor's collectives: a dispatch mode on a batch shape's first steps and every 32nd, replayed in between."""
     check_replicas: bool = False
     """After every step, compare the replicated parameters across the tp ranks bit for bit (a debug check)."""
 
