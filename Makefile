@@ -2,6 +2,8 @@
 # make lint: ruff (lint rules and formatting) and mypy (strict on the public API, every built-in
 #   strategy checked against the contract in tests/typecheck_contract.py).
 # make test: set up, lint, and run the test suite.
+# make bench: every strategy family against the hand-written torch it wraps, training loop and whole
+#   process, one table (benchmarks/families.py; about 15 minutes on 2 cores).
 # make mutants: check that the tests catch a list of deliberate bugs.
 PYTHON ?= python3
 VENV ?= .venv
@@ -33,7 +35,7 @@ test: setup-dev lint
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench: setup-dev
-	$(VENV)/bin/python benchmarks/overhead.py
+	$(VENV)/bin/python benchmarks/families.py --whole
 
 # make mutants: apply each deliberate bug of scripts/mutants.py to a temporary copy and run the
 # tests that should catch it (a few minutes; not part of make test).

@@ -10,6 +10,7 @@ rank ``r`` taking the ``r``-th slice of each global batch; a loss allreduced eve
 =========== ======================================================================== =======
 family      hand-written                                                              ranks
 =========== ======================================================================== =======
+single      the model itself (the Trainer's loop against a plain loop, one process)   1
 ddp         ``DistributedDataParallel``                                               2
 zero1       ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer``                 2
 zero2       ``fully_shard(reshard_after_forward=False)`` per block and the root,      2
@@ -41,6 +42,8 @@ against the hand-written loop under ``torch.multiprocessing.spawn``, interleaved
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import subprocess
@@ -52,8 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-FAMILIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pipeline", "local-sgd")
-RANKS = {"hsdp": 4}
+FAMILIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pipeline", "local-sgd")
+RANKS = {"single": 1, "hsdp": 4}
 LOG_EVERY = 20
 SYNC_EVERY = 8
 MICROBATCHES = 4
@@ -110,10 +113,8 @@ def batches(x: torch.Tensor, y: torch.Tensor, batch: int, steps: int, part: int,
         epoch += 1
 
 
-def log_loss(recent: list[torch.Tensor], step: int, group: Any = None) -> float | None:
-    """Every LOG_EVERY steps: the mean of the recent losses over the replicas, as a number."""
-    if step % LOG_EVERY:
-        return None
+def log_loss(recent: list[torch.Tensor], group: Any = None) -> float:
+    """The mean of the recent losses over the replicas, as a number (every LOG_EVERY steps and at the end)."""
     mean = torch.stack(recent).mean().reshape(1)
     recent.clear()
     dist.all_reduce(mean, group=group)
@@ -193,7 +194,8 @@ def hand(family: str, s: dict[str, Any]) -> tuple[float, float]:
                 flat /= world
                 torch.nn.utils.vector_to_parameters(flat, net.parameters())
         recent.append(loss.detach())
-        logged = log_loss(recent, step) if step % LOG_EVERY == 0 else logged
+        if step % LOG_EVERY == 0 or step == s["steps"]:
+            logged = log_loss(recent)
     return time.perf_counter() - start, float(logged if logged is not None else float("nan"))
 
 
@@ -240,7 +242,7 @@ def hand_pipeline(net: Any, x: torch.Tensor, y: torch.Tensor, s: dict[str, Any])
             recent.append(torch.stack(losses).mean().detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % LOG_EVERY == 0:
+        if step % LOG_EVERY == 0 or step == s["steps"]:
             mean = torch.stack(recent).mean().reshape(1) if recent else torch.zeros(1)
             recent.clear()
             dist.broadcast(mean, src=1)
@@ -251,7 +253,7 @@ def hand_pipeline(net: Any, x: torch.Tensor, y: torch.Tensor, s: dict[str, Any])
 # ---------------------------------------------------------------- the shardwise side
 
 
-def ours(family: str, s: dict[str, Any], nproc: int | None = None) -> tuple[float, float]:
+def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool = True) -> tuple[float, float]:
     """(seconds of the training loop, last logged loss) of ``shardwise.Trainer`` on the same work."""
     from torch.utils.data import TensorDataset
 
@@ -277,7 +279,11 @@ def ours(family: str, s: dict[str, Any], nproc: int | None = None) -> tuple[floa
         announce_outputs=False,
         **({"nproc": nproc} if nproc else {}),
     )
-    summary = trainer.fit(model(vocab, s), TensorDataset(x, y))
+    with contextlib.ExitStack() as stack:
+        if quiet:  # the Trainer's own lines would break up the table
+            stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        summary = trainer.fit(model(vocab, s), TensorDataset(x, y))
     return float(summary["train_s"]), float(summary["train_loss"])
 
 
@@ -321,7 +327,9 @@ def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env, stdout=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"the {side} run of {family} failed:\n{done.stderr}")
     return time.perf_counter() - start
 
 
@@ -374,10 +382,25 @@ def main() -> None:
             extra = sorted(o - h for o, h in zip(ours_t, hand_t, strict=True))
             o, h = statistics.median(ours_t), statistics.median(hand_t)
             print(
-                f"{family:10s} {o:12.2f} {h:8.2f} {o - h:+7.2f}s"
-                f"  (pairs: median {statistics.median(extra):+.2f}s, range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
+                f"{family:10s} {o:12.2f} {h:8.2f} {o - h:+7.2f}s  (pairs: median {statistics.median(extra):+.2f}s, range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
                 flush=True,
             )
+        ours_t, hand_t = [], []
+        for i in range(args.repeats * 2):
+            for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
+                (hand_t if side == "hand" else ours_t).append(import_s(IMPORTS[side]))
+        extra = sorted(o - h for o, h in zip(ours_t, hand_t, strict=True))
+        o, h = statistics.median(ours_t), statistics.median(hand_t)
+        print(f"{'imports':10s} {o:12.2f} {h:8.2f} {o - h:+7.2f}s  ({IMPORTS['ours']} against {IMPORTS['hand']}; range {extra[0]:+.2f} to {extra[-1]:+.2f}s)")
+
+
+IMPORTS = {"ours": "from shardwise import Trainer, Engine, launch", "hand": "import torch"}
+
+
+def import_s(statement: str) -> float:
+    """Seconds ``statement`` takes in a fresh interpreter."""
+    code = f"import time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 if __name__ == "__main__":
