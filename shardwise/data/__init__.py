@@ -82,7 +82,8 @@ def per_rank_batch(global_batch: int, world_size: int, accumulate: int = 1) -> i
         lower = max(parts, global_batch - global_batch % parts)
         raise ConfigError(
             f"global batch {global_batch} is not divisible by world size {world_size} x accumulate {accumulate}; "
-            f"choose a global batch that is a multiple of {parts} (e.g. {lower} or {lower + parts})"
+            f"choose a global batch that is a multiple of {parts} (e.g. {lower} or {lower + parts}): "
+            f"global_batch_size= in Python, --global-batch-size on the command line"
         )
     return global_batch // parts
 

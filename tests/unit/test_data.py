@@ -17,7 +17,9 @@ def _dataset(n: int) -> TensorDataset:
 def test_per_rank_batch_divides_or_says_how_to_fix():
     assert per_rank_batch(64, 2, 2) == 16
     with pytest.raises(
-        ConfigError, match=r"global batch 10 is not divisible by world size 4 x accumulate 1; choose a global batch that is a multiple of 4 \(e.g. 8 or 12\)"
+        ConfigError,
+        match=r"global batch 10 is not divisible by world size 4 x accumulate 1; choose a global batch that is a multiple of 4 \(e.g. 8 or 12\): "
+        r"global_batch_size= in Python, --global-batch-size on the command line",
     ):
         per_rank_batch(10, 4, 1)
     with pytest.raises(ConfigError, match="world size must be a whole number >= 1; got 0"):
