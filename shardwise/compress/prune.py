@@ -205,6 +205,9 @@ class ModelPruning(Callback):
         if isinstance(strategy, str) and strategy in ("zero3", "fsdp", "hsdp", "tp", "pipeline", "ps"):
             raise ConfigError(f"ModelPruning needs the whole model on every rank; strategy {strategy!r} splits it; use single, ddp, zero1 or zero2")
 
+    def check_model(self, trainer: Trainer, model: nn.Module) -> None:
+        linears(model)  # a model with no Linear layer is refused here, not at the first pruning step in the workers
+
     def _module(self, trainer: Trainer, engine: Engine) -> nn.Module:
         assert trainer.model is not None, "ModelPruning hooks run inside fit"
         return engine.unwrap(trainer.model)

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from shardwise.errors import ConfigError
 
@@ -69,6 +70,10 @@ class Callback:
 
     def check(self, trainer: Trainer, has_val: bool) -> None:
         """Raise `ConfigError` for a setting that cannot work, in the parent, before any process starts."""
+
+    def check_model(self, trainer: Trainer, model: nn.Module) -> None:
+        """Raise `ConfigError` for a model this callback cannot work on (``fit``'s model, as given), in the
+        parent, before any process starts."""
 
     def on_fit_start(self, trainer: Trainer, engine: Engine) -> None: ...
 

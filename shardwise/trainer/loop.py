@@ -169,13 +169,13 @@ class Trainer:
         self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
         strategy.check_precision(cfg.precision, self._layout)
         check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
-        self._check_tools(val_data)
+        self._check_tools(val_data, model)
         if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
             check_out(cfg.out, cfg.resume, cfg.overwrite)
         if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
             check_batch_fits(model, fetch(dataset, [0], collate))
 
-    def _check_tools(self, val_data: Any) -> None:
+    def _check_tools(self, val_data: Any, model: nn.Module | None = None) -> None:
         """Loggers and callbacks that cannot work, in the parent before launch (one line each)."""
         check_names(self.config.loggers)
         if (self.config.loggers or self.logger_objects) and self.config.out is None and self.config.tracking_uri is None:
@@ -186,6 +186,8 @@ class Trainer:
         for cb in self.callbacks:
             if isinstance(cb, callbacks.Callback):
                 cb.check(self, has_val)
+                if model is not None:
+                    cb.check_model(self, model)
 
     @property
     def layout(self) -> Layout | None:

@@ -115,3 +115,20 @@ def test_model_pruning_callback_keeps_masks_while_training():
     assert sparsity_of(model)["zeros"] == round(0.6 * n)
     assert [r["target"] for r in summary["pruning"]["rounds"]] == pytest.approx([0.3, 0.6])
     assert not masks(model) and sorted(model.state_dict()) == sorted(DigitsMLP(hidden=32).state_dict())
+
+
+def test_a_model_without_linear_layers_is_refused_before_any_process_starts(monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    import shardwise.launcher.spawn as spawn
+    from shardwise import Trainer
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("processes were started for a model ModelPruning cannot prune")
+
+    monkeypatch.setattr(spawn, "_spawn", no_launch)
+    conv = nn.Sequential(nn.Conv1d(1, 2, 3), nn.Flatten())
+    data = TensorDataset(torch.randn(8, 1, 5), torch.zeros(8, 6))
+    trainer = Trainer(nproc=2, strategy="ddp", global_batch_size=4, max_steps=2, loss_fn=lambda out, batch: out.sum(), callbacks=[ModelPruning(0.5)])
+    with pytest.raises(ConfigError, match="Sequential has no nn.Linear layer to prune"):
+        trainer.fit(conv, data)
