@@ -9,6 +9,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.recipes.charlm import CharGPT
+from shardwise.recipes.digits import DigitsMLP
 from shardwise.strategies.tensor_parallel import TensorParallel, auto_plan, resolve_plan
 
 
@@ -154,6 +155,49 @@ def test_nothing_to_split_is_a_config_error_with_a_hint():
         resolve_plan(BertAttention())
     with pytest.raises(ConfigError, match="found no linear pair"):
         resolve_plan(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    """Blocks whose linears no automatic rule knows by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.layers, self.out = nn.Linear(4, 8), nn.ModuleList([_Pair(), _Pair()]), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.out(x)
+
+
+def test_the_hint_names_a_plan_of_the_models_own_layers_that_resolves():
+    with pytest.raises(ConfigError, match="found no linear pair") as info:
+        resolve_plan(_Stack())
+    message = str(info.value)
+    assert "strategy_options={'tp_plan': {'layers.*.up': 'colwise', 'layers.*.down': 'rowwise'}}" in message
+    assert """--set 'trainer.strategy_options.tp_plan={"layers.*.up" = "colwise", "layers.*.down" = "rowwise"}'""" in message
+    assert resolve_plan(_Stack(), {"layers.*.up": "colwise", "layers.*.down": "rowwise"}, 2) == {
+        "layers.0.up": "colwise",
+        "layers.1.up": "colwise",
+        "layers.0.down": "rowwise",
+        "layers.1.down": "rowwise",
+    }
+
+
+def test_a_model_with_no_pair_that_splits_alone_gets_the_general_hint():
+    # DigitsMLP: every pair leaves the third linear inside the pair's parent (net), so no pair is suggested.
+    with pytest.raises(ConfigError, match=r"Pass a plan instead: attention's q, k, v .* No pair of DigitsMLP's own .*data-parallel strategy"):
+        resolve_plan(DigitsMLP())
 
 
 def test_a_fused_qkv_projection_is_refused():

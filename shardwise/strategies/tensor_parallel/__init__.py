@@ -113,8 +113,8 @@ with `c // n_head`, `c` its input's width) cannot run on 1/tp of its heads: the 
 leaves it whole (replicated) and splits its block's MLP. A model with convolutions and no linear
 pair (ResNet) is refused: "tensor parallelism splits linear layers, not convolutions". A plan that
 finds nothing else is a `ConfigError` naming the rules and showing a user plan. A user plan
-(`plan={...}`, its JSON text, or on the command line a TOML inline table,
-`--set 'trainer.strategy_options.plan={"layers.*.ff.lin1" = "colwise", "layers.*.ff.lin2" = "rowwise"}'`)
+(`tp_plan={...}`, its JSON text, or on the command line a TOML inline table,
+`--set 'trainer.strategy_options.tp_plan={"layers.*.ff.lin1" = "colwise", "layers.*.ff.lin2" = "rowwise"}'`)
 maps module names or fnmatch patterns (`"blocks.*.attn.[qkv]"`) to `"colwise"`/`"rowwise"`; a key
 that matches nothing lists the closest names, a bad style suggests the closest one (in the
 constructor, before launch). Checks against `tp` (in the parent before launch, through the

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 
 from torch import nn
 
@@ -270,13 +271,27 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
                 "data-parallel strategy (ddp, zero1/2/3, fsdp) or a pipeline instead"
             )
         if not resolved:
-            raise ConfigError(
+            rules = (
                 f"the automatic tensor-parallel plan found no linear pair to split in {type(module).__name__}: it looks for "
                 "attention q/k/v (query/key/value, q_proj/k_proj/v_proj, wq/wk/wv, a stacked c_attn) next to "
                 "out/o_proj/proj/out_proj/wo/c_proj, MLP fc/fc1/up_proj/gate_proj/w1/w3/c_fc next to proj/fc2/down_proj/w2/c_proj, "
-                "and BERT's intermediate.dense/output.dense. Pass a plan instead, e.g. "
-                "plan={'layers.*.ff.lin1': 'colwise', 'layers.*.ff.lin2': 'rowwise'}, or on the command line "
-                '--set \'trainer.strategy_options.plan={"layers.*.ff.lin1" = "colwise", "layers.*.ff.lin2" = "rowwise"}\''
+                "and BERT's intermediate.dense/output.dense."
+            )
+            pair = _example_pair(module)
+            if pair is None:
+                raise ConfigError(
+                    f"{rules} Pass a plan instead: attention's q, k, v and an MLP's first linear colwise, the linear that "
+                    "consumes their output rowwise, by their names in model.named_modules() (e.g. strategy_options="
+                    "{'tp_plan': {'layers.*.mlp.fc': 'colwise', 'layers.*.mlp.proj': 'rowwise'}}, or --set "
+                    '\'trainer.strategy_options.tp_plan={"layers.*.mlp.fc" = "colwise", "layers.*.mlp.proj" = "rowwise"}\'). '
+                    f"No pair of {type(module).__name__}'s own consecutive linears splits by itself; a model that fits on one "
+                    "device trains as well with a data-parallel strategy (ddp, zero1, zero2, zero3)"
+                )
+            first, second = pair
+            raise ConfigError(
+                f"{rules} Pass a plan instead (a linear whose output feeds the next one: the first colwise, the second "
+                f"rowwise), e.g. strategy_options={{'tp_plan': {{{first!r}: 'colwise', {second!r}: 'rowwise'}}}}, or on the "
+                f'command line --set \'trainer.strategy_options.tp_plan={{"{first}" = "colwise", "{second}" = "rowwise"}}\''
             )
     for name, style in resolved.items():
         sub = module.get_submodule(name)
@@ -285,6 +300,28 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
     if tp is not None:
         check_divisible(module, resolved, tp)
     return resolved, grad_sum, source
+
+
+def _example_pair(module: nn.Module) -> tuple[str, str] | None:
+    """Two of ``module``'s own linears, in module order, the first's output width the second's input
+    width, that a plan can split (colwise, then rowwise) under the roles' rules; None when no such
+    pair passes them."""
+    from shardwise.strategies.tensor_parallel.roles import roles  # roles imports this module
+
+    linears = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    pairs = [(a, b) for (a, first), (b, second) in zip(linears, linears[1:], strict=False) if first.out_features == second.in_features]
+    pairs.sort(key=lambda p: p[0].rpartition(".")[0] != p[1].rpartition(".")[0])  # a pair inside one module (an MLP) first
+    for a, b in pairs:
+        try:
+            roles(module, {a: "colwise", b: "rowwise"}, [], False)
+        except ConfigError:
+            continue
+        pattern_a, pattern_b = (re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", n) for n in (a, b))
+        # the same pair in every block of a list (layers.*.fc) when the pattern names as many modules as blocks
+        if pattern_a != a and len(fnmatch.filter([n for n, _ in linears], pattern_a)) == len(fnmatch.filter([n for n, _ in linears], pattern_b)):
+            return pattern_a, pattern_b
+        return a, b
+    return None
 
 
 def _head_width(attn: nn.Module) -> int | None:
