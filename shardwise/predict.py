@@ -44,6 +44,7 @@ import torch
 from torch.utils.data import Subset, TensorDataset
 
 from shardwise import checkpoint as ckpt
+from shardwise.checkpoint.export import model_weights
 from shardwise.errors import ConfigError
 from shardwise.launcher import choose_device, connect, detect_env, launch
 from shardwise.recipes import get_recipe
@@ -162,6 +163,10 @@ def _predict_parts(job: PredictJob) -> dict[str, Any] | None:
     try:
         torch.manual_seed(0)  # the model's initial weights are replaced by the checkpoint's
         model, data = _data(job)
+        # Read (and verified) once per process, whole, not once per part: each part's predict then
+        # only places the model. A strategy that splits the model splits these weights as it would
+        # split any model's.
+        model.load_state_dict(model_weights(job.checkpoint))
         trainer = Trainer(
             strategy=job.strategy,
             strategy_options=job.strategy_options,
@@ -176,7 +181,7 @@ def _predict_parts(job: PredictJob) -> dict[str, Any] | None:
         dtype, row_shape = "", [0]
         start = time.perf_counter()
         for k, (a, b) in enumerate(_bounds(len(data), job.rows_per_shard)):
-            out = trainer.predict(copy.deepcopy(model), _rows(data, a, b), ckpt_path=job.checkpoint)
+            out = trainer.predict(copy.deepcopy(model), _rows(data, a, b))
             if env.rank != 0:
                 continue
             if not isinstance(out, torch.Tensor):
