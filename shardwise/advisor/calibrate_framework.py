@@ -82,12 +82,15 @@ def _data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
 
 
+CODECS = ("fp16", "bf16", "int8", "sign", "topk:0.01", "randomk:0.2", "powersgd:4")
+"""Each codec is its own calibration point: their encode and decode costs differ by several times."""
+
 # key -> (strategy, options, what varies: "layers" or "microbatches", its two values)
 POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, int]]] = {
     "single": ("single", {}, "layers", (2, 8)),
     "ddp": ("ddp", {}, "layers", (2, 8)),
     "ddp/algorithm": ("ddp", {"allreduce": "ring"}, "layers", (2, 8)),
-    "ddp/codec": ("ddp", {"compression": "int8"}, "layers", (2, 8)),
+    **{f"ddp/codec/{c.partition(':')[0]}": ("ddp", {"compression": c}, "layers", (2, 8)) for c in CODECS},
     "zero1": ("zero1", {}, "layers", (2, 8)),
     "zero2": ("zero2", {}, "layers", (2, 8)),
     "zero3": ("zero3", {}, "layers", (2, 8)),

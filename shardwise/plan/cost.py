@@ -200,17 +200,30 @@ def local_compute(fit: StepFit, micro: float, passes: float, tp: int, pp: int) -
 
 def framework_key(shape: Shape) -> str:
     """The profile's `Framework` entry for ``shape``: the family, with the variant that changes its per-step
-    work (``pipeline/1f1b``, ``ps/async``, ``ddp/ring`` for shardwise's own allreduce algorithms,
-    ``ddp/codec`` for compressed gradients). `estimate` falls back to the family's entry."""
+    work (``pipeline/1f1b``, ``ps/async``, ``ddp/algorithm`` for shardwise's own allreduce algorithms,
+    ``ddp/codec/<name>`` for compressed gradients: each codec's encode and decode cost differ, from a cast
+    (fp16) to a top-k selection or a low-rank factorisation). `estimate` falls back along `framework_keys`."""
     if shape.family == "pipeline":
         return f"pipeline/{shape.schedule}"
     if shape.family == "ps":
         return f"ps/{shape.mode}"
     if shape.family == "ddp" and shape.codec:
-        return "ddp/codec"
+        return f"ddp/codec/{shape.codec.partition(':')[0]}"
     if shape.family == "ddp" and shape.algorithm != "native":
         return "ddp/algorithm"
     return shape.family
+
+
+def framework_keys(shape: Shape) -> list[str]:
+    """The entries `estimate` tries, most specific first: a codec's own, then any codec's
+    (``ddp/codec``, what profiles measured before codecs had their own), then the family's."""
+    key = framework_key(shape)
+    keys = [key]
+    if key.startswith("ddp/codec/"):
+        keys.append("ddp/codec")
+    if key != shape.family:
+        keys.append(shape.family)
+    return keys
 
 
 def framework_units(shape: Shape, spec: ModelSpec) -> float:
@@ -359,7 +372,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
 
     exposed = sum(c.exposed_s for c in colls)
     total_comm = sum(c.seconds for c in colls)
-    framework = dev.framework.get(framework_key(shape)) or dev.framework.get(fam)
+    framework = next((dev.framework[k] for k in framework_keys(shape) if k in dev.framework), None)
     overhead = framework.seconds(framework_units(shape, spec)) if framework is not None else dev.step_overhead_s
     step = compute + bubble + optimizer + exposed + overhead
     shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0

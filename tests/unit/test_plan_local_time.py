@@ -16,7 +16,7 @@ from shardwise.advisor.calibrate_framework import CalibrationNet, fit_framework
 from shardwise.advisor.models import time_step
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import A100_40GB, Cluster, Framework, Link, profile_from_mapping
-from shardwise.plan.cost import Settings, Shape, estimate, framework_key, local_compute
+from shardwise.plan.cost import Settings, Shape, estimate, framework_key, framework_keys, local_compute
 from shardwise.plan.model_spec import ModelSpec, StepFit
 
 FIT = StepFit(fixed_s=2e-3, per_sample_s=1e-4)
@@ -71,10 +71,19 @@ def test_without_a_local_profile_the_flop_model_and_fixed_overhead_stay() -> Non
 def test_framework_keys_name_the_variant_and_fall_back_to_the_family() -> None:
     assert framework_key(Shape("pipeline", schedule="gpipe")) == "pipeline/gpipe"
     assert framework_key(Shape("ps", mode="async")) == "ps/async"
-    assert framework_key(Shape("ddp", codec="int8")) == "ddp/codec"
+    assert framework_key(Shape("ddp", codec="int8")) == "ddp/codec/int8"
+    assert framework_key(Shape("ddp", codec="topk:0.01")) == "ddp/codec/topk"
+    assert framework_keys(Shape("ddp", codec="topk:0.01")) == ["ddp/codec/topk", "ddp/codec", "ddp"]
     assert framework_key(Shape("ddp", algorithm="ring")) == "ddp/algorithm"
     # ddp/algorithm is not in PROFILE: the family's entry is used
     t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2, algorithm="ring")).time
+    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)
+    # a codec with an entry of its own uses it; another codec falls back to ddp/codec, then to ddp
+    codecs = replace(PROFILE, framework={**PROFILE.framework, "ddp/codec": Framework(5e-3), "ddp/codec/sign": Framework(2e-3)})
+    for codec, overhead in (("sign", 2e-3), ("topk:0.01", 5e-3)):
+        t = estimate(SPEC, Cluster(codecs, 2), Settings(32), Shape("ddp", dp=2, codec=codec)).time
+        assert t["overhead_s"] == pytest.approx(overhead)
+    t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2, codec="fp16")).time
     assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)
 
 
