@@ -61,19 +61,33 @@ def _same_run(got: dict[str, Any], reference: dict[str, Any]) -> None:
     assert traffic(got) == traffic(reference) and traffic(got)["dp/all_reduce"][0] == 20
 
 
-def test_the_torchx_component_runs_on_the_local_scheduler(tmp_path, reference):
-    pytest.importorskip("torchx")
-    import shardwise.torchx
+def _readme_command(command: str, tmp_path: Path) -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    """The README's block that runs ``command``, run here as written (``bash -e`` from a directory
+    with the clone's examples, as tests/e2e/test_readme_shell.py runs the other blocks; it leaves
+    this one to this file: RUN_ELSEWHERE). Its words, and the finished process."""
+    from tests.e2e.test_readme import RUN_ELSEWHERE, blocks
 
-    out = tmp_path / "run"
-    component = f"{shardwise.torchx.__file__}:train"
-    cmd = ["torchx", "run", "-s", "local_cwd", component, "-j", "1x2", "--", *ARGS, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path, env=_env())
+    assert RUN_ELSEWHERE[command].endswith(Path(__file__).name)
+    (code,) = [code for _, code in blocks("bash") if command in code]
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the commands run from the clone's root
+    # flytekit's local sandbox, torchx and torch's elastic agent make temporary directories: here, not in /tmp
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.run(["bash", "-e", "-c", code], capture_output=True, text=True, timeout=500, cwd=tmp_path, env=_env(TMPDIR=str(tmp_path / "tmp")))
+    return shlex.split(code), proc
+
+
+def test_the_torchx_component_runs_on_the_local_scheduler(tmp_path, reference):
+    """The README's torchx command."""
+    pytest.importorskip("torchx")
+    args, proc = _readme_command("torchx run -s local_cwd ", tmp_path)
+    # `torchx run -s local_cwd "$(python -c ...shardwise.torchx...)":train -j 1x2 -- ARGS --out OUT`, the reference's ARGS
+    assert args[:4] == ["torchx", "run", "-s", "local_cwd"] and "shardwise.torchx" in args[4] and args[4].endswith(":train"), args
+    assert args[5:8] == ["-j", "1x2", "--"] and args[8:-2] == ARGS and args[-2] == "--out", args
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     assert "Job finished: SUCCEEDED" in proc.stdout + proc.stderr
     # torchrun's workers (its "[rank]:" prefix), joined as torchrun's ranks: nothing spawned by shardwise.
     assert "[0]:shardwise: 2 processes, backend gloo" in proc.stdout + proc.stderr
-    _same_run(_summary(out), reference)
+    _same_run(_summary(tmp_path / args[-1]), reference)
 
 
 def test_the_torchx_component_is_torchx_ddp_with_shardwise_as_the_program():
@@ -115,23 +129,13 @@ def test_two_pytorchjob_pods_train_without_torchrun(tmp_path, reference):
 
 
 def test_the_flyte_example_workflow_runs_locally_and_returns_the_summary_and_checkpoints(tmp_path, reference):
-    """The README's command for the example (``python examples/flyte_workflow.py OUT STEPS``), run
-    here as written, as tests/e2e/test_readme_shell.py runs the other blocks (it leaves this one to
-    this test: RUN_ELSEWHERE)."""
-    from tests.e2e.test_readme import RUN_ELSEWHERE, blocks
-
+    """The README's command for the example, ``python examples/flyte_workflow.py OUT STEPS``."""
     # (found, not imported: flytekit makes its temporary directories when imported)
     for module in ("flytekit", "flytekitplugins.kfpytorch"):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed")
-    (command,) = [c for c, test_file in RUN_ELSEWHERE.items() if test_file.endswith(Path(__file__).name)]
-    (code,) = [code for _, code in blocks("bash") if command in code]
-    args = shlex.split(code)
-    assert len(args) == 4 and args[:2] == ["python", "examples/flyte_workflow.py"] and args[3] == ARGS[-1], code  # the reference's 20 steps
-    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the command runs from the clone's root
-    # flytekit's local sandbox and torch's elastic agent make temporary directories: here, not in /tmp
-    (tmp_path / "tmp").mkdir()
-    proc = subprocess.run(["bash", "-e", "-c", code], capture_output=True, text=True, timeout=500, cwd=tmp_path, env=_env(TMPDIR=str(tmp_path / "tmp")))
+    args, proc = _readme_command("python examples/flyte_workflow.py ", tmp_path)
+    assert len(args) == 4 and args[:2] == ["python", "examples/flyte_workflow.py"] and args[3] == ARGS[-1], args  # the reference's 20 steps
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = reference
     for name in ("plain", "elastic"):

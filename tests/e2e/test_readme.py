@@ -59,9 +59,10 @@ def env() -> dict[str, str]:
 
 
 PYTHON = blocks("python")
-RUN_ELSEWHERE = {"python examples/flyte_workflow.py ": "tests/e2e/test_orchestrators.py"}
-"""Shell blocks that another test runs as written and checks further (there, the Flyte workflow's
-outputs against `shardwise train`'s): not run a second time here (~50 s of two trainings)."""
+RUN_ELSEWHERE = {"torchx run -s local_cwd ": "tests/e2e/test_orchestrators.py", "python examples/flyte_workflow.py ": "tests/e2e/test_orchestrators.py"}
+"""Shell blocks that another test runs as written and checks further (there, the torchx job's and
+the Flyte workflow's outputs against `shardwise train`'s): not run a second time here (~11 s and
+~50 s)."""
 SHELL = [(line, code) for line, code in blocks("bash") if not code.lstrip().startswith("make demo") and not any(k in code for k in RUN_ELSEWHERE)]
 
 
