@@ -30,17 +30,18 @@ with `shardwise.plan.memory.model_state_bytes`.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.comm.collectives import Group, broadcast_async
@@ -51,6 +52,9 @@ from shardwise.plan.memory import STAGE_OF, BytesPerParam, compare, model_state_
 from shardwise.precision import Precision
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # imported where a zero1 run is built: 1.3 s the parent never needs
 
 # -- model-state accounting ---------------------------------------------------------------
 
@@ -63,7 +67,8 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
     # ZeroRedundancyOptimizer keeps the state of this rank's parameters in its local optimizer.
-    inner = getattr(optimizer, "optim", None) if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+    zero = sys.modules.get("torch.distributed.optim")  # not imported: no optimizer here can be a ZeroRedundancyOptimizer
+    inner = getattr(optimizer, "optim", None) if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else None
     return (inner or optimizer).state
 
 
@@ -182,29 +187,37 @@ def require_process_group(strategy: str) -> None:
 # -- zero1 ----------------------------------------------------------------------------------
 
 
-class RecordedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
-    """torch's `ZeroRedundancyOptimizer`, with the parameter broadcast after each step sent
-    through `shardwise.comm.broadcast`, so the run's `Recorder` sees every byte of it.
+@functools.cache
+def _recorded_zero_class() -> type:
+    """`RecordedZeroRedundancyOptimizer`, defined on first use (its base class's module costs about
+    1.3 s to import, which the parent, planning a run, should not pay)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    torch broadcasts each parameter from the rank that owns it (``_sync_params``, per
-    parameter when ``parameters_as_bucket_view`` is off, as here, all in flight at once, then
-    waits for them); this does the same broadcasts in the same order, one recorded call each:
-    the values every rank ends with are the owner's, exactly as before.
-    """
+    class RecordedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        """torch's `ZeroRedundancyOptimizer`, with the parameter broadcast after each step sent
+        through `shardwise.comm.broadcast`, so the run's `Recorder` sees every byte of it.
 
-    def __init__(self, params: Any, *, group: Group, recorder: Recorder | None, **kwargs: Any) -> None:
-        self._shardwise_group, self._shardwise_recorder = group, recorder
-        super().__init__(params, process_group=group.pg, **kwargs)
+        torch broadcasts each parameter from the rank that owns it (``_sync_params``, per
+        parameter when ``parameters_as_bucket_view`` is off, as here, all in flight at once, then
+        waits for them); this does the same broadcasts in the same order, one recorded call each:
+        the values every rank ends with are the owner's, exactly as before.
+        """
 
-    def _sync_params(self) -> None:
-        pending = [
-            broadcast_async(param.data, src=rank, group=self._shardwise_group, recorder=self._shardwise_recorder)
-            for rank, groups in enumerate(self._partition_parameters())  # type: ignore[attr-defined]  # torch's .pyi stub omits this private method
-            for param_group in groups
-            for param in param_group["params"]
-        ]
-        for work in pending:
-            work.wait()
+        def __init__(self, params: Any, *, group: Group, recorder: Recorder | None, **kwargs: Any) -> None:
+            self._shardwise_group, self._shardwise_recorder = group, recorder
+            super().__init__(params, process_group=group.pg, **kwargs)
+
+        def _sync_params(self) -> None:
+            pending = [
+                broadcast_async(param.data, src=rank, group=self._shardwise_group, recorder=self._shardwise_recorder)
+                for rank, groups in enumerate(self._partition_parameters())  # type: ignore[attr-defined]  # torch's .pyi stub omits this private method
+                for param_group in groups
+                for param in param_group["params"]
+            ]
+            for work in pending:
+                work.wait()
+
+    return RecordedZeroRedundancyOptimizer
 
 
 def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Group, recorder: Recorder | None = None) -> ZeroRedundancyOptimizer:
@@ -220,7 +233,8 @@ def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Group,
     # ``decoupled_weight_decay``, which AdamW sets itself and does not accept).
     accepted = inspect.signature(type(template).__init__).parameters
     defaults = {k: v for k, v in template.defaults.items() if k in accepted}
-    return RecordedZeroRedundancyOptimizer(groups, group=group, recorder=recorder, optimizer_class=type(template), **defaults)
+    zero: ZeroRedundancyOptimizer = _recorded_zero_class()(groups, group=group, recorder=recorder, optimizer_class=type(template), **defaults)
+    return zero
 
 
 def apply_zero1(model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[DistributedDataParallel, ZeroRedundancyOptimizer]:
