@@ -314,9 +314,21 @@ def _spawned(rank: int, world: int, port: int, family: str, s: dict[str, Any]) -
 
 
 def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
-    """Seconds of a fresh ``python`` that trains ``family`` on 2 processes and exits."""
+    """Seconds of a fresh ``python`` that trains ``family`` on 2 processes and exits: ``ours``
+    (``Trainer(nproc=N)``), ``spawn`` (the hand loop under ``torch.multiprocessing.spawn``) or
+    ``bare`` (the hand loop in N interpreters the script starts itself)."""
+    n = RANKS.get(family, 2)
     if side == "ours":
-        body = f"import benchmarks.families as b; b.ours({family!r}, {s!r}, nproc={RANKS.get(family, 2)})"
+        body = f"import benchmarks.families as b; b.ours({family!r}, {s!r}, nproc={n})"
+    elif side == "bare":  # the leanest launcher: N interpreters started by hand, env:// rendezvous
+        child = f"import benchmarks.families as b, sys; b._spawned(int(sys.argv[1]), {n}, int(sys.argv[2]), {family!r}, {s!r})"
+        body = (
+            "import socket, subprocess, sys\n"
+            "sock = socket.socket(); sock.bind(('127.0.0.1', 0)); port = sock.getsockname()[1]; sock.close()\n"
+            f"procs = [subprocess.Popen([sys.executable, '-c', {child!r}, str(r), str(port)]) for r in range({n})]\n"
+            "codes = [p.wait() for p in procs]\n"
+            "assert codes == [0] * len(procs), codes"
+        )
     else:
         body = (
             "import socket, torch.multiprocessing as mp, benchmarks.families as b\n"
@@ -372,17 +384,22 @@ def main() -> None:
             flush=True,
         )
     if args.whole:
-        print(f"\nwhole process: a fresh python that trains {args.steps} steps and exits (Trainer(nproc=N) against mp.spawn of the hand loop)\n")
-        print(f"{'family':10s} {'shardwise s':>12s} {'hand s':>8s} {'extra':>8s}")
+        print(
+            f"\nwhole process: a fresh python that trains {args.steps} steps and exits; Trainer(nproc=N) against the hand loop "
+            "in N interpreters the script starts itself (bare) and under torch.multiprocessing.spawn\n"
+        )
+        print(f"{'family':10s} {'shardwise s':>12s} {'bare s':>8s} {'spawn s':>8s} {'vs bare':>8s}")
         for family in args.whole_families:
-            ours_t, hand_t = [], []
+            times: dict[str, list[float]] = {"ours": [], "bare": [], "spawn": []}
             for i in range(args.repeats):
-                for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
-                    (hand_t if side == "hand" else ours_t).append(whole_process(side, family, s))
-            extra = sorted(o - h for o, h in zip(ours_t, hand_t, strict=True))
-            o, h = statistics.median(ours_t), statistics.median(hand_t)
+                order = ["ours", "bare", "spawn"]
+                for side in order[i % 3 :] + order[: i % 3]:  # rotated: each side goes first in turn
+                    times[side].append(whole_process(side, family, s))
+            extra = sorted(o - h for o, h in zip(times["ours"], times["bare"], strict=True))
+            o, h, m = (statistics.median(times[k]) for k in ("ours", "bare", "spawn"))
             print(
-                f"{family:10s} {o:12.2f} {h:8.2f} {o - h:+7.2f}s  (pairs: median {statistics.median(extra):+.2f}s, range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
+                f"{family:10s} {o:12.2f} {h:8.2f} {m:8.2f} {o - h:+7.2f}s  (pairs with bare: median {statistics.median(extra):+.2f}s, "
+                f"range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
                 flush=True,
             )
         ours_t, hand_t = [], []
@@ -391,7 +408,10 @@ def main() -> None:
                 (hand_t if side == "hand" else ours_t).append(import_s(IMPORTS[side]))
         extra = sorted(o - h for o, h in zip(ours_t, hand_t, strict=True))
         o, h = statistics.median(ours_t), statistics.median(hand_t)
-        print(f"{'imports':10s} {o:12.2f} {h:8.2f} {o - h:+7.2f}s  ({IMPORTS['ours']} against {IMPORTS['hand']}; range {extra[0]:+.2f} to {extra[-1]:+.2f}s)")
+        print(
+            f"{'imports':10s} {o:12.2f} {h:8.2f} {'':8s} {o - h:+7.2f}s  "
+            f"({IMPORTS['ours']} against {IMPORTS['hand']}; range {extra[0]:+.2f} to {extra[-1]:+.2f}s)"
+        )
 
 
 IMPORTS = {"ours": "from shardwise import Trainer, Engine, launch", "hand": "import torch"}
