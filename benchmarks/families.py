@@ -27,8 +27,10 @@ local-sgd   each rank steps alone; one allreduce of the parameters every 8 steps
 equivalent, so they are not in the table.)
 
 Each row's pair runs ``--repeats`` times, alternating which side goes first, inside one launch
-(so process start is out of it); the training loop's time is each side's slowest rank. The
-ratio is of the medians, with the median and range of the per-pair ratios. The final losses of
+(so process start is out of it). Two measures, each side's slowest rank: ``step``, the median
+time between the ends of consecutive steps (the first step left out; robust to the few slow
+steps a shared virtual machine deals out), as the median of the per-pair ratios; and ``loop``,
+the whole training loop (first step, logging and all), as the ratio of the medians. The final losses of
 both sides are printed: they agree to float32 round-off (a different loss means the two
 sides did not train the same thing and the row is not a comparison).
 
@@ -54,6 +56,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from shardwise.trainer.callbacks import Callback
 
 FAMILIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pipeline", "local-sgd")
 RANKS = {"single": 1, "hsdp": 4}
@@ -194,6 +198,7 @@ def hand(family: str, s: dict[str, Any]) -> tuple[float, float]:
                 flat /= world
                 torch.nn.utils.vector_to_parameters(flat, net.parameters())
         recent.append(loss.detach())
+        STEP_ENDS.append(time.perf_counter())
         if step % LOG_EVERY == 0 or step == s["steps"]:
             logged = log_loss(recent)
     return time.perf_counter() - start, float(logged if logged is not None else float("nan"))
@@ -242,6 +247,7 @@ def hand_pipeline(net: Any, x: torch.Tensor, y: torch.Tensor, s: dict[str, Any])
             recent.append(torch.stack(losses).mean().detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        STEP_ENDS.append(time.perf_counter())
         if step % LOG_EVERY == 0 or step == s["steps"]:
             mean = torch.stack(recent).mean().reshape(1) if recent else torch.zeros(1)
             recent.clear()
@@ -251,6 +257,22 @@ def hand_pipeline(net: Any, x: torch.Tensor, y: torch.Tensor, s: dict[str, Any])
 
 
 # ---------------------------------------------------------------- the shardwise side
+
+
+class StepClock(Callback):
+    """Notes the end of every training step (the hand loops note theirs at the same point)."""
+
+    def on_train_step_end(self, trainer: Any, engine: Any, step: int, loss: Any) -> None:
+        STEP_ENDS.append(time.perf_counter())
+
+
+STEP_ENDS: list[float] = []
+
+
+def step_s() -> float:
+    """The median step of the last run (from the ends noted; the first step, with its one-time work, left out)."""
+    gaps = [b - a for a, b in zip(STEP_ENDS, STEP_ENDS[1:], strict=False)]
+    return statistics.median(gaps)
 
 
 def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool = True) -> tuple[float, float]:
@@ -277,6 +299,7 @@ def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool =
         progress_bar=False,
         model_summary=False,
         announce_outputs=False,
+        callbacks=[StepClock()],
         **({"nproc": nproc} if nproc else {}),
     )
     with contextlib.ExitStack() as stack:
@@ -287,7 +310,7 @@ def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool =
     return float(summary["train_s"]), float(summary["train_loss"])
 
 
-def pair(family: str, s: dict[str, Any], repeats: int) -> list[tuple[float, float, float, float]]:
+def pair(family: str, s: dict[str, Any], repeats: int) -> list[tuple[float, ...]]:
     """Inside each launched rank: (hand s, ours s, hand loss, ours loss) per repeat, alternating the order."""
     torch.set_num_threads(1)
     warm = {**s, "steps": min(s["steps"], 3)}
@@ -295,10 +318,13 @@ def pair(family: str, s: dict[str, Any], repeats: int) -> list[tuple[float, floa
     out = []
     for i in range(repeats):
         got: dict[str, tuple[float, float]] = {}
+        steps: dict[str, float] = {}
         for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
             dist.barrier()
+            STEP_ENDS.clear()
             got[side] = hand(family, s) if side == "hand" else ours(family, s)
-        out.append((got["hand"][0], got["ours"][0], got["hand"][1], got["ours"][1]))
+            steps[side] = step_s()
+        out.append((got["hand"][0], got["ours"][0], got["hand"][1], got["ours"][1], steps["hand"], steps["ours"]))
     return out
 
 
@@ -318,6 +344,13 @@ def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
     (``Trainer(nproc=N)``), ``spawn`` (the hand loop under ``torch.multiprocessing.spawn``) or
     ``bare`` (the hand loop in N interpreters the script starts itself)."""
     n = RANKS.get(family, 2)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if side == "torchrun":  # the hand loop as a script under torchrun, as most hand-written jobs start
+        sizes = [f"--{k.replace('_', '-')}={v}" for k, v in s.items()]
+        script = os.path.abspath(__file__)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script, "--torchrun-worker", family, *sizes]
+        return _timed(cmd, root, env, side, family)
     if side == "ours":
         body = f"import benchmarks.families as b; b.ours({family!r}, {s!r}, nproc={n})"
     elif side == "bare":  # the leanest launcher: N interpreters started by hand, env:// rendezvous
@@ -336,13 +369,23 @@ def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
             f"mp.spawn(b._spawned, args=({RANKS.get(family, 2)}, port, {family!r}, {s!r}), nprocs={RANKS.get(family, 2)})"
         )
     code = "if __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in body.splitlines())
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return _timed([sys.executable, "-c", code], root, env, side, family)
+
+
+def _timed(cmd: list[str], root: str, env: dict[str, str], side: str, family: str) -> float:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"the {side} run of {family} failed:\n{done.stderr}")
     return time.perf_counter() - start
+
+
+def torchrun_worker(family: str, s: dict[str, Any]) -> None:
+    """One rank of the hand loop under torchrun (RANK, WORLD_SIZE and the store from its environment)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    hand(family, s)
+    dist.destroy_process_group()
 
 
 def spread(ours_t: list[float], hand_t: list[float]) -> str:
@@ -361,7 +404,11 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--whole", action="store_true", help="also time the whole process (start to exit)")
     parser.add_argument("--whole-families", nargs="+", default=["ddp", "zero3", "tp", "pipeline"], choices=FAMILIES)
+    parser.add_argument("--torchrun-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.torchrun_worker:
+        torchrun_worker(args.torchrun_worker, settings(args))
+        return
     import shardwise
 
     s = settings(args)
@@ -370,17 +417,21 @@ def main() -> None:
         f"charlm GPT, {params / 1e6:.2f} M parameters (d_model {args.d_model}, {args.layers} blocks), global batch {args.batch} x "
         f"{args.block} characters, {args.steps} steps, AdamW, fp32, gloo, 1 thread per process, {args.repeats} interleaved pairs\n"
     )
-    print(f"{'family':10s} {'ranks':>5s} {'shardwise s':>12s} {'hand s':>8s} {'ratio':>7s}  {'loss (shardwise / hand)':>24s}")
+    print(f"{'family':10s} {'ranks':>5s} {'step ms':>8s} {'hand ms':>8s} {'step':>7s} {'loop s':>7s} {'hand s':>7s} {'loop':>7s}  loss (shardwise / hand)")
     for family in args.families:
         nproc = RANKS.get(family, 2)
         results = shardwise.launch(pair, family, s, args.repeats, nproc=nproc, threads_per_proc=1)
         hand_t = [max(r[i][0] for r in results) for i in range(args.repeats)]
         ours_t = [max(r[i][1] for r in results) for i in range(args.repeats)]
+        hand_step = [max(r[i][4] for r in results) for i in range(args.repeats)]
+        ours_step = [max(r[i][5] for r in results) for i in range(args.repeats)]
         hand_loss, ours_loss = results[0][-1][2], results[0][-1][3]
-        ratio = statistics.median(ours_t) / statistics.median(hand_t)
+        step_ratios = sorted(o / h for o, h in zip(ours_step, hand_step, strict=True))
         print(
-            f"{family:10s} {nproc:5d} {statistics.median(ours_t):12.3f} {statistics.median(hand_t):8.3f} {ratio:6.3f}x  "
-            f"{ours_loss:11.6f} / {hand_loss:.6f}  ({spread(ours_t, hand_t)})",
+            f"{family:10s} {nproc:5d} {statistics.median(ours_step) * 1e3:8.1f} {statistics.median(hand_step) * 1e3:8.1f} "
+            f"{statistics.median(step_ratios):6.3f}x {statistics.median(ours_t):7.2f} {statistics.median(hand_t):7.2f} "
+            f"{statistics.median(ours_t) / statistics.median(hand_t):6.3f}x  {ours_loss:.6f} / {hand_loss:.6f}  "
+            f"(step ratio per pair {step_ratios[0]:.3f}-{step_ratios[-1]:.3f}; loop: {spread(ours_t, hand_t)})",
             flush=True,
         )
     if args.whole:
@@ -388,17 +439,17 @@ def main() -> None:
             f"\nwhole process: a fresh python that trains {args.steps} steps and exits; Trainer(nproc=N) against the hand loop "
             "in N interpreters the script starts itself (bare) and under torch.multiprocessing.spawn\n"
         )
-        print(f"{'family':10s} {'shardwise s':>12s} {'bare s':>8s} {'spawn s':>8s} {'vs bare':>8s}")
+        print(f"{'family':10s} {'shardwise s':>12s} {'bare s':>8s} {'spawn s':>8s} {'torchrun s':>10s} {'vs bare':>8s}")
         for family in args.whole_families:
-            times: dict[str, list[float]] = {"ours": [], "bare": [], "spawn": []}
+            times: dict[str, list[float]] = {"ours": [], "bare": [], "spawn": [], "torchrun": []}
             for i in range(args.repeats):
-                order = ["ours", "bare", "spawn"]
-                for side in order[i % 3 :] + order[: i % 3]:  # rotated: each side goes first in turn
+                order = list(times)
+                for side in order[i % 4 :] + order[: i % 4]:  # rotated: each side goes first in turn
                     times[side].append(whole_process(side, family, s))
             extra = sorted(o - h for o, h in zip(times["ours"], times["bare"], strict=True))
-            o, h, m = (statistics.median(times[k]) for k in ("ours", "bare", "spawn"))
+            o, h, m, t = (statistics.median(times[k]) for k in ("ours", "bare", "spawn", "torchrun"))
             print(
-                f"{family:10s} {o:12.2f} {h:8.2f} {m:8.2f} {o - h:+7.2f}s  (pairs with bare: median {statistics.median(extra):+.2f}s, "
+                f"{family:10s} {o:12.2f} {h:8.2f} {m:8.2f} {t:10.2f} {o - h:+7.2f}s  (pairs with bare: median {statistics.median(extra):+.2f}s, "
                 f"range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
                 flush=True,
             )
@@ -409,7 +460,7 @@ def main() -> None:
         extra = sorted(o - h for o, h in zip(ours_t, hand_t, strict=True))
         o, h = statistics.median(ours_t), statistics.median(hand_t)
         print(
-            f"{'imports':10s} {o:12.2f} {h:8.2f} {'':8s} {o - h:+7.2f}s  "
+            f"{'imports':10s} {o:12.2f} {h:8.2f} {'':8s} {'':10s} {o - h:+7.2f}s  "
             f"({IMPORTS['ours']} against {IMPORTS['hand']}; range {extra[0]:+.2f} to {extra[-1]:+.2f}s)"
         )
 
