@@ -10,6 +10,7 @@ rank ``r`` taking the ``r``-th slice of each global batch; a loss allreduced eve
 =========== ======================================================================== =======
 family      hand-written                                                              ranks
 =========== ======================================================================== =======
+control     the hand loop of ``single`` against itself: the noise floor of this machine   1
 single      the model itself (the Trainer's loop against a plain loop, one process)   1
 ddp         ``DistributedDataParallel``                                               2
 zero1       ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer``                 2
@@ -59,8 +60,8 @@ import torch.nn.functional as F
 
 from shardwise.trainer.callbacks import Callback
 
-FAMILIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pipeline", "local-sgd")
-RANKS = {"single": 1, "hsdp": 4}
+FAMILIES = ("control", "single", "ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "pipeline", "local-sgd")
+RANKS = {"control": 1, "single": 1, "hsdp": 4}
 LOG_EVERY = 20
 SYNC_EVERY = 8
 MICROBATCHES = 4
@@ -314,6 +315,8 @@ def pair(family: str, s: dict[str, Any], repeats: int) -> list[tuple[float, ...]
     """Inside each launched rank: (hand s, ours s, hand loss, ours loss) per repeat, alternating the order."""
     torch.set_num_threads(1)
     warm = {**s, "steps": min(s["steps"], 3)}
+    control = family == "control"  # the hand loop against itself: how far apart two identical runs land here
+    family = "single" if control else family
     hand(family, warm), ours(family, warm)  # first calls (imports, lazy initialisation) out of the timed pairs
     out = []
     for i in range(repeats):
@@ -322,7 +325,7 @@ def pair(family: str, s: dict[str, Any], repeats: int) -> list[tuple[float, ...]
         for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
             dist.barrier()
             STEP_ENDS.clear()
-            got[side] = hand(family, s) if side == "hand" else ours(family, s)
+            got[side] = hand(family, s) if side == "hand" or control else ours(family, s)
             steps[side] = step_s()
         out.append((got["hand"][0], got["ours"][0], got["hand"][1], got["ours"][1], steps["hand"], steps["ours"]))
     return out
