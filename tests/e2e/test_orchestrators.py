@@ -77,8 +77,8 @@ def _readme_command(command: str, tmp_path: Path) -> tuple[list[str], subprocess
 
 
 def test_the_torchx_component_runs_on_the_local_scheduler(tmp_path, reference):
-    """The README's torchx command."""
-    pytest.importorskip("torchx")
+    """The README's torchx command (run here only: test_readme_shell defers it; a missing extra fails, it does not skip)."""
+    assert importlib.util.find_spec("torchx") is not None, "torchx is missing: pip install -e '.[dev]' (or '.[torchx]')"
     args, proc = _readme_command("torchx run -s local_cwd ", tmp_path)
     # `torchx run -s local_cwd "$(python -c ...shardwise.torchx...)":train -j 1x2 -- ARGS --out OUT`, the reference's ARGS
     assert args[:4] == ["torchx", "run", "-s", "local_cwd"] and "shardwise.torchx" in args[4] and args[4].endswith(":train"), args
@@ -131,9 +131,9 @@ def test_two_pytorchjob_pods_train_without_torchrun(tmp_path, reference):
 def test_the_flyte_example_workflow_runs_locally_and_returns_the_summary_and_checkpoints(tmp_path, reference):
     """The README's command for the example, ``python examples/flyte_workflow.py OUT STEPS``."""
     # (found, not imported: flytekit makes its temporary directories when imported)
+    # The README's Flyte block is run here only (test_readme_shell defers it): a missing extra fails, it does not skip.
     for module in ("flytekit", "flytekitplugins.kfpytorch"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed")
+        assert importlib.util.find_spec(module) is not None, f"{module} is missing: pip install -e '.[dev]' (or '.[flyte]')"
     args, proc = _readme_command("python examples/flyte_workflow.py ", tmp_path)
     assert len(args) == 4 and args[:2] == ["python", "examples/flyte_workflow.py"] and args[3] == ARGS[-1], args  # the reference's 20 steps
     assert proc.returncode == 0, proc.stderr[-3000:]
