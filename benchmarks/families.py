@@ -68,7 +68,27 @@ MICROBATCHES = 4
 
 
 def settings(args: Any) -> dict[str, Any]:
-    return {"d_model": args.d_model, "layers": args.layers, "batch": args.batch, "block": args.block, "steps": args.steps}
+    return {
+        "d_model": args.d_model,
+        "layers": args.layers,
+        "batch": args.batch,
+        "block": args.block,
+        "steps": args.steps,
+        "accelerator": args.accelerator,
+        "precision": args.precision,
+    }
+
+
+def device(s: dict[str, Any]) -> torch.device:
+    """This rank's device: its GPU of the local rank under ``--accelerator cuda``, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if s.get("accelerator") == "cuda" else torch.device("cpu")
+
+
+def autocast(s: dict[str, Any]) -> Any:
+    """What ``precision='bf16-mixed'`` means by hand: bfloat16 autocast, float32 parameters."""
+    if s.get("precision") == "bf16-mixed":
+        return torch.autocast(device(s).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------- shared parts (both sides)
@@ -135,7 +155,7 @@ def hand(family: str, s: dict[str, Any]) -> tuple[float, float]:
 
     x, y, vocab = data(s["block"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = model(vocab, s)
+    net = model(vocab, s).to(device(s))
     logged: float | None = None
     if family == "pipeline":
         return hand_pipeline(net, x, y, s)
@@ -143,7 +163,7 @@ def hand(family: str, s: dict[str, Any]) -> tuple[float, float]:
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device(s).type, (world,))
         for block in net.blocks:
             parallelize_module(
                 block,
@@ -164,7 +184,8 @@ def hand(family: str, s: dict[str, Any]) -> tuple[float, float]:
     if family in ("zero2", "zero3", "hsdp"):
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if family == "hsdp" else init_device_mesh("cpu", (world,))
+        kind = device(s).type
+        mesh = init_device_mesh(kind, (2, world // 2), mesh_dim_names=("replicate", "shard")) if family == "hsdp" else init_device_mesh(kind, (world,))
         reshard = family != "zero2"
         for block in net.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
@@ -181,9 +202,12 @@ def hand(family: str, s: dict[str, Any]) -> tuple[float, float]:
     else:
         opt = optimizer(net.parameters())
     recent: list[torch.Tensor] = []
+    on = device(s)
     start = time.perf_counter()
     for step, (xb, yb) in enumerate(batches(x, y, s["batch"], s["steps"], part, parts), 1):
-        loss = lm_loss(net(xb), yb)
+        xb, yb = xb.to(on, non_blocking=True), yb.to(on, non_blocking=True)
+        with autocast(s):
+            loss = lm_loss(net(xb), yb)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -301,6 +325,8 @@ def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool =
         model_summary=False,
         announce_outputs=False,
         callbacks=[StepClock()],
+        accelerator=s.get("accelerator", "cpu"),
+        precision=s.get("precision", "32"),
         **({"nproc": nproc} if nproc else {}),
     )
     with contextlib.ExitStack() as stack:
@@ -323,7 +349,7 @@ def pair(family: str, s: dict[str, Any], repeats: int) -> list[tuple[float, ...]
         got: dict[str, tuple[float, float]] = {}
         steps: dict[str, float] = {}
         for side in ("hand", "ours") if i % 2 == 0 else ("ours", "hand"):
-            dist.barrier()
+            dist.barrier(device_ids=[torch.cuda.current_device()] if s.get("accelerator") == "cuda" else None)
             STEP_ENDS.clear()
             got[side] = hand(family, s) if side == "hand" or control else ours(family, s)
             steps[side] = step_s()
@@ -407,6 +433,10 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--whole", action="store_true", help="also time the whole process (start to exit)")
     parser.add_argument("--whole-families", nargs="+", default=["ddp", "zero3", "tp", "pipeline"], choices=FAMILIES)
+    parser.add_argument(
+        "--accelerator", default="cpu", choices=["cpu", "cuda"], help="cuda: each rank on its own GPU, NCCL (a family needing more ranks than GPUs is left out)"
+    )
+    parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"], help="bf16-mixed: the hand side runs under torch.autocast(bfloat16)")
     parser.add_argument("--torchrun-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.torchrun_worker:
@@ -416,14 +446,19 @@ def main() -> None:
 
     s = settings(args)
     params = sum(p.numel() for p in model(data(args.block)[2], s).parameters())
+    on = f"CUDA ({torch.cuda.get_device_name()}), NCCL" if args.accelerator == "cuda" else "gloo, 1 thread per process"
     print(
         f"charlm GPT, {params / 1e6:.2f} M parameters (d_model {args.d_model}, {args.layers} blocks), global batch {args.batch} x "
-        f"{args.block} characters, {args.steps} steps, AdamW, fp32, gloo, 1 thread per process, {args.repeats} interleaved pairs\n"
+        f"{args.block} characters, {args.steps} steps, AdamW, precision {args.precision}, {on}, {args.repeats} interleaved pairs\n"
     )
+    gpus = torch.cuda.device_count() if args.accelerator == "cuda" else None
     print(f"{'family':10s} {'ranks':>5s} {'step ms':>8s} {'hand ms':>8s} {'step':>7s} {'loop s':>7s} {'hand s':>7s} {'loop':>7s}  loss (shardwise / hand)")
     for family in args.families:
         nproc = RANKS.get(family, 2)
-        results = shardwise.launch(pair, family, s, args.repeats, nproc=nproc, threads_per_proc=1)
+        if gpus is not None and nproc > gpus:
+            print(f"{family:10s} {nproc:5d}  left out: needs {nproc} GPUs, this machine has {gpus}", flush=True)
+            continue
+        results = shardwise.launch(pair, family, s, args.repeats, nproc=nproc, threads_per_proc=1, accelerator=args.accelerator)
         hand_t = [max(r[i][0] for r in results) for i in range(args.repeats)]
         ours_t = [max(r[i][1] for r in results) for i in range(args.repeats)]
         hand_step = [max(r[i][4] for r in results) for i in range(args.repeats)]

@@ -204,9 +204,33 @@ def choose_device(accelerator: str, env: DistEnv) -> torch.device:
         raise ConfigError("accelerator='cuda' was asked for but torch sees no CUDA device; use accelerator='cpu' or 'auto'")
     if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    # modulo: under Slurm each task often sees only its own GPU (CUDA_VISIBLE_DEVICES per task)
     index = env.local_rank % max(torch.cuda.device_count(), 1)
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def check_gpus(accelerator: str, local_processes: int) -> None:
+    """Refuse to start more processes than this machine has GPUs when they would run on CUDA.
+
+    Each process takes the GPU of its local rank and NCCL joins them; two processes on one GPU
+    fail inside NCCL ("Duplicate GPU detected"), from a worker, after the launch. ``launch``
+    calls this in the parent, where its workers all see the same devices, so the mistake is
+    refused before anything starts. (Under Slurm or torchrun the processes are not ours: a task
+    may see only its own GPU, so nothing is checked there.)
+    """
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return
+    count = torch.cuda.device_count()
+    if local_processes <= count:
+        return
+    chosen = "accelerator='cuda'" if accelerator == "cuda" else "accelerator='auto' (CUDA, since torch sees a GPU)"
+    raise ConfigError(
+        f"nproc={local_processes} processes on this machine, but torch sees {count} CUDA device{'s' if count != 1 else ''} "
+        f"and each process needs a GPU of its own ({chosen}; "
+        f"NCCL refuses two processes on one GPU). Start at most {count} process{'es' if count != 1 else ''} per machine "
+        f"(nproc={count}), or set accelerator='cpu' (--accelerator cpu) to run {local_processes} processes on the CPU with gloo"
+    )
 
 
 def backend_for(device: torch.device) -> str:

@@ -133,11 +133,12 @@ def launch(
         raise ConfigError(f"expendable ranks must be in 1 .. {nproc - 1} (rank 0 reports the result); got {sorted(expendable)}")
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ConfigError(f"start_method must be 'spawn', 'fork' or 'forkserver'; got {start_method!r}")
-    from shardwise.launcher.env import detect_env
+    from shardwise.launcher.env import check_gpus, detect_env
 
     env = detect_env()
     if env.distributed:
         return [join_and_run(fn, args, kwargs, nproc=nproc, accelerator=accelerator, timeout_s=collective_timeout_s)]
+    check_gpus(accelerator, nproc)
     try:
         extra_env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug_collectives else {}
         return _spawn(

@@ -363,7 +363,8 @@ class CollectiveTraffic:
             return
         if not all(hasattr(m, "set_custom_all_gather") and hasattr(m, "set_custom_reduce_scatter") for m in modules):
             return  # an older torch: the mode sees FSDP2's c10d operators
-        if any(len(m._get_fsdp_state()._fsdp_param_groups) > 1 for m in modules):
+        # torch before 2.12 holds one group per unit (`_fsdp_param_group`); later ones a list
+        if any(len(getattr(m._get_fsdp_state(), "_fsdp_param_groups", ())) > 1 for m in modules):
             return  # per-parameter meshes: FSDP2 takes one custom communication per unit only
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 

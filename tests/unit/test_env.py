@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
+import torch
 
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env, first_slurm_host
@@ -128,3 +130,39 @@ def test_a_one_pod_job_starts_its_own_processes():
 def test_a_pytorchjob_that_shardwise_cannot_number_is_one_clear_line(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         detect_env(env)
+
+
+class _GPUs:
+    """torch.cuda as a machine with ``count`` GPUs would answer (for the parent-side check only)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize("accelerator", ["cuda", "auto"])
+def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, accelerator: str) -> None:
+    from shardwise import Trainer
+
+    _GPUs(monkeypatch, 1)
+    trainer = Trainer(strategy="ddp", nproc=2, max_steps=1, accelerator=accelerator, out=str(tmp_path / "run"), loss_fn=lambda out, b: out.sum())
+    expected = (
+        r"nproc=2 processes on this machine, but torch sees 1 CUDA device and each process needs a GPU of its own .*"
+        r"Start at most 1 process per machine \(nproc=1\), or set accelerator='cpu'"
+    )
+    with pytest.raises(ConfigError, match=expected):
+        trainer.fit(torch.nn.Linear(2, 2), torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 2)))
+    assert not (tmp_path / "run").exists()  # refused before anything was written or started
+
+
+def test_processes_within_the_gpus_or_on_the_cpu_pass_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.launcher.env import check_gpus
+
+    _GPUs(monkeypatch, 2)
+    check_gpus("cuda", 2)
+    check_gpus("auto", 1)
+    check_gpus("cpu", 8)  # gloo on the CPU: any number
+    with pytest.raises(ConfigError, match="nproc=3 processes on this machine, but torch sees 2 CUDA devices"):
+        check_gpus("auto", 3)
+    _GPUs(monkeypatch, 0)
+    check_gpus("auto", 4)  # no GPU: 'auto' is the CPU

@@ -491,3 +491,24 @@ def test_encoder_decoder_models_are_refused_not_split_wrong(family):
         )
     with pytest.raises(ConfigError, match=r"runs a second stack of blocks before .*decoder.*\.(block|layers) .*encoder.*cross-attention"):
         get_strategy("pipeline", pp=2).plan(2, model=model)
+
+
+def test_buffers_survive_the_shape_inference_of_older_torch() -> None:
+    """torch up to 2.12 names the extra forward ``_shape_inference``: BatchNorm's counter and running
+    statistics come out of it as they went in (the forward itself still runs and answers)."""
+    from shardwise.strategies.pipeline.schedule import keep_buffers_through_inference
+
+    bn = torch.nn.BatchNorm1d(3)
+
+    class OldStage:
+        def _shape_inference(self, args: tuple[torch.Tensor, ...], kwargs: object = None) -> torch.Tensor:
+            with torch.no_grad():
+                return bn(*args)
+
+    stage = OldStage()
+    keep_buffers_through_inference(stage, bn)
+    out = stage._shape_inference((torch.randn(4, 3) + 5,))
+    assert out.shape == (4, 3)
+    assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_mean, torch.zeros(3))
+    bn(torch.randn(4, 3) + 5)  # a real forward still counts
+    assert int(bn.num_batches_tracked) == 1

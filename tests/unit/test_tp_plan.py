@@ -552,3 +552,31 @@ def test_other_families_get_a_plan_or_a_true_refusal():
     t5 = tf.T5EncoderModel(tf.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2))
     with pytest.raises(ConfigError, match=r"SelfAttention.relative_attention_bias \(Embedding\) holds parameters"):
         TensorParallel(tp=2).plan(2, model=t5)
+
+
+def test_a_gathered_sequence_with_a_non_contiguous_local_tensor_is_made_dense_keeping_values_and_gradient(tmp_path) -> None:
+    """torch <= 2.12 gathers an uneven sequence shard by padding and narrowing: a non-contiguous local
+    view that a linear's ``view`` then refuses. ``_dense`` copies such a tensor, placements kept."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from shardwise.strategies.tensor_parallel.apply import _dense
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        base = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
+        narrowed = DTensor.from_local(base[:, :7], mesh, (Replicate(),), run_check=False)
+        assert not narrowed.to_local().is_contiguous()
+        dense = _dense(narrowed)
+        assert dense.to_local().is_contiguous() and dense.placements == (Replicate(),)
+        assert torch.equal(dense.to_local(), base[:, :7].detach())
+        (dense.to_local() * torch.arange(7, dtype=torch.float64).view(1, 7, 1)).sum().backward()
+        expected = torch.zeros_like(base)
+        expected[:, :7] = torch.arange(7, dtype=torch.float64).view(1, 7, 1)
+        assert torch.equal(base.grad, expected)
+        already = DTensor.from_local(torch.randn(2, 7, 4), mesh, (Replicate(),), run_check=False)
+        assert _dense(already) is already  # contiguous (torch 2.13 on): no copy
+    finally:
+        dist.destroy_process_group()

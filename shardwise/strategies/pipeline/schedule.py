@@ -151,9 +151,27 @@ def keep_buffers_through_inference(stage: Any, module: Any) -> None:
     running statistics and batch counter a sixth time in five steps. The buffers are copied before
     that forward and put back once torch has freed the inference's autograd graph (this stage
     instance only)."""
+    if not any(True for _ in module.buffers()):
+        return
     infer = getattr(stage, "_forward_metadata_inference", None)
     cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
-    if infer is None or cleanup is None or not any(True for _ in module.buffers()):
+    legacy = getattr(stage, "_shape_inference", None)
+    if (infer is None or cleanup is None) and legacy is not None:
+        # torch up to 2.12: `_shape_inference` runs the stage on meta copies of the micro-batch under
+        # no_grad; BatchNorm's batch counter, a real buffer, still counts it (seen on torch 2.11)
+        def inference(*args: Any, **kwargs: Any) -> Any:
+            kept = [(b, b.detach().clone()) for b in module.buffers()]
+            try:
+                return legacy(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for b, copy in kept:
+                        if not torch.equal(b, copy):
+                            b.copy_(copy)
+
+        stage._shape_inference = inference
+        return
+    if infer is None or cleanup is None:
         return
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 

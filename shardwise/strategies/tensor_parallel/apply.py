@@ -125,7 +125,20 @@ def _sharded(x: torch.Tensor, tp_mesh: Any, seq: dict[str, int]) -> Any:
 
     shape = (x.shape[0], seq["len"], *x.shape[2:])
     stride = tuple(int(v) for v in torch.empty(0).new_empty(shape, device="meta").stride())
-    return DTensor.from_local(x, tp_mesh, (Shard(1),), run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(x.contiguous(), tp_mesh, (Shard(1),), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _dense(dx: Any) -> Any:
+    """``dx`` (a DTensor) with a contiguous local tensor.
+
+    Up to torch 2.12 gathering an uneven ``Shard(1)`` (7 positions on 2 ranks) pads, all-gathers
+    and narrows the result back: the local tensor is then a non-contiguous view, and a linear's
+    ``view`` of it fails ("view size is not compatible with input tensor's size and stride").
+    Seen on torch 2.11; from 2.13 the gathered tensor is contiguous and this is a no-op. The clone
+    keeps the DTensor's placements, so the gradient's reduce-scatter is unchanged."""
+    if dx.to_local().is_contiguous():
+        return dx
+    return dx.clone(memory_format=torch.contiguous_format)
 
 
 def _gather_input(tp_mesh: Any, layout: Any, seq: dict[str, int]) -> Any:
@@ -148,7 +161,7 @@ def _gather_input(tp_mesh: Any, layout: Any, seq: dict[str, int]) -> Any:
         if layout.is_replicate():
             dx = DTensor.from_local(x, tp_mesh, (layout,), run_check=False)
         else:
-            dx = _sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),))
+            dx = _dense(_sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),)))
         return put_input(args, kwargs, where, dx)
 
     return hook
@@ -164,12 +177,12 @@ def _run_whole(mod: nn.Module, tp_mesh: Any, seq: dict[str, int]) -> None:
         x, where = get_input(m, args, kwargs)
         if not isinstance(x, torch.Tensor):
             return None
-        full = _sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),)).to_local()
+        full = _sharded(x, tp_mesh, seq).redistribute(tp_mesh, (Replicate(),)).to_local().contiguous()
         return put_input(args, kwargs, where, full)
 
     def after(m: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
         y = main_output(out)
-        piece = DTensor.from_local(y, tp_mesh, (Replicate(),), run_check=False).redistribute(tp_mesh, (Shard(1),)).to_local()
+        piece = DTensor.from_local(y, tp_mesh, (Replicate(),), run_check=False).redistribute(tp_mesh, (Shard(1),)).to_local().contiguous()
         return replace_output(out, piece)
 
     mod.register_forward_pre_hook(before, with_kwargs=True)
@@ -198,12 +211,12 @@ def _sequence_boundaries(module: nn.Module, tp_mesh: Any, blocks: list[str], seq
             dx = x.redistribute(tp_mesh, (Shard(1),))
         else:
             dx = DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).redistribute(tp_mesh, (Shard(1),))
-        return put_input(args, kwargs, where, dx.to_local())
+        return put_input(args, kwargs, where, dx.to_local().contiguous())  # see _dense
 
     def leave(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> Any:
         y = main_output(out)
         dx = y if isinstance(y, DTensor) else _sharded(y, tp_mesh, seq)
-        return replace_output(out, dx.redistribute(tp_mesh, (Replicate(),)).to_local())
+        return replace_output(out, dx.redistribute(tp_mesh, (Replicate(),)).to_local().contiguous())
 
     module.get_submodule(blocks[0]).register_forward_pre_hook(enter, with_kwargs=True)
     module.get_submodule(blocks[-1]).register_forward_hook(leave, with_kwargs=True)

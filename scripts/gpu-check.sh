@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The checks that need a GPU, in one go, on a machine whose python already has torch with CUDA
+# (and transformers): the gpu-marked tests, then benchmarks/families.py on CUDA (the families
+# that fit this machine's GPUs), fp32 and bf16-mixed, at charlm's small size (the Python per
+# step shows most) and at a larger one. Output goes to stdout and, with OUT set, to $OUT/.
+#   bash scripts/gpu-check.sh            (make gpu-check does the same with the project's venv)
+set -uo pipefail
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log=${OUT:-/tmp}/gpu-check.log
+{
+  nvidia-smi -L || true
+  "$PYTHON" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+  "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -ra --timeout 600 tests/gpu tests/unit/test_data_parallel.py
+  tests=$?
+  bench=0
+  for size in "--d-model 192 --layers 4 --batch 32 --block 64" "--d-model 768 --layers 8 --batch 64 --block 256"; do
+    for precision in 32 bf16-mixed; do
+      # shellcheck disable=SC2086
+      "$PYTHON" benchmarks/families.py --accelerator cuda --precision "$precision" --families control single ddp $size --steps 50 --repeats 5 || bench=$?
+    done
+  done
+  echo "gpu-check: tests exit $tests, benchmark exit $bench"
+} 2>&1 | tee "$log"
