@@ -395,7 +395,7 @@ def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
         body = (
             "import socket, torch.multiprocessing as mp, benchmarks.families as b\n"
             "sock = socket.socket(); sock.bind(('127.0.0.1', 0)); port = sock.getsockname()[1]; sock.close()\n"
-            f"mp.spawn(b._spawned, args=({RANKS.get(family, 2)}, port, {family!r}, {s!r}), nprocs={RANKS.get(family, 2)})"
+            f"mp.spawn(b._spawned, args=({n}, port, {family!r}, {s!r}), nprocs={n})"
         )
     code = "if __name__ == '__main__':\n" + "".join(f"    {line}\n" for line in body.splitlines())
     return _timed([sys.executable, "-c", code], root, env, side, family)

@@ -3,7 +3,7 @@ recipe's data set, data-parallel, written in shards with one index.
 
 Any strategy's checkpoint loads: a plain one (single, ddp, zero1, the pipeline's, which gathers
 the whole model) as it is, a sharded one (zero2, zero3 / fsdp, hsdp, tp: DCP files) whole in
-each process through `Engine.load`. So the default, data-parallel prediction (``single`` for
+each process (`checkpoint.export.model_weights`, once per process). So the default, data-parallel prediction (``single`` for
 one process, ``ddp`` for more) serves every checkpoint whose model fits one process; for a model
 that does not, ``--strategy tp`` or ``--strategy pipeline`` splits it across the processes
 while predicting. The checkpoint's model is checked against the recipe's before any process
@@ -12,8 +12,9 @@ starts (names and shapes), so a checkpoint of another model is one line, not a t
 The work is `Trainer.predict`, which gives each data-parallel rank a contiguous range of the
 samples (every sample once, none duplicated) and returns the outputs in dataset order on rank 0.
 To keep a large output out of any one process's memory, the data set is cut into parts of
-``rows_per_shard`` rows and `Trainer.predict` runs once per part (a fresh copy of the model, the
-checkpoint loaded each time); rank 0 writes each part as it comes::
+``rows_per_shard`` rows and `Trainer.predict` runs once per part (a fresh copy of the model, whose
+weights each process read from the checkpoint once, before the first part); rank 0 writes each
+part as it comes::
 
     DIR/predictions/part-00000.pt   # a tensor of rows_per_shard rows (the last may have fewer)
     DIR/predictions/part-00001.pt
@@ -22,7 +23,7 @@ checkpoint loaded each time); rank 0 writes each part as it comes::
 
 The processes are started once (`shardwise.launch`) and keep one process group across parts.
 Throughput is samples per second of the prediction loop on rank 0 (all parts, each with its
-model copy, strategy setup and checkpoint load), measured from the first part to the last;
+model copy and strategy setup, after the one checkpoint read), measured from the first part to the last;
 with ``N > 1`` one more pass in this process with ``single`` gives the 1-process figure
 (``--no-baseline`` skips it) and the largest absolute difference between its outputs and the
 written shards (0 when the per-process batches give the same arithmetic).

@@ -54,6 +54,10 @@ _KINDS = {
 }
 
 
+Logged = list[tuple[tuple[str, str, str], CommEvent | None]]
+"""The collectives of one step, in order: (name, kind, phase) and what was recorded for it."""
+
+
 def _collective_counter_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -69,7 +73,7 @@ def _collective_counter_mode() -> type:
             super().__init__()
             self.recorder, self.names = recorder, names
             self.counts: Counter[tuple[str, str, str]] = Counter()
-            self.log: list[tuple[tuple[str, str, str], CommEvent | None]] = []
+            self.log: Logged = []
             """Every collective counted, in order, with what was recorded (what `StepCounts` replays)."""
             self.phase: str | None = None
             """Set by the strategy (forward inside step_fn, backward after); None: inside an autograd node or not."""
@@ -164,9 +168,6 @@ def batch_signature(batch: Any) -> tuple[Any, ...]:
         else:
             out.append(type(item).__qualname__)
     return tuple(out)
-
-
-Logged = list[tuple[tuple[str, str, str], CommEvent | None]]
 
 
 class StepCounts:
