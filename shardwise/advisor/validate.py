@@ -6,11 +6,14 @@ recipe's own model, data and optimizer, with the planner's global batch and prec
 - **Step time, measured**: the fastest of the logged intervals (every 5 steps, the first
   interval left out as warm-up) of ``global_batch / samples_per_s`` from ``metrics.jsonl``
   (other work on a shared machine only adds time; see `measured_step_s`).
-- **Memory, measured**: the model state per rank (parameters, gradients, optimizer state) that
-  the ZeRO-family strategies measure on their tensors after the first optimizer step and report
-  in ``summary.json`` (``memory_per_rank``); the other strategies do not report it and show ``-``.
-  Activations and buffers are not measured (on CPU they are not separable from the allocator's
-  other memory).
+- **Memory, measured** on every rank's tensors (`MemoryProbe`), the largest rank reported:
+  the model state (parameters, gradients and optimizer state this rank holds, summed right after
+  the first optimizer step, shards counted as shards) and the activations (the peak of what
+  autograd holds for backward during the second step, `shardwise.plan.saved.SavedBytes`, the same
+  measure the planner's model spec takes on one forward). Their sum is the measured peak of the
+  tensors a rank holds; the planner's ``model_state + activations`` is set against it. Buffers
+  (DDP's buckets, FSDP's gathered units) and the allocator's own memory are not in either: on CPU
+  they are not separable from the process's other memory.
 
 The table gives each candidate's predicted and measured values and their relative error, and
 the median relative error over the candidates.
@@ -30,8 +33,60 @@ from shardwise.advisor.models import PlannedModel
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import Cluster
 from shardwise.plan.cost import Settings
+from shardwise.trainer.callbacks import Callback
 
 LOG_EVERY = 5
+PROBED_STEP = 2
+"""The step whose activations are measured (the first may hold one-time work: shape inference, warm-up)."""
+
+
+class MemoryProbe(Callback):
+    """Each rank writes ``memory-rank-N.json`` into ``out``: its model state after the first optimizer
+    step and the peak of its saved activations during step `PROBED_STEP` (see the module)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.state: dict[str, int] | None = None
+        self.saved: Any = None
+        self._hooks: Any = None
+
+    def on_fit_start(self, trainer: Any, engine: Any) -> None:
+        from shardwise.plan.saved import SavedBytes
+        from shardwise.strategies.zero import measure_model_states
+
+        module = engine.unwrap(trainer.model)
+        self.saved = SavedBytes(module.parameters())
+
+        def after_step(opt: Any, args: Any, kwargs: Any) -> None:
+            if self.state is None:  # the first step only (a hook removing itself would change torch's dict while it iterates)
+                self.state = measure_model_states(module, opt)
+
+        trainer.optimizer.register_step_post_hook(after_step)
+
+    def on_train_step_start(self, trainer: Any, engine: Any, step: int) -> None:
+        if step == PROBED_STEP:
+            self._hooks = self.saved.hooks()
+            self._hooks.__enter__()
+
+    def on_train_step_end(self, trainer: Any, engine: Any, step: int, loss: Any) -> None:
+        if step != PROBED_STEP or self._hooks is None:
+            return
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        row = {"rank": engine.rank, "state": self.state, "activations": self.saved.peak}
+        (Path(self.out) / f"memory-rank-{engine.rank}.json").write_text(json.dumps(row))
+
+
+def measured_memory(out: Path) -> dict[str, Any] | None:
+    """The largest rank's tensors (model state plus activations) from the probe's files, with its parts."""
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("memory-rank-*.json"))]
+    rows = [r for r in rows if r["state"] is not None]
+    if not rows:
+        return None
+    for r in rows:
+        r["model_state"] = sum(r["state"].values())
+        r["total"] = r["model_state"] + r["activations"]
+    return max(rows, key=lambda r: r["total"])
 
 
 def measured_step_s(metrics: list[dict[str, Any]], global_batch: int) -> float:
@@ -67,11 +122,17 @@ def run_candidate(record: dict[str, Any], recipe: str, settings: Settings, steps
         model_summary=False,
         optimizer=parts.optimizer,
         loss_fn=parts.loss_fn,
+        callbacks=[MemoryProbe(str(out))],
     )
-    summary = trainer.fit(parts.model, parts.train)
+    trainer.fit(parts.model, parts.train)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    state = summary.get("memory_per_rank", {}).get("total", {}).get("measured")
-    return {"step_s": measured_step_s(metrics, settings.global_batch), "model_state_bytes": state}
+    memory = measured_memory(out)
+    return {
+        "step_s": measured_step_s(metrics, settings.global_batch),
+        "model_state_bytes": memory["model_state"] if memory else None,
+        "activation_bytes": memory["activations"] if memory else None,
+        "memory_bytes": memory["total"] if memory else None,
+    }
 
 
 def _rel(pred: float, meas: float | None) -> float | None:
@@ -91,7 +152,9 @@ def validate(model: PlannedModel, cluster: Cluster, settings: Settings, steps: i
     for rec in records:
         with tempfile.TemporaryDirectory() as tmp:
             got = run_candidate(rec, model.recipe, settings, steps, Path(tmp))
-        pred_state = rec["memory_breakdown"]["model_state"]
+        breakdown = rec["memory_breakdown"]
+        pred_state = breakdown["model_state"]
+        pred_memory = pred_state + breakdown["activations"]
         rows.append(
             {
                 "label": rec["label"],
@@ -100,24 +163,35 @@ def validate(model: PlannedModel, cluster: Cluster, settings: Settings, steps: i
                 "step_rel_error": _rel(rec["step_time_s"], got["step_s"]),
                 "predicted_model_state_bytes": pred_state,
                 "measured_model_state_bytes": got["model_state_bytes"],
-                "memory_rel_error": _rel(pred_state, got["model_state_bytes"]),
+                "state_rel_error": _rel(pred_state, got["model_state_bytes"]),
+                "predicted_activation_bytes": breakdown["activations"],
+                "measured_activation_bytes": got["activation_bytes"],
+                "predicted_memory_bytes": pred_memory,
+                "measured_memory_bytes": got["memory_bytes"],
+                "memory_rel_error": _rel(pred_memory, got["memory_bytes"]),
             }
         )
         print(format_row(rows[-1]), flush=True)
     return rows
 
 
-HEADER = f"{'candidate':52s} {'pred step':>10s} {'meas step':>10s} {'err':>6s} {'pred state':>11s} {'meas state':>11s} {'err':>6s}"
+HEADER = (
+    f"{'candidate':44s} {'pred step':>10s} {'meas step':>10s} {'err':>5s} {'pred state':>10s} {'meas state':>10s} {'err':>5s} "
+    f"{'pred mem':>10s} {'meas mem':>10s} {'err':>5s}"
+)
 
 
 def format_row(r: dict[str, Any]) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{x:.0%}"
 
-    meas_state = "-" if r["measured_model_state_bytes"] is None else f"{r['measured_model_state_bytes'] / 1e3:.1f} kB"
+    def kb(x: float | None) -> str:
+        return "-" if x is None else f"{x / 1e3:.1f} kB"
+
     return (
-        f"{r['label'][:52]:52s} {r['predicted_step_s'] * 1e3:8.2f}ms {r['measured_step_s'] * 1e3:8.2f}ms {pct(r['step_rel_error']):>6s} "
-        f"{r['predicted_model_state_bytes'] / 1e3:8.1f} kB {meas_state:>11s} {pct(r['memory_rel_error']):>6s}"
+        f"{r['label'][:44]:44s} {r['predicted_step_s'] * 1e3:8.2f}ms {r['measured_step_s'] * 1e3:8.2f}ms {pct(r['step_rel_error']):>5s} "
+        f"{kb(r['predicted_model_state_bytes']):>10s} {kb(r['measured_model_state_bytes']):>10s} {pct(r['state_rel_error']):>5s} "
+        f"{kb(r['predicted_memory_bytes']):>10s} {kb(r['measured_memory_bytes']):>10s} {pct(r['memory_rel_error']):>5s}"
     )
 
 
@@ -127,9 +201,11 @@ def cmd_validate(args: argparse.Namespace, model: PlannedModel, cluster: Cluster
     print(HEADER)
     rows = validate(model, cluster, settings, args.steps, args.only.split(";") if args.only else None)
     steps = [r["step_rel_error"] for r in rows if r["step_rel_error"] is not None]
+    states = [r["state_rel_error"] for r in rows if r["state_rel_error"] is not None]
     mems = [r["memory_rel_error"] for r in rows if r["memory_rel_error"] is not None]
     print(f"median relative error: step time {statistics.median(steps):.1%} over {len(steps)} candidates", end="")
-    print(f", model state {statistics.median(mems):.1%} (max {max(mems):.1%}) over {len(mems)}" if mems else "")
+    print(f", model state {statistics.median(states):.1%} (max {max(states):.1%})" if states else "", end="")
+    print(f", peak tensor memory per rank {statistics.median(mems):.1%} (max {max(mems):.1%}) over {len(mems)}" if mems else "")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

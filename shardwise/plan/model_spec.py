@@ -274,34 +274,37 @@ def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_b
     """Counts from one forward and backward of ``model`` on ``example`` (``samples`` samples in it).
 
     FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions and
-    attention; element-wise work is not counted), activations from the outputs of every leaf
-    module in the forward (bytes per element ``act_bytes``).
+    attention; element-wise work is not counted), activations from what autograd saves for
+    backward in the forward (`shardwise.plan.saved.SavedBytes`: floating-point tensors at
+    ``act_bytes`` an element, masks and indices as stored; the input batch when a layer saves it),
+    inside the blocks per block, the rest apart.
     """
     from torch.utils.flop_counter import FlopCounterMode
+
+    from shardwise.plan.saved import SavedBytes
 
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = _block_list(model)
     layer_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
-    in_blocks = {id(m) for b in blocks for m in b.modules()}
-    kept = {"block": 0, "other": 0}
+    saved = SavedBytes(model.parameters(), act_bytes=act_bytes)
     widths: list[int] = []
 
-    def hook(module: nn.Module, args: Any, out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.is_floating_point():
-            kept["block" if id(module) in in_blocks else "other"] += out.numel()
+    def enter(module: nn.Module, args: Any) -> None:
+        saved.where = "block"
 
     def width(module: nn.Module, args: Any, out: Any) -> None:
+        saved.where = "other"
         if isinstance(out, torch.Tensor):
             widths.append(out.shape[-1])
 
-    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves] + [b.register_forward_hook(width) for b in blocks]
+    handles = [b.register_forward_pre_hook(enter) for b in blocks] + [b.register_forward_hook(width) for b in blocks]
     inputs = example if isinstance(example, tuple | list) else (example,)
     was_training = model.training
     model.train()
     try:
         with FlopCounterMode(display=False) as counter:
-            out = model(*inputs)
+            with saved.hooks():
+                out = model(*inputs)
             logits = out if isinstance(out, torch.Tensor) else out[0]
             logits.float().sum().backward()
     finally:
@@ -320,7 +323,7 @@ def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_b
         seq=seq,
         vocab=int(logits.shape[-1]) if seq > 1 else 0,
         flops_per_sample=counter.get_total_flops() / samples,
-        act_bytes_per_layer_sample=kept["block"] * act_bytes / samples / max(1, len(blocks)),
-        act_bytes_other_sample=kept["other"] * act_bytes / samples,
+        act_bytes_per_layer_sample=saved.by_label.get("block", 0) / samples / max(1, len(blocks)),
+        act_bytes_other_sample=saved.by_label.get("other", 0) / samples,
         act_bytes=act_bytes,
     )

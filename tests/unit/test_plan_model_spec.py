@@ -16,9 +16,29 @@ def test_measured_spec_of_an_mlp_counts_its_matmuls() -> None:
     w1, w2 = 64 * 32, 32 * 10
     assert spec.params == w1 + 32 + w2 + 10
     assert spec.flops_per_sample == 6 * (w1 + w2) - 2 * w1
-    # activations: each leaf's output, 4 bytes an element: 32 + 32 + 10 per sample, over the 2 blocks with parameters
+    # activations: what autograd saves, 4 bytes an element: the first Linear's input (64 per sample)
+    # and ReLU's output (32), which the second Linear saves too (one storage, counted once); the
+    # logits are saved by nothing inside the model
     assert spec.layers == 2
-    assert spec.act_bytes_per_layer_sample * spec.layers + spec.act_bytes_other_sample == (32 + 32 + 10) * 4
+    assert spec.act_bytes_per_layer_sample * spec.layers + spec.act_bytes_other_sample == (64 + 32) * 4
+    half = measured_spec("mlp", model, torch.randn(8, 64), 8, act_bytes=2)
+    assert half.act_bytes_per_layer_sample * half.layers + half.act_bytes_other_sample == (64 + 32) * 2
+
+
+def test_saved_bytes_follow_what_autograd_still_holds() -> None:
+    """The peak is what is alive at once: two graphs in turn, the first freed before the second."""
+    from shardwise.plan.saved import SavedBytes
+
+    w = nn.Parameter(torch.randn(16, 16))
+    saved = SavedBytes([w])
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(2):
+        with saved.hooks():
+            y = torch.tanh(x @ w)  # saves x (weight excluded) and tanh's output
+        y.sum().backward()
+        del y
+    assert saved.total == 4 * 16 * 4 + 2 * (4 * 16 * 4)  # x once (the same storage both times), a tanh output per graph
+    assert saved.peak == 2 * (4 * 16 * 4)  # x and one tanh output alive at once, never both outputs
 
 
 def test_transformer_flops_are_narayanan_eq_3() -> None:
