@@ -1,8 +1,9 @@
 """``shardwise plan --validate`` on one small candidate: the table has predicted and measured columns.
 
 No timing is asserted (a shared CI machine times anything): only that both columns are there,
-positive and finite, for ddp on 2 processes on digits, and that the model state a ZeRO strategy
-measures is the predicted one (exact: the same formula on the same parameter count).
+positive and finite, for ddp on 2 processes on digits, that the model state measured on each
+rank's tensors is the predicted one (exact: the same formula on the same parameter count), and
+that the tensors per rank (model state and activations) are the predicted ones within 5%.
 """
 
 from __future__ import annotations
@@ -31,4 +32,11 @@ def test_validate_one_ddp_candidate_on_digits(tmp_path: Path, capsys: pytest.Cap
     # zero2 reports its measured model state (fp32 Adam with its master copy: 4 Psi + 16 Psi / 2)
     zero2 = rows["zero2"]
     assert zero2["measured_model_state_bytes"] == pytest.approx(zero2["predicted_model_state_bytes"])
+    # every candidate's tensors per rank: model state (ddp's measured on its tensors too) and the
+    # activations autograd held, against the planner's model_state + activations (digits at a
+    # per-rank batch of 32: the input, two hidden layers' outputs and masks)
+    for row in rows.values():
+        assert row["measured_model_state_bytes"] == pytest.approx(row["predicted_model_state_bytes"])
+        assert row["measured_activation_bytes"] > 0
+        assert row["measured_memory_bytes"] == pytest.approx(row["predicted_memory_bytes"], rel=0.05), row
     assert "pred step" in capsys.readouterr().out
