@@ -201,6 +201,10 @@ class Engine:
             if warning and self.is_rank_zero:
                 print(warning, flush=True)
 
+    def run_of(self, model: nn.Module) -> Parallel | None:
+        """The strategy's run behind the wrapper ``setup`` returned (None for any other module)."""
+        return next((run for run in self._runs if model is run.model), None)
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the wrapper ``setup`` returned (any other module as it is)."""
         for run in self._runs:

@@ -55,11 +55,14 @@ class MemoryProbe(Callback):
         from shardwise.strategies.zero import measure_model_states
 
         module = engine.unwrap(trainer.model)
+        run = engine.run_of(trainer.model)
         self.saved = SavedBytes(module.parameters())
 
         def after_step(opt: Any, args: Any, kwargs: Any) -> None:
             if self.state is None:  # the first step only (a hook removing itself would change torch's dict while it iterates)
-                self.state = measure_model_states(module, opt)
+                state = measure_model_states(module, opt)
+                state["optimizer"] += run.held_state_bytes() if run is not None else 0  # DiLoCo's outer copy and momentum
+                self.state = state
 
         trainer.optimizer.register_step_post_hook(after_step)
 

@@ -242,3 +242,9 @@ class Parallel(ABC):
     @abstractmethod
     def summary(self) -> dict[str, Any]:
         """This strategy's section of summary.json; a pure report (call after ``finish``)."""
+
+    def held_state_bytes(self) -> int:
+        """Bytes of training state this rank keeps outside the model and its optimizer (DiLoCo's
+        outer copy of the parameters and its outer momentum); 0 for most strategies. ``shardwise
+        plan --validate`` adds it to the optimizer state it measures."""
+        return 0

@@ -127,6 +127,12 @@ class DiLoCoRun(ReplicaRun):
     def restart_mix(self) -> None:
         self.outer = OuterState(self.model, self.outer_lr, self.outer_momentum)  # theta is the loaded model, no momentum yet
 
+    def held_state_bytes(self) -> int:
+        """``theta`` and the outer momentum: the momentum buffers SGD allocates at the first outer
+        step are counted before then too (the state a run holds from its first round on)."""
+        theta = sum(t.numel() * t.element_size() for t in self.outer.theta)
+        return theta * (2 if self.outer_momentum > 0 else 1)
+
     def report(self) -> dict[str, Any]:
         return {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "compression": self.codec.spec if self.codec is not None else None}
 
