@@ -3,7 +3,7 @@
 #   strategy checked against the contract in tests/typecheck_contract.py).
 # make test: set up, lint, and run the test suite.
 # make bench: every strategy family against the hand-written torch it wraps, training loop and whole
-#   process, one table (benchmarks/families.py; about 15 minutes on 2 cores).
+#   process, one table (benchmarks/families.py, 8 interleaved pairs a family; about an hour on 2 cores).
 # make mutants: check that the tests catch a list of deliberate bugs.
 PYTHON ?= python3
 VENV ?= .venv
