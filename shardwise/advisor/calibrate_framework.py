@@ -6,13 +6,21 @@ own work per step: DDP's hooks and buckets, FSDP's gather and free around every 
 tensor-parallel collectives' launch, a pipeline's schedule actions and point-to-point messages,
 the parameter server's protocol, the Trainer's loop around all of it. Here each strategy trains a
 calibration network (`CalibrationNet`, a stack of residual MLP blocks whose layer pairs tensor
-parallelism splits and a pipeline cuts) at two sizes of what its cost scales with (layers, or
-micro-batches for a pipeline), with the `Trainer` on 2 processes as a user runs it. At each size
+parallelism splits and a pipeline cuts) at three sizes of what its cost scales with (layers,
+micro-batches for a pipeline, FSDP's parameter groups as its plan wraps them: whatever
+`shardwise.plan.cost.framework_units` counts, so the fit and the prediction count alike), `REPEATS`
+times each (in rounds over all keys), with the `Trainer` on 2 processes as a user runs it. At each size
 
     extra = measured step - (timed compute + alpha-beta collectives)   (`shardwise.plan.cost`)
 
-and the two points give ``Framework(step_s, per_unit_s)`` for the profile. Fits are not clamped
-silently: a negative slope is reported and set to 0, a negative intercept to 0.
+and a least-squares line through each size's median run gives ``Framework(step_s, per_unit_s)``
+for the profile, with its largest residual. Fits are not clamped silently: a negative slope is reported
+and set to 0 (the intercept is then the points' mean), a negative intercept to 0.
+
+Each step time is the median of the run's logged intervals (`shardwise.advisor.validate.measured_step_s`)
+over `STEPS` steps. A calibration step is a few milliseconds; on two cores the median of one run
+still moves 10-20% between runs (the wake-up of a rank blocked in a collective is what varies),
+hence the repeats and the third size.
 
 The calibration network is neither built-in recipe, so ``shardwise plan --validate`` on digits and
 charlm checks the resulting predictions on models the fit never saw.
@@ -36,7 +44,9 @@ WIDTH = 64
 FEATURES = 32
 CLASSES = 8
 GLOBAL_BATCH = 32
-STEPS = 50
+STEPS = 60
+REPEATS = 3
+"""Runs of each size; a key's line goes through each size's median run."""
 LOG_EVERY = 5
 SAMPLES = 512
 
@@ -85,31 +95,31 @@ def _data() -> torch.utils.data.TensorDataset:
 CODECS = ("fp16", "bf16", "int8", "sign", "topk:0.01", "randomk:0.2", "powersgd:4")
 """Each codec is its own calibration point: their encode and decode costs differ by several times."""
 
-# key -> (strategy, options, what varies: "layers" or "microbatches", its two values)
-POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, int]]] = {
-    "single": ("single", {}, "layers", (2, 8)),
-    "ddp": ("ddp", {}, "layers", (2, 8)),
-    "ddp/algorithm": ("ddp", {"allreduce": "ring"}, "layers", (2, 8)),
-    **{f"ddp/codec/{c.partition(':')[0]}": ("ddp", {"compression": c}, "layers", (2, 8)) for c in CODECS},
-    "zero1": ("zero1", {}, "layers", (2, 8)),
-    "zero2": ("zero2", {}, "layers", (2, 8)),
-    "zero3": ("zero3", {}, "layers", (2, 8)),
-    "fsdp": ("fsdp", {}, "layers", (2, 8)),
-    "hsdp": ("hsdp", {}, "layers", (2, 8)),
-    "tp": ("tp", {"tp": 2}, "layers", (2, 8)),
-    "pipeline/gpipe": ("pipeline", {"pp": 2, "schedule": "gpipe"}, "microbatches", (2, 8)),
-    "pipeline/1f1b": ("pipeline", {"pp": 2, "schedule": "1f1b"}, "microbatches", (2, 8)),
-    "pipeline/interleaved": ("pipeline", {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, "microbatches", (2, 8)),
-    "ps/sync": ("ps", {"servers": 1, "mode": "sync"}, "layers", (2, 8)),
-    "ps/async": ("ps", {"servers": 1, "mode": "async"}, "layers", (2, 8)),
-    "local-sgd": ("local-sgd", {"sync_every": 8}, "layers", (2, 8)),
-    "diloco": ("diloco", {"sync_every": 8}, "layers", (2, 8)),
+# key -> (strategy, options, what varies: "layers" or "microbatches", its values)
+POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, ...]]] = {
+    "single": ("single", {}, "layers", (2, 5, 8)),
+    "ddp": ("ddp", {}, "layers", (2, 5, 8)),
+    "ddp/algorithm": ("ddp", {"allreduce": "ring"}, "layers", (2, 5, 8)),
+    **{f"ddp/codec/{c.partition(':')[0]}": ("ddp", {"compression": c}, "layers", (2, 5, 8)) for c in CODECS},
+    "zero1": ("zero1", {}, "layers", (2, 5, 8)),
+    "zero2": ("zero2", {}, "layers", (2, 5, 8)),
+    "zero3": ("zero3", {}, "layers", (2, 5, 8)),
+    "fsdp": ("fsdp", {}, "layers", (2, 5, 8)),
+    "hsdp": ("hsdp", {}, "layers", (2, 5, 8)),
+    "tp": ("tp", {"tp": 2}, "layers", (2, 5, 8)),
+    "pipeline/gpipe": ("pipeline", {"pp": 2, "schedule": "gpipe"}, "microbatches", (2, 4, 8)),
+    "pipeline/1f1b": ("pipeline", {"pp": 2, "schedule": "1f1b"}, "microbatches", (2, 4, 8)),
+    "pipeline/interleaved": ("pipeline", {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, "microbatches", (2, 4, 8)),
+    "ps/sync": ("ps", {"servers": 1, "mode": "sync"}, "layers", (2, 5, 8)),
+    "ps/async": ("ps", {"servers": 1, "mode": "async"}, "layers", (2, 5, 8)),
+    "local-sgd": ("local-sgd", {"sync_every": 8}, "layers", (2, 5, 8)),
+    "diloco": ("diloco", {"sync_every": 8}, "layers", (2, 5, 8)),
 }
 PIPELINE_DEPTH = 4
 
 
 def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int) -> float:
-    """Step seconds of the fastest logged interval of ``STEPS`` Trainer steps (`measured_step_s`: the first left out)."""
+    """Step seconds: the median logged interval of ``STEPS`` Trainer steps (`measured_step_s`: the first left out)."""
     from shardwise.advisor.validate import measured_step_s
     from shardwise.trainer import Trainer
 
@@ -133,55 +143,101 @@ def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: in
     return measured_step_s(rows, GLOBAL_BATCH)
 
 
-def measure_point(key: str, units: int, profile: Any, world: int = 2) -> dict[str, Any]:
-    """One calibration run: predicted without the strategy's own cost, measured, and their difference."""
+_SPECS: dict[int, Any] = {}
+"""The calibration network's spec (its step timed here) by depth, measured once a calibration: every
+key at that depth is set against the same compute."""
+
+
+def _spec(depth: int) -> Any:
+    if depth not in _SPECS:
+        torch.manual_seed(0)
+        model = CalibrationNet(depth)
+        data = _data()
+        fit = time_step(model, data, _loss, _adam, (max(1, GLOBAL_BATCH // 16), GLOBAL_BATCH))
+        _SPECS[depth] = replace(measured_spec(f"calibration-{depth}", model, data.tensors[0][:8], 8), step_fit=fit)
+    return _SPECS[depth]
+
+
+def measure_point(key: str, size: int, profile: Any, world: int = 2) -> dict[str, Any]:
+    """One calibration run at ``size`` layers or micro-batches: predicted without the strategy's own
+    cost, measured, their difference, and ``units``, what `shardwise.plan.cost.framework_units` counts
+    for this layout (the x of the fit: layers, micro-batches, or FSDP's groups from the strategy's plan)."""
     from shardwise.advisor.candidates import Candidate, evaluate
     from shardwise.plan.cluster import Cluster
     from shardwise.plan.cost import Settings
 
     strategy, options, varies, _ = POINTS[key]
-    depth = units if varies == "layers" else PIPELINE_DEPTH
-    opts = dict(options, microbatches=units) if varies == "microbatches" else dict(options)
+    depth = size if varies == "layers" else PIPELINE_DEPTH
+    opts = dict(options, microbatches=size) if varies == "microbatches" else dict(options)
+    spec = _spec(depth)
     torch.manual_seed(0)
     model = CalibrationNet(depth)
-    data = _data()
-    example = data.tensors[0][:8]
-    fit = time_step(model, data, _loss, _adam, (max(1, GLOBAL_BATCH // 16), GLOBAL_BATCH))
-    spec = replace(measured_spec(f"calibration-{depth}", model, example, 8), step_fit=fit)
     candidate = Candidate(strategy, opts, world_size=1 if strategy == "single" else None)
     record = evaluate(candidate, spec, Cluster(profile, world), Settings(GLOBAL_BATCH), model)
     if not record["fits"]:
-        raise RuntimeError(f"calibration point {key} at {units} {varies} does not plan: {record['reason']}")
+        raise RuntimeError(f"calibration point {key} at {size} {varies} does not plan: {record['reason']}")
     t = record["time_breakdown"]
     predicted = t["step_s"] - t["overhead_s"]
     measured = _measure(strategy, opts, model, record["world_size"])
-    return {"key": key, "units": units, "varies": varies, "measured_s": measured, "predicted_without_s": predicted, "extra_s": measured - predicted}
+    return {
+        "key": key,
+        "size": size,
+        "varies": varies,
+        "units": t["overhead_units"],
+        "measured_s": measured,
+        "predicted_without_s": predicted,
+        "extra_s": measured - predicted,
+    }
 
 
 def fit_framework(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """``step_s`` and ``per_unit_s`` through a key's two points (negative parts set to 0, and said so)."""
-    lo, hi = sorted(points, key=lambda p: p["units"])
-    slope = (hi["extra_s"] - lo["extra_s"]) / (hi["units"] - lo["units"])
+    """``step_s`` and ``per_unit_s``: the least-squares line through a key's points (negative parts set
+    to 0, and said so), with ``max_residual_s``, the largest distance of a point from it."""
+    xs = [float(p["units"]) for p in points]
+    ys = [float(p["extra_s"]) for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
     notes = []
     if slope < 0:
         notes.append(f"slope {slope * 1e3:.3g} ms per unit set to 0")
         slope = 0.0
-    step = lo["extra_s"] - slope * lo["units"]
+    step = my - slope * mx
     if step < 0:
         notes.append(f"intercept {step * 1e3:.3g} ms set to 0")
         step = 0.0
-    return {"step_s": step, "per_unit_s": slope, "points": points, "notes": notes}
+    residual = max(abs(y - (step + slope * x)) for x, y in zip(xs, ys, strict=True))
+    return {"step_s": step, "per_unit_s": slope, "max_residual_s": residual, "points": points, "notes": notes}
 
 
-def calibrate_framework(profile: Any, keys: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Every key of `POINTS` (or ``keys``): its fit, printed as it goes."""
+def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: int = REPEATS) -> dict[str, dict[str, Any]]:
+    """Every key of `POINTS` (or ``keys``): ``repeats`` rounds, each measuring every key at each of its
+    sizes (a slow stretch of the machine lands on many keys once, not on one key's every run), then
+    each key's line through the median of each size's runs, printed."""
+    keys = keys or list(POINTS)
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
+    for r in range(repeats):
+        for key in keys:
+            runs[key] += [measure_point(key, size, profile) for size in POINTS[key][3]]
+        print(f"calibration round {r + 1} of {repeats} done", flush=True)
     out = {}
-    for key in keys or list(POINTS):
+    for key in keys:
         _, _, varies, values = POINTS[key]
-        points = [measure_point(key, u, profile) for u in values]
-        out[key] = fit_framework(points)
-        f = out[key]
-        pts = ", ".join(f"{p['units']} {varies}: measured {p['measured_s'] * 1e3:.2f} ms, model {p['predicted_without_s'] * 1e3:.2f} ms" for p in points)
+        medians, per_size = [], []
+        for size in values:
+            mine = [p for p in runs[key] if p["size"] == size]
+            middle = sorted(mine, key=lambda p: p["extra_s"])[(len(mine) - 1) // 2]
+            medians.append(middle)
+            measured = ", ".join(f"{p['measured_s'] * 1e3:.2f}" for p in mine)
+            per_size.append(f"{size} {varies}: measured {measured} ms, model {mine[0]['predicted_without_s'] * 1e3:.2f} ms")
+        f = fit_framework(medians)
+        f["runs"] = runs[key]
+        out[key] = f
         notes = " " + "; ".join(f["notes"]) if f["notes"] else ""
-        print(f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{varies.rstrip('es')}  ({pts}){notes}", flush=True)
+        unit = "unit" if key.split("/")[0] in ("zero2", "zero3", "fsdp", "hsdp", "tp") else varies.rstrip("es")
+        print(
+            f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{unit}, "
+            f"residual {f['max_residual_s'] * 1e3:.2f} ms  ({'; '.join(per_size)}){notes}",
+            flush=True,
+        )
     return out

@@ -107,6 +107,8 @@ def shape_of(candidate: Candidate, layout: Layout) -> Shape:
     common: dict[str, Any] = {"dp": layout.data_parallel, "tp": int(d.get("tp", 1)), "pp": int(d.get("pp", 1))}
     if fam == "ddp":
         return Shape("ddp", algorithm=o.get("allreduce", "native"), codec=o.get("compression"), **common)
+    if layout.units is not None:
+        common["units"] = len(layout.units)  # what the plan wraps (FSDP) or splits (tp) one by one
     if fam == "hsdp":
         r, s = (o.get("replicate"), o.get("shard"))
         if r is None:

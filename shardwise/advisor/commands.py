@@ -48,7 +48,10 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true", help="measure this machine (collectives' alpha and beta, matmul FLOP/s) and write a profile")
     p.add_argument("--out", default=None, help="--calibrate: the profile file to write (default shardwise/plan/profiles/cpu.json)")
     p.add_argument("--validate", action="store_true", help="run each candidate that fits here for a few steps and print predicted against measured")
-    p.add_argument("--steps", type=int, default=30, help="--validate: steps per candidate (default 30)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="--validate: steps per candidate (default: 30, or more for a short step, about 2 s of training each)"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="--validate: runs per candidate; its step time is their median (default 1)")
     p.add_argument("--only", default=None, help="--validate: candidate labels or strategy names to run, separated by ;")
 
 

@@ -12,6 +12,7 @@ import copy
 import importlib
 import io
 import json
+import math
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -29,7 +30,11 @@ from shardwise.recipes import get_recipe
 EXAMPLE_SAMPLES = 8
 """Samples in the example batch FLOPs and activations are counted on (they scale per sample)."""
 TIMED_STEPS = 40
-"""Steps of each timing run (logged every 5; the fastest interval after the first counts)."""
+"""Steps of each timing run (logged every 5; the median interval after the first counts)."""
+TIMED_TARGET_S = 1.5
+"""A run shorter than this is repeated with more steps (at most `TIMED_MAX_STEPS`): a millisecond
+step needs more than 7 intervals for their median to settle."""
+TIMED_MAX_STEPS = 200
 
 
 def time_step(
@@ -44,35 +49,42 @@ def time_step(
     The Trainer's step, not a bare forward-backward-step loop: its loader, precision context, loss
     and optimizer call are part of what every strategy's step costs on each rank, and a strategy's
     own cost (`shardwise.plan.cluster.Framework`) is what it adds on top. Each size trains
-    `TIMED_STEPS` steps; its time is the fastest logged interval after the first
+    `TIMED_STEPS` steps (more for a short step); its time is the median logged interval after the first
     (`shardwise.advisor.validate.measured_step_s`). ``model`` is not changed.
     """
     from shardwise.advisor.validate import measured_step_s
     from shardwise.trainer import Trainer
 
     lo, hi = sorted(sizes)
+
+    def timed(size: int, steps: int) -> float:
+        with tempfile.TemporaryDirectory() as out:
+            trainer = Trainer(
+                strategy="single",
+                max_steps=steps,
+                log_every=5,
+                global_batch_size=size,
+                accelerator="cpu",
+                out=out,
+                progress_bar=False,
+                model_summary=False,
+                optimizer=make_optimizer,
+                loss_fn=loss_fn,
+            )
+            with contextlib.redirect_stdout(io.StringIO()):
+                trainer.fit(copy.deepcopy(model), data)
+            rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        return measured_step_s(rows, size)
+
     seconds = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for size in (lo, hi):
-            with tempfile.TemporaryDirectory() as out:
-                trainer = Trainer(
-                    strategy="single",
-                    max_steps=TIMED_STEPS,
-                    log_every=5,
-                    global_batch_size=size,
-                    accelerator="cpu",
-                    out=out,
-                    progress_bar=False,
-                    model_summary=False,
-                    optimizer=make_optimizer,
-                    loss_fn=loss_fn,
-                )
-                with contextlib.redirect_stdout(io.StringIO()):
-                    trainer.fit(copy.deepcopy(model), data)
-                rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-            seconds.append(measured_step_s(rows, size))
+            step = timed(size, TIMED_STEPS)
+            if step * TIMED_STEPS < TIMED_TARGET_S:
+                step = timed(size, min(TIMED_MAX_STEPS, 5 * math.ceil(TIMED_TARGET_S / step / 5)))
+            seconds.append(step)
     finally:
         torch.set_num_threads(threads)
     per_sample = max(0.0, (seconds[1] - seconds[0]) / (hi - lo)) if hi > lo else 0.0

@@ -3,9 +3,11 @@
 Each candidate that fits on this machine is trained for ``--steps`` steps by the `Trainer` on the
 recipe's own model, data and optimizer, with the planner's global batch and precision.
 
-- **Step time, measured**: the fastest of the logged intervals (every 5 steps, the first
+- **Step time, measured**: the median of the logged intervals (every 5 steps, the first
   interval left out as warm-up) of ``global_batch / samples_per_s`` from ``metrics.jsonl``
-  (other work on a shared machine only adds time; see `measured_step_s`).
+  (see `measured_step_s`). Each candidate trains ``--steps`` steps; by default at least
+  `MIN_STEPS`, and more when its predicted step is short, so that it runs about `TARGET_S`
+  seconds (`steps_for`).
 - **Memory, measured** on every rank's tensors (`MemoryProbe`), the largest rank reported:
   the model state (parameters, gradients and optimizer state this rank holds, summed right after
   the first optimizer step, shards counted as shards) and the activations (the peak of what
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -93,15 +96,34 @@ def measured_memory(out: Path) -> dict[str, Any] | None:
 
 
 def measured_step_s(metrics: list[dict[str, Any]], global_batch: int) -> float:
-    """Seconds per step of the fastest logged interval after the first (warm-up).
+    """Seconds per step: the median of the logged intervals after the first (warm-up).
 
-    The fastest, not the median: on a shared machine other work only ever adds time to an
-    interval, and the planner predicts an undisturbed step (the calibration measures the same way)."""
+    The median, not the fastest: with two processes on two cores a millisecond step's intervals
+    spread over 3x within one run (the wake-up of a rank blocked in a collective is what varies),
+    and the fastest of them is an extreme value that moved 1.5x between two runs of the same
+    candidate where the median moved under 5% (digits, ddp and zero3, 29 intervals each). The
+    calibration and the model's own timed step measure the same way."""
     rates = [r["samples_per_s"] for r in metrics if "samples_per_s" in r]
     rates = rates[1:] or rates
     if not rates:
         raise ConfigError("the validation run logged no step; give --steps of at least 10")
-    return min(global_batch / r for r in rates)
+    return statistics.median(global_batch / r for r in rates)
+
+
+TARGET_S = 2.0
+"""Seconds of training each validated candidate aims for when ``--steps`` is not given (`steps_for`)."""
+MIN_STEPS = 30
+MAX_STEPS = 200
+
+
+def steps_for(predicted_step_s: float, steps: int | None = None) -> int:
+    """``steps`` when given; else `MIN_STEPS`, or more (a multiple of `LOG_EVERY`, at most
+    `MAX_STEPS`) so that a candidate whose predicted step is short still trains about
+    `TARGET_S` seconds: enough logged intervals for their median to settle."""
+    if steps is not None:
+        return steps
+    want = math.ceil(TARGET_S / max(predicted_step_s, 1e-6) / LOG_EVERY) * LOG_EVERY
+    return max(MIN_STEPS, min(MAX_STEPS, want))
 
 
 def run_candidate(record: dict[str, Any], recipe: str, settings: Settings, steps: int, out: Path) -> dict[str, Any]:
@@ -142,8 +164,12 @@ def _rel(pred: float, meas: float | None) -> float | None:
     return None if meas is None or meas == 0 else abs(pred - meas) / meas
 
 
-def validate(model: PlannedModel, cluster: Cluster, settings: Settings, steps: int, only: list[str] | None = None) -> list[dict[str, Any]]:
-    """Rows of predicted against measured for every candidate that fits here (or the ``only`` ones)."""
+def validate(
+    model: PlannedModel, cluster: Cluster, settings: Settings, steps: int | None, only: list[str] | None = None, repeats: int = 1
+) -> list[dict[str, Any]]:
+    """Rows of predicted against measured for every candidate that fits here (or the ``only`` ones);
+    with ``repeats``, each candidate's step time is the median of that many runs, taken in rounds over
+    the candidates (memory is exact: the first run's)."""
     if model.recipe is None:
         raise ConfigError("--validate runs a built-in recipe (--model digits or charlm): it needs the recipe's data and loss")
     records = [r for r in plan_all(model.spec, cluster, settings, model.module) if r["fits"] and r["world_size"] == cluster.nproc]
@@ -151,31 +177,40 @@ def validate(model: PlannedModel, cluster: Cluster, settings: Settings, steps: i
         records = [r for r in records if r["label"] in only or r["strategy"] in only]
     if not records:
         raise ConfigError(f"no candidate to validate among {only}; run `shardwise plan` with the same flags to see the candidates' labels")
+    runs: list[list[dict[str, Any]]] = [[] for _ in records]
     rows = []
-    for rec in records:
-        with tempfile.TemporaryDirectory() as tmp:
-            got = run_candidate(rec, model.recipe, settings, steps, Path(tmp))
-        breakdown = rec["memory_breakdown"]
-        pred_state = breakdown["model_state"]
-        pred_memory = pred_state + breakdown["activations"]
-        rows.append(
-            {
-                "label": rec["label"],
-                "predicted_step_s": rec["step_time_s"],
-                "measured_step_s": got["step_s"],
-                "step_rel_error": _rel(rec["step_time_s"], got["step_s"]),
-                "predicted_model_state_bytes": pred_state,
-                "measured_model_state_bytes": got["model_state_bytes"],
-                "state_rel_error": _rel(pred_state, got["model_state_bytes"]),
-                "predicted_activation_bytes": breakdown["activations"],
-                "measured_activation_bytes": got["activation_bytes"],
-                "predicted_memory_bytes": pred_memory,
-                "measured_memory_bytes": got["memory_bytes"],
-                "memory_rel_error": _rel(pred_memory, got["memory_bytes"]),
-            }
-        )
-        print(format_row(rows[-1]), flush=True)
+    rounds = max(1, repeats)
+    for r in range(rounds):  # in rounds over the candidates: a slow stretch of the machine lands on many once
+        for rec, mine in zip(records, runs, strict=True):
+            with tempfile.TemporaryDirectory() as tmp:
+                mine.append(run_candidate(rec, model.recipe, settings, steps_for(rec["step_time_s"], steps), Path(tmp)))
+            if r < rounds - 1:
+                print(f"{rec['label'][:44]:44s} run {r + 1}: {mine[-1]['step_s'] * 1e3:.2f} ms", flush=True)
+            else:
+                rows.append(_row(rec, dict(mine[0], step_s=statistics.median(x["step_s"] for x in mine))))
+                print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def _row(rec: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """One candidate's row: its plan record's predictions against ``got`` (`run_candidate`'s measurements)."""
+    breakdown = rec["memory_breakdown"]
+    pred_state = breakdown["model_state"]
+    pred_memory = pred_state + breakdown["activations"]
+    return {
+        "label": rec["label"],
+        "predicted_step_s": rec["step_time_s"],
+        "measured_step_s": got["step_s"],
+        "step_rel_error": _rel(rec["step_time_s"], got["step_s"]),
+        "predicted_model_state_bytes": pred_state,
+        "measured_model_state_bytes": got["model_state_bytes"],
+        "state_rel_error": _rel(pred_state, got["model_state_bytes"]),
+        "predicted_activation_bytes": breakdown["activations"],
+        "measured_activation_bytes": got["activation_bytes"],
+        "predicted_memory_bytes": pred_memory,
+        "measured_memory_bytes": got["memory_bytes"],
+        "memory_rel_error": _rel(pred_memory, got["memory_bytes"]),
+    }
 
 
 HEADER = (
@@ -200,9 +235,15 @@ def format_row(r: dict[str, Any]) -> str:
 
 def cmd_validate(args: argparse.Namespace, model: PlannedModel, cluster: Cluster, settings: Settings) -> int:
     """``shardwise plan --validate``: print the table (and ``--json`` its rows)."""
-    print(f"validate {model.spec.name} on {cluster.nproc} processes, {cluster.device.name} profile, {args.steps} steps each")
+    if args.repeats < 1 or (args.steps is not None and args.steps < 2 * LOG_EVERY):
+        raise ConfigError(
+            f"--validate needs --repeats of at least 1 and --steps of at least {2 * LOG_EVERY}; got --repeats {args.repeats}, --steps {args.steps}"
+        )
+    length = f"{args.steps} steps" if args.steps else f"{MIN_STEPS}-{MAX_STEPS} steps (about {TARGET_S:g} s)"
+    runs = f", the median of {args.repeats} runs" if args.repeats > 1 else ""
+    print(f"validate {model.spec.name} on {cluster.nproc} processes, {cluster.device.name} profile, {length} each{runs}")
     print(HEADER)
-    rows = validate(model, cluster, settings, args.steps, args.only.split(";") if args.only else None)
+    rows = validate(model, cluster, settings, args.steps, args.only.split(";") if args.only else None, args.repeats)
     steps = [r["step_rel_error"] for r in rows if r["step_rel_error"] is not None]
     states = [r["state_rel_error"] for r in rows if r["state_rel_error"] is not None]
     mems = [r["memory_rel_error"] for r in rows if r["memory_rel_error"] is not None]

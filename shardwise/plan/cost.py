@@ -115,6 +115,12 @@ class Shape:
     sync_every: int = 1
     algorithm: str = "native"
     codec: str | None = None
+    units: int | None = None
+    """The submodules the strategy's plan wraps or splits one by one, given a real module (FSDP's
+    units, the root not counted; tensor parallelism's split linears); None when not known."""
+
+
+FSDP_FAMILIES = ("zero2", "zero3", "fsdp", "hsdp")
 
 
 @dataclass
@@ -228,8 +234,18 @@ def framework_keys(shape: Shape) -> list[str]:
 
 def framework_units(shape: Shape, spec: ModelSpec) -> float:
     """What a strategy's per-step cost scales with: its micro-batches for a pipeline (a send, a receive
-    and a schedule action each), the model's layers otherwise (FSDP's units, tensor-parallel layers)."""
-    return float(shape.microbatches) if shape.family == "pipeline" else float(spec.layers)
+    and a schedule action each); FSDP's parameter groups (each gathers, frees and reduces on its own:
+    the units its plan wraps, and the root); the linears tensor parallelism splits (each a DTensor
+    redistribution and, for row-wise ones, an allreduce; without a module, 4 a transformer layer and
+    2 a layer otherwise); the model's layers otherwise (DDP's hooks). The calibration fits against
+    the same function (`shardwise.advisor.calibrate_framework`), so both count alike."""
+    if shape.family == "pipeline":
+        return float(shape.microbatches)
+    if shape.family in FSDP_FAMILIES:
+        return float((spec.layers if shape.units is None else shape.units) + 1)
+    if shape.family == "tp":
+        return float((4 if spec.transformer else 2) * spec.layers if shape.units is None else shape.units)
+    return float(spec.layers)
 
 
 def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape) -> Estimate:
@@ -347,7 +363,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         add_library("all_reduce", "replicate", r, 1, grad_bytes / s, s, "backward")
     if tp > 1:
         act = micro * spec.seq * spec.hidden * spec.act_bytes
-        count = 4 * spec.layers / pp * m  # Shoeybi et al. 2019: 2 in forward, 2 in backward per layer
+        # Shoeybi et al. 2019: 2 in forward, 2 in backward per transformer layer; given the plan, one per
+        # split linear (a row-wise output in forward, a column-wise input's gradient in backward)
+        count = (4 * spec.layers if shape.units is None else shape.units) / pp * m
         add_library("all_reduce", "tp", tp, count, act, 1)
     if fam == "pipeline" and pp > 1:
         act = micro * spec.seq * spec.hidden / tp * spec.act_bytes
@@ -373,7 +391,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     exposed = sum(c.exposed_s for c in colls)
     total_comm = sum(c.seconds for c in colls)
     framework = next((dev.framework[k] for k in framework_keys(shape) if k in dev.framework), None)
-    overhead = framework.seconds(framework_units(shape, spec)) if framework is not None else dev.step_overhead_s
+    units = framework_units(shape, spec)
+    overhead = framework.seconds(units) if framework is not None else dev.step_overhead_s
     step = compute + bubble + optimizer + exposed + overhead
     shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0
     if shared > 1:  # more processes than cores: each runs a core's share of the time
@@ -389,6 +408,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         "comm_s": total_comm,
         "exposed_comm_s": exposed,
         "overhead_s": overhead,
+        "overhead_units": units,
         "step_s": step,
     }
     fits = memory["total"] <= dev.memory_bytes

@@ -74,6 +74,10 @@ class Layout:
     """Ranks whose death the run survives (asynchronous workers other than rank 0)."""
     micro_batch: int | None = None
     """Samples per loader micro-batch on one rank, when the plan was given the batch."""
+    units: tuple[str, ...] | None = None
+    """Submodules the strategy wraps or splits one by one, when the plan was given the model (FSDP's
+    sharded units, the root not counted; the linears tensor parallelism splits): what its per-step
+    work repeats over (`shardwise.plan.cost.framework_units`)."""
 
     def describe(self) -> str:
         """One line: ``ddp on 4 processes: dp4 (micro-batch 8)``."""

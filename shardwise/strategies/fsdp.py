@@ -657,7 +657,8 @@ class ShardedDataParallel(Strategy):
         self.shape(layout.data_parallel)  # refuses a shape that does not divide the ranks
         if model is not None:
             require_trainable(model, self.name)
-            resolve_units(model, self.wrap)  # an unknown unit name fails here, in the parent
+            units = resolve_units(model, self.wrap)  # an unknown unit name fails here, in the parent
+            layout = dataclasses.replace(layout, units=tuple(units))
         return layout
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> FSDPRun:

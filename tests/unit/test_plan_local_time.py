@@ -61,6 +61,48 @@ def test_pipeline_framework_cost_scales_with_micro_batches_and_compute_with_the_
     assert t["overhead_s"] == pytest.approx(5e-4 + 3e-4 * 4)
 
 
+class _Stack(nn.Module):
+    """Three Linear layers in a Sequential under ``net`` (digits' shape): FSDP's auto wrap makes the
+    two large ones units and leaves the small head in the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+
+
+def test_fsdp_framework_cost_counts_the_groups_its_plan_wraps_root_included() -> None:
+    from shardwise.advisor.candidates import Candidate, evaluate
+
+    # without a module: the model's layers and the root
+    t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("zero3", dp=2)).time
+    assert t["overhead_units"] == 7 and t["overhead_s"] == pytest.approx(4e-3 + 1e-3 * 7)
+    # with one: zero3's own plan says which units it wraps, and the cost counts those and the root
+    model = _Stack()
+    spec = replace(SPEC, layers=3)
+    rec = evaluate(Candidate("zero3"), spec, Cluster(PROFILE, 2), Settings(32), model)
+    assert rec["time_breakdown"]["overhead_units"] == 3  # net.0, net.2 and the root (net.4 stays in it)
+    assert rec["time_breakdown"]["overhead_s"] == pytest.approx(4e-3 + 1e-3 * 3)
+    wrapped = evaluate(Candidate("zero3", {"wrap": "root"}), spec, Cluster(PROFILE, 2), Settings(32), model)
+    assert wrapped["time_breakdown"]["overhead_units"] == 1
+    # ddp's cost is per layer, whatever FSDP would wrap
+    assert evaluate(Candidate("ddp"), spec, Cluster(PROFILE, 2), Settings(32), model)["time_breakdown"]["overhead_units"] == 3
+
+
+def test_tp_cost_counts_the_linears_its_plan_splits_with_one_allreduce_each() -> None:
+    from shardwise.advisor.candidates import Candidate, evaluate
+
+    net = CalibrationNet(3)  # 3 blocks of fc1 (column-wise) and fc2 (row-wise): 6 split linears
+    spec = replace(SPEC, layers=3, transformer=False)
+    rec = evaluate(Candidate("tp", {"tp": 2}), spec, Cluster(PROFILE, 2), Settings(32), net)
+    assert rec["fits"], rec["reason"]
+    assert rec["time_breakdown"]["overhead_units"] == 6
+    (tp_ar,) = [c for c in rec["comm_breakdown"] if c["group"] == "tp"]
+    assert tp_ar["count"] == 6  # fc2's output in forward, fc1's input gradient in backward, per block
+    # without the module: Megatron's 4 a layer (2 forward, 2 backward), and 2 split linears a layer
+    bare = estimate(spec, Cluster(PROFILE, 2), Settings(32), Shape("tp", tp=2))
+    assert [c.count for c in bare.collectives if c.group == "tp"] == [12] and bare.time["overhead_units"] == 6
+
+
 def test_without_a_local_profile_the_flop_model_and_fixed_overhead_stay() -> None:
     remote = replace(PROFILE, local=False, framework={})
     t = estimate(SPEC, Cluster(remote, 2), Settings(32), Shape("ddp", dp=2)).time
@@ -87,12 +129,17 @@ def test_framework_keys_name_the_variant_and_fall_back_to_the_family() -> None:
     assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)
 
 
-def test_the_framework_fit_goes_through_both_points_and_says_what_it_clamped() -> None:
+def test_the_framework_fit_is_the_least_squares_line_and_says_what_it_clamped() -> None:
     pts = [{"units": 2, "extra_s": 3e-3}, {"units": 8, "extra_s": 9e-3}]
     f = fit_framework(pts)
     assert f["per_unit_s"] == pytest.approx(1e-3) and f["step_s"] == pytest.approx(1e-3) and not f["notes"]
+    assert f["max_residual_s"] == pytest.approx(0.0, abs=1e-15)
+    # three points off a line (x 2, 5, 8; y 2, 5, 5 ms): slope (-3 * -2 + 0 * 1 + 3 * 1) / 18 = 0.5 ms, intercept 4 - 0.5 * 5
+    f = fit_framework([{"units": 2, "extra_s": 2e-3}, {"units": 5, "extra_s": 5e-3}, {"units": 8, "extra_s": 5e-3}])
+    assert f["per_unit_s"] == pytest.approx(0.5e-3) and f["step_s"] == pytest.approx(4e-3 - 2.5e-3)
+    assert f["max_residual_s"] == pytest.approx(1e-3)  # the middle point: 5 ms against the line's 4 ms
     f = fit_framework([{"units": 2, "extra_s": 5e-3}, {"units": 8, "extra_s": 2e-3}])
-    assert f["per_unit_s"] == 0.0 and f["step_s"] == pytest.approx(5e-3) and "slope" in f["notes"][0]
+    assert f["per_unit_s"] == 0.0 and f["step_s"] == pytest.approx(3.5e-3) and "slope" in f["notes"][0]
 
 
 def test_a_profile_reads_its_framework_table_and_names_a_bad_entry() -> None:

@@ -304,7 +304,7 @@ import difflib
 import json
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -382,12 +382,13 @@ DP_STRATEGIES = ("ddp", "fsdp")
 """How the data-parallel dimension of a dp x tp mesh may stay in sync (the choices of ``dp_strategy``)."""
 
 
-def check_model_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, sequence_parallel: bool, dp_strategy: str) -> None:
+def check_model_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, sequence_parallel: bool, dp_strategy: str) -> dict[str, str]:
     """Refuse a model ``plan`` does not fit at degree ``tp``, with the `ConfigError` a user reads:
     the plan itself (styles, names, linears), widths and heads (key/value heads included) divisible
     by ``tp``, blocks for sequence parallelism, a role for every module (the backstop), and a fused
     q|k|v split by heads only with ``dp_strategy`` ``"ddp"``. Needs no process group: `TensorParallel.plan`
-    runs it in the parent, `TensorParallel.apply` again on each rank at the mesh's degree."""
+    runs it in the parent, `TensorParallel.apply` again on each rank at the mesh's degree.
+    Returns the resolved plan (``{linear name: style}``)."""
     resolved, grad_sum, _ = resolve(model, plan, tp)
     if sequence_parallel:
         _sequence_blocks(model, resolved)
@@ -396,6 +397,7 @@ def check_model_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, seq
         raise ConfigError(
             "a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; got dp_strategy 'fsdp'. Use dp_strategy='ddp'"
         )
+    return resolved
 
 
 @dataclass(frozen=True, init=False)
@@ -497,7 +499,8 @@ class TensorParallel(Strategy):
             raise ConfigError(f"tp {tp} does not divide the world size {world_size}; valid shapes: {shapes} (set --tp to one of the tp degrees)")
         layout = plan_layout(self.name, world_size, batch=batch, mesh=mesh, own={"tp": tp})
         if model is not None:
-            check_model_fits(model, self.tp_plan, tp, self.sequence_parallel, self.dp_strategy)
+            resolved = check_model_fits(model, self.tp_plan, tp, self.sequence_parallel, self.dp_strategy)
+            layout = replace(layout, units=tuple(resolved))
         return layout
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> TensorParallelRun:
