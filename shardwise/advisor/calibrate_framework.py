@@ -45,10 +45,14 @@ FEATURES = 32
 CLASSES = 8
 GLOBAL_BATCH = 32
 STEPS = 60
-REPEATS = 3
-"""Runs of each size; a key's line goes through each size's median run."""
+REPEATS = 2
+"""Runs of each point; a key's fit goes through each point's median run."""
 LOG_EVERY = 5
 SAMPLES = 512
+WIDE = (256, 512)
+"""The wide point's (width, global batch): 2 layers (a pipeline's 4 blocks, 4 micro-batches) with about
+ten times the compute of the widest deep point and charlm's gradient bytes, so compute varies
+apart from the units and `Framework.per_compute` can be fitted."""
 
 
 class Block(nn.Module):
@@ -87,9 +91,9 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def _data() -> torch.utils.data.TensorDataset:
+def _data(samples: int = SAMPLES) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+    return torch.utils.data.TensorDataset(torch.randn(samples, FEATURES, generator=g), torch.randint(0, CLASSES, (samples,), generator=g))
 
 
 CODECS = ("fp16", "bf16", "int8", "sign", "topk:0.01", "randomk:0.2", "powersgd:4")
@@ -118,7 +122,7 @@ POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, ...]]] = {
 PIPELINE_DEPTH = 4
 
 
-def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int) -> float:
+def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int, batch: int = GLOBAL_BATCH) -> float:
     """Step seconds: the median logged interval of ``STEPS`` Trainer steps (`measured_step_s`: the first left out)."""
     from shardwise.advisor.validate import measured_step_s
     from shardwise.trainer import Trainer
@@ -130,7 +134,7 @@ def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: in
             nproc=world,
             max_steps=STEPS,
             log_every=LOG_EVERY,
-            global_batch_size=GLOBAL_BATCH,
+            global_batch_size=batch,
             accelerator="cpu",
             out=out,
             progress_bar=False,
@@ -138,105 +142,124 @@ def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: in
             optimizer=_adam,
             loss_fn=_loss,
         )
-        trainer.fit(model, _data())
+        trainer.fit(model, _data(max(SAMPLES, 8 * batch)))
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return measured_step_s(rows, GLOBAL_BATCH)
+    return measured_step_s(rows, batch)
 
 
-_SPECS: dict[int, Any] = {}
-"""The calibration network's spec (its step timed here) by depth, measured once a calibration: every
-key at that depth is set against the same compute."""
-
-
-def _spec(depth: int) -> Any:
-    if depth not in _SPECS:
+def _spec(depth: int, width: int, batch: int, specs: dict[tuple[int, int, int], Any]) -> Any:
+    """The calibration network's spec at ``depth`` and ``width``, its step timed here at ``batch``, kept
+    in ``specs`` (one calibration's): every key at that point is set against the same timed compute."""
+    if (depth, width, batch) not in specs:
         torch.manual_seed(0)
-        model = CalibrationNet(depth)
-        data = _data()
-        fit = time_step(model, data, _loss, _adam, (max(1, GLOBAL_BATCH // 16), GLOBAL_BATCH))
-        _SPECS[depth] = replace(measured_spec(f"calibration-{depth}", model, data.tensors[0][:8], 8), step_fit=fit)
-    return _SPECS[depth]
+        model = CalibrationNet(depth, width)
+        data = _data(max(SAMPLES, 8 * batch))
+        fit = time_step(model, data, _loss, _adam, (max(1, batch // 16), batch))
+        specs[depth, width, batch] = replace(measured_spec(f"calibration-{depth}x{width}", model, data.tensors[0][:8], 8), step_fit=fit)
+    return specs[depth, width, batch]
 
 
-def measure_point(key: str, size: int, profile: Any, world: int = 2) -> dict[str, Any]:
-    """One calibration run at ``size`` layers or micro-batches: predicted without the strategy's own
-    cost, measured, their difference, and ``units``, what `shardwise.plan.cost.framework_units` counts
-    for this layout (the x of the fit: layers, micro-batches, or FSDP's groups from the strategy's plan)."""
+def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs: dict[tuple[int, int, int], Any] | None = None) -> dict[str, Any]:
+    """One calibration run at ``size`` layers or micro-batches, or at the ``"wide"`` point (`WIDE`):
+    predicted without the strategy's own cost, measured, their difference, ``units`` (what
+    `shardwise.plan.cost.framework_units` counts for this layout: layers, micro-batches, or FSDP's
+    groups and tensor parallelism's split linears from the strategy's plan) and ``compute_s`` (the
+    rank's compute in the prediction). ``specs`` shares the timed networks between the points of one calibration."""
     from shardwise.advisor.candidates import Candidate, evaluate
     from shardwise.plan.cluster import Cluster
     from shardwise.plan.cost import Settings
 
     strategy, options, varies, _ = POINTS[key]
-    depth = size if varies == "layers" else PIPELINE_DEPTH
-    opts = dict(options, microbatches=size) if varies == "microbatches" else dict(options)
-    spec = _spec(depth)
+    width, batch = WIDE if size == "wide" else (WIDTH, GLOBAL_BATCH)
+    if size == "wide":
+        depth, micro = (PIPELINE_DEPTH, 4) if varies == "microbatches" else (2, None)
+    else:
+        depth, micro = (PIPELINE_DEPTH, int(size)) if varies == "microbatches" else (int(size), None)
+    opts = dict(options, microbatches=micro) if micro is not None else dict(options)
+    spec = _spec(depth, width, batch, {} if specs is None else specs)
     torch.manual_seed(0)
-    model = CalibrationNet(depth)
+    model = CalibrationNet(depth, width)
     candidate = Candidate(strategy, opts, world_size=1 if strategy == "single" else None)
-    record = evaluate(candidate, spec, Cluster(profile, world), Settings(GLOBAL_BATCH), model)
+    record = evaluate(candidate, spec, Cluster(profile, world), Settings(batch), model)
     if not record["fits"]:
         raise RuntimeError(f"calibration point {key} at {size} {varies} does not plan: {record['reason']}")
     t = record["time_breakdown"]
     predicted = t["step_s"] - t["overhead_s"]
-    measured = _measure(strategy, opts, model, record["world_size"])
+    measured = _measure(strategy, opts, model, record["world_size"], batch)
     return {
         "key": key,
         "size": size,
         "varies": varies,
         "units": t["overhead_units"],
+        "compute_s": t["overhead_compute_s"],
         "measured_s": measured,
         "predicted_without_s": predicted,
         "extra_s": measured - predicted,
     }
 
 
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+    return [float(x) for x in torch.linalg.lstsq(a, b).solution.squeeze(1)]
+
+
 def fit_framework(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """``step_s`` and ``per_unit_s``: the least-squares line through a key's points (negative parts set
-    to 0, and said so), with ``max_residual_s``, the largest distance of a point from it."""
+    """``step_s``, ``per_unit_s`` and ``per_compute``: the least-squares fit of ``extra_s`` against a
+    key's points' ``units`` and ``compute_s`` (a point without ``compute_s`` counts 0). A negative
+    coefficient is set to 0 and the others fitted again without it, and said so; ``max_residual_s`` is
+    the largest distance of a point from the fit."""
     xs = [float(p["units"]) for p in points]
+    cs = [float(p.get("compute_s", 0.0)) for p in points]
     ys = [float(p["extra_s"]) for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    columns = {"step_s": [1.0] * len(ys), "per_unit_s": xs, "per_compute": cs}
+    names = [n for n in columns if n == "step_s" or len(set(columns[n])) > 1]
     notes = []
-    if slope < 0:
-        notes.append(f"slope {slope * 1e3:.3g} ms per unit set to 0")
-        slope = 0.0
-    step = my - slope * mx
-    if step < 0:
-        notes.append(f"intercept {step * 1e3:.3g} ms set to 0")
-        step = 0.0
-    residual = max(abs(y - (step + slope * x)) for x, y in zip(xs, ys, strict=True))
-    return {"step_s": step, "per_unit_s": slope, "max_residual_s": residual, "points": points, "notes": notes}
+    while True:
+        coef = dict(zip(names, _least_squares([[columns[n][i] for n in names] for i in range(len(ys))], ys), strict=True))
+        negative = [n for n in names if n != "step_s" and coef[n] < 0]
+        if not negative:
+            break
+        worst = min(negative, key=lambda n: coef[n])
+        notes.append(f"{worst} {coef[worst]:.3g} set to 0")
+        names.remove(worst)
+    fit = {n: max(0.0, coef.get(n, 0.0)) for n in columns}
+    if coef["step_s"] < 0:
+        notes.append(f"intercept {coef['step_s'] * 1e3:.3g} ms set to 0")
+    residual = max(abs(y - (fit["step_s"] + fit["per_unit_s"] * x + fit["per_compute"] * c)) for x, c, y in zip(xs, cs, ys, strict=True))
+    return {**fit, "max_residual_s": residual, "points": points, "notes": notes}
 
 
 def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: int = REPEATS) -> dict[str, dict[str, Any]]:
     """Every key of `POINTS` (or ``keys``): ``repeats`` rounds, each measuring every key at each of its
     sizes (a slow stretch of the machine lands on many keys once, not on one key's every run), then
-    each key's line through the median of each size's runs, printed."""
+    each key's fit through the median of each point's runs, printed."""
     keys = keys or list(POINTS)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
+    specs: dict[tuple[int, int, int], Any] = {}
     for r in range(repeats):
         for key in keys:
-            runs[key] += [measure_point(key, size, profile) for size in POINTS[key][3]]
+            sizes: list[int | str] = [*POINTS[key][3], "wide"]
+            runs[key] += [measure_point(key, size, profile, specs=specs) for size in sizes]
         print(f"calibration round {r + 1} of {repeats} done", flush=True)
     out = {}
     for key in keys:
         _, _, varies, values = POINTS[key]
         medians, per_size = [], []
-        for size in values:
+        for size in [*values, "wide"]:
             mine = [p for p in runs[key] if p["size"] == size]
             middle = sorted(mine, key=lambda p: p["extra_s"])[(len(mine) - 1) // 2]
             medians.append(middle)
             measured = ", ".join(f"{p['measured_s'] * 1e3:.2f}" for p in mine)
-            per_size.append(f"{size} {varies}: measured {measured} ms, model {mine[0]['predicted_without_s'] * 1e3:.2f} ms")
+            where = "wide" if size == "wide" else f"{size} {varies}"
+            per_size.append(f"{where}: measured {measured} ms, model {mine[0]['predicted_without_s'] * 1e3:.2f} ms")
         f = fit_framework(medians)
         f["runs"] = runs[key]
         out[key] = f
         notes = " " + "; ".join(f["notes"]) if f["notes"] else ""
         unit = "unit" if key.split("/")[0] in ("zero2", "zero3", "fsdp", "hsdp", "tp") else varies.rstrip("es")
         print(
-            f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{unit}, "
+            f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{unit} + {f['per_compute']:.3f} x compute, "
             f"residual {f['max_residual_s'] * 1e3:.2f} ms  ({'; '.join(per_size)}){notes}",
             flush=True,
         )

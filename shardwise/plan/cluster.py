@@ -62,15 +62,19 @@ class Link:
 @dataclass(frozen=True)
 class Framework:
     """What one strategy costs per step on top of its model's compute and its collectives' alpha-beta
-    time: ``step_s + per_unit_s * units`` (units: layers the strategy wraps, or pipeline micro-batches).
-    Hooks, Python, the launch of each collective, waits the alpha-beta model does not see; measured
-    by ``shardwise plan --calibrate`` on this machine, empty on the datasheet profiles."""
+    time: ``step_s + per_unit_s * units + per_compute * compute_s`` (units: `shardwise.plan.cost.framework_units`).
+    Hooks, Python, the launch of each collective, waits the alpha-beta model does not see, and the
+    compute its own work slows (DDP's allreduce threads running beside the backward on a machine with
+    as many processes as cores); measured by ``shardwise plan --calibrate`` on this machine, empty on
+    the datasheet profiles."""
 
     step_s: float
     per_unit_s: float = 0.0
+    per_compute: float = 0.0
+    """Seconds added per second of the rank's compute."""
 
-    def seconds(self, units: float) -> float:
-        return self.step_s + self.per_unit_s * units
+    def seconds(self, units: float, compute_s: float = 0.0) -> float:
+        return self.step_s + self.per_unit_s * units + self.per_compute * compute_s
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ class DeviceProfile:
             elif f.name == "flops":
                 v = dict(v)
             elif f.name == "framework":
-                v = {k: {"step_s": x.step_s, "per_unit_s": x.per_unit_s} for k, x in v.items()}
+                v = {k: {"step_s": x.step_s, "per_unit_s": x.per_unit_s, "per_compute": x.per_compute} for k, x in v.items()}
             out[f.name] = v
         return out
 
@@ -191,7 +195,7 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
     for key, value in dict(raw.get("framework", {})).items():
         if not isinstance(value, Mapping) or "step_s" not in value:
             raise ConfigError(f"{where}: framework.{key} must be a table with step_s (and per_unit_s); got {value!r}")
-        framework[str(key)] = Framework(float(value["step_s"]), float(value.get("per_unit_s", 0.0)))
+        framework[str(key)] = Framework(float(value["step_s"]), float(value.get("per_unit_s", 0.0)), float(value.get("per_compute", 0.0)))
     profile = DeviceProfile(
         name=str(raw["name"]),
         memory_bytes=float(raw["memory_bytes"]),

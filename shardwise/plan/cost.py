@@ -392,7 +392,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     total_comm = sum(c.seconds for c in colls)
     framework = next((dev.framework[k] for k in framework_keys(shape) if k in dev.framework), None)
     units = framework_units(shape, spec)
-    overhead = framework.seconds(units) if framework is not None else dev.step_overhead_s
+    overhead = framework.seconds(units, compute) if framework is not None else dev.step_overhead_s
     step = compute + bubble + optimizer + exposed + overhead
     shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0
     if shared > 1:  # more processes than cores: each runs a core's share of the time
@@ -409,6 +409,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         "exposed_comm_s": exposed,
         "overhead_s": overhead,
         "overhead_units": units,
+        "overhead_compute_s": compute,
         "step_s": step,
     }
     fits = memory["total"] <= dev.memory_bytes

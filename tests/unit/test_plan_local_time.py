@@ -52,6 +52,15 @@ def test_ddp_step_is_timed_compute_plus_allreduce_plus_its_framework_cost() -> N
     assert t["step_s"] == pytest.approx(compute + allreduce + 1e-3 + 2e-4 * 6)
 
 
+def test_a_framework_cost_per_second_of_compute_scales_with_the_rank_s_compute() -> None:
+    slowed = replace(PROFILE, framework={"ddp": Framework(1e-3, 0.0, 0.5)})
+    t = estimate(SPEC, Cluster(slowed, 2), Settings(32), Shape("ddp", dp=2)).time
+    compute = 2e-3 + 1e-4 * 16
+    assert t["overhead_compute_s"] == pytest.approx(compute) and t["overhead_s"] == pytest.approx(1e-3 + 0.5 * compute)
+    back = profile_from_mapping({**slowed.to_json(), "intra": {"alpha": 1e-4, "beta": 1e-9}, "inter": {"alpha": 1e-4, "beta": 1e-9}})
+    assert back.framework["ddp"] == Framework(1e-3, 0.0, 0.5)  # written and read back
+
+
 def test_pipeline_framework_cost_scales_with_micro_batches_and_compute_with_the_bubble() -> None:
     shape = Shape("pipeline", pp=2, microbatches=4, schedule="1f1b")
     t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), shape).time
@@ -139,7 +148,24 @@ def test_the_framework_fit_is_the_least_squares_line_and_says_what_it_clamped() 
     assert f["per_unit_s"] == pytest.approx(0.5e-3) and f["step_s"] == pytest.approx(4e-3 - 2.5e-3)
     assert f["max_residual_s"] == pytest.approx(1e-3)  # the middle point: 5 ms against the line's 4 ms
     f = fit_framework([{"units": 2, "extra_s": 5e-3}, {"units": 8, "extra_s": 2e-3}])
-    assert f["per_unit_s"] == 0.0 and f["step_s"] == pytest.approx(3.5e-3) and "slope" in f["notes"][0]
+    assert f["per_unit_s"] == 0.0 and f["step_s"] == pytest.approx(3.5e-3) and "per_unit_s" in f["notes"][0]
+
+
+def test_the_framework_fit_separates_a_cost_per_second_of_compute_with_the_wide_point() -> None:
+    # extra = 1 ms + 0.5 ms a unit + 0.2 x compute: the deep points move units and compute together,
+    # the wide one (2 units, 30 ms of compute) moves compute alone
+    def extra(u: float, c: float) -> float:
+        return 1e-3 + 0.5e-3 * u + 0.2 * c
+
+    pts = [{"units": u, "compute_s": c, "extra_s": extra(u, c)} for u, c in ((2, 2e-3), (5, 5e-3), (8, 8e-3), (2, 30e-3))]
+    f = fit_framework(pts)
+    assert (f["step_s"], f["per_unit_s"], f["per_compute"]) == pytest.approx((1e-3, 0.5e-3, 0.2)) and not f["notes"]
+    assert f["max_residual_s"] == pytest.approx(0.0, abs=1e-12)
+    assert Framework(f["step_s"], f["per_unit_s"], f["per_compute"]).seconds(3, 0.1) == pytest.approx(extra(3, 0.1))
+    # compute that makes the step faster is noise: set to 0, and the line fitted again without it
+    pts = [{"units": u, "compute_s": c, "extra_s": 1e-3 + 0.5e-3 * u - 0.01 * c} for u, c in ((2, 2e-3), (5, 5e-3), (8, 8e-3), (2, 30e-3))]
+    f = fit_framework(pts)
+    assert f["per_compute"] == 0.0 and "per_compute" in f["notes"][0] and f["per_unit_s"] > 0
 
 
 def test_a_profile_reads_its_framework_table_and_names_a_bad_entry() -> None:

@@ -40,3 +40,15 @@ def test_validate_one_ddp_candidate_on_digits(tmp_path: Path, capsys: pytest.Cap
         assert row["measured_activation_bytes"] > 0
         assert row["measured_memory_bytes"] == pytest.approx(row["predicted_memory_bytes"], rel=0.05), row
     assert "pred step" in capsys.readouterr().out
+
+
+def test_a_calibration_point_times_the_trainer_against_the_model_and_counts_the_plan_s_units() -> None:
+    from shardwise.advisor.calibrate_framework import GLOBAL_BATCH, WIDTH, measure_point
+    from shardwise.plan.cluster import load_profile
+
+    specs: dict[tuple[int, int, int], object] = {}
+    point = measure_point("zero3", 2, load_profile("cpu"), specs=specs)
+    # zero3's plan wraps the two blocks; the root (embed and head) is the third group the cost counts
+    assert point["units"] == 3 and point["size"] == 2 and set(specs) == {(2, WIDTH, GLOBAL_BATCH)}
+    assert math.isfinite(point["measured_s"]) and point["measured_s"] > 0 and point["predicted_without_s"] > 0
+    assert point["compute_s"] > 0 and point["extra_s"] == pytest.approx(point["measured_s"] - point["predicted_without_s"])
