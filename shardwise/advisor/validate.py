@@ -100,9 +100,10 @@ def measured_step_s(metrics: list[dict[str, Any]], global_batch: int) -> float:
 
     The median, not the fastest: with two processes on two cores a millisecond step's intervals
     spread over 3x within one run (the wake-up of a rank blocked in a collective is what varies),
-    and the fastest of them is an extreme value that moved 1.5x between two runs of the same
-    candidate where the median moved under 5% (digits, ddp and zero3, 29 intervals each). The
-    calibration and the model's own timed step measure the same way."""
+    and the fastest of them is an extreme value: it moved 1.6-1.7x between two runs of the same
+    candidate where the median moved 2-6% (digits: ddp tree, ddp sign, zero3; 29 intervals each;
+    a fourth, native ddp, moved 41%, hence ``--repeats``). The calibration and the model's own
+    timed step measure the same way."""
     rates = [r["samples_per_s"] for r in metrics if "samples_per_s" in r]
     rates = rates[1:] or rates
     if not rates:
