@@ -28,10 +28,7 @@ charlm checks the resulting predictions on models the fit never saw.
 
 from __future__ import annotations
 
-import json
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,7 +44,6 @@ GLOBAL_BATCH = 32
 STEPS = 60
 REPEATS = 2
 """Runs of each point; a key's fit goes through each point's median run."""
-LOG_EVERY = 5
 SAMPLES = 512
 WIDE = (256, 512)
 """The wide point's (width, global batch): 2 layers (a pipeline's 4 blocks, 4 micro-batches) with about
@@ -124,27 +120,10 @@ PIPELINE_DEPTH = 4
 
 def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int, batch: int = GLOBAL_BATCH) -> float:
     """Step seconds: the median logged interval of ``STEPS`` Trainer steps (`measured_step_s`: the first left out)."""
-    from shardwise.advisor.validate import measured_step_s
-    from shardwise.trainer import Trainer
+    from shardwise.advisor.validate import timed_fit
 
-    with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(
-            strategy=strategy,
-            strategy_options=options,
-            nproc=world,
-            max_steps=STEPS,
-            log_every=LOG_EVERY,
-            global_batch_size=batch,
-            accelerator="cpu",
-            out=out,
-            progress_bar=False,
-            model_summary=False,
-            optimizer=_adam,
-            loss_fn=_loss,
-        )
-        trainer.fit(model, _data(max(SAMPLES, 8 * batch)))
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return measured_step_s(rows, batch)
+    data = _data(max(SAMPLES, 8 * batch))
+    return timed_fit(model, data, steps=STEPS, batch=batch, optimizer=_adam, loss_fn=_loss, strategy=strategy, options=options, nproc=world)
 
 
 def _spec(depth: int, width: int, batch: int, specs: dict[tuple[int, int, int], Any]) -> Any:

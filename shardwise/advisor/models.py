@@ -7,13 +7,9 @@ split it, tensor parallelism that finds no layer to shard) exactly as it will at
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
-import io
-import json
 import math
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,29 +48,12 @@ def time_step(
     `TIMED_STEPS` steps (more for a short step); its time is the median logged interval after the first
     (`shardwise.advisor.validate.measured_step_s`). ``model`` is not changed.
     """
-    from shardwise.advisor.validate import measured_step_s
-    from shardwise.trainer import Trainer
+    from shardwise.advisor.validate import timed_fit
 
     lo, hi = sorted(sizes)
 
     def timed(size: int, steps: int) -> float:
-        with tempfile.TemporaryDirectory() as out:
-            trainer = Trainer(
-                strategy="single",
-                max_steps=steps,
-                log_every=5,
-                global_batch_size=size,
-                accelerator="cpu",
-                out=out,
-                progress_bar=False,
-                model_summary=False,
-                optimizer=make_optimizer,
-                loss_fn=loss_fn,
-            )
-            with contextlib.redirect_stdout(io.StringIO()):
-                trainer.fit(copy.deepcopy(model), data)
-            rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        return measured_step_s(rows, size)
+        return timed_fit(copy.deepcopy(model), data, steps=steps, batch=size, optimizer=make_optimizer, loss_fn=loss_fn, quiet=True)
 
     seconds = []
     threads = torch.get_num_threads()

@@ -111,6 +111,48 @@ def measured_step_s(metrics: list[dict[str, Any]], global_batch: int) -> float:
     return statistics.median(global_batch / r for r in rates)
 
 
+def timed_fit(
+    model: Any,
+    data: Any,
+    *,
+    steps: int,
+    batch: int,
+    optimizer: Any,
+    loss_fn: Any,
+    strategy: str = "single",
+    options: dict[str, Any] | None = None,
+    nproc: int = 1,
+    quiet: bool = False,
+) -> float:
+    """Train ``model`` ``steps`` steps with the `Trainer` on CPU in a scratch directory, logged every
+    `LOG_EVERY`; returns `measured_step_s` of its metrics (``quiet``: the Trainer's printing discarded).
+    The model's own timed step (`shardwise.advisor.models.time_step`) and the calibration points run through it."""
+    import contextlib
+    import io
+
+    from shardwise.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(
+            strategy=strategy,
+            strategy_options=options or {},
+            nproc=nproc,
+            max_steps=steps,
+            log_every=LOG_EVERY,
+            global_batch_size=batch,
+            accelerator="cpu",
+            out=out,
+            progress_bar=False,
+            model_summary=False,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+        )
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            trainer.fit(model, data)
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return measured_step_s(rows, batch)
+
+
 TARGET_S = 2.0
 """Seconds of training each validated candidate aims for when ``--steps`` is not given (`steps_for`)."""
 MIN_STEPS = 30

@@ -194,7 +194,7 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
     framework = {}
     for key, value in dict(raw.get("framework", {})).items():
         if not isinstance(value, Mapping) or "step_s" not in value:
-            raise ConfigError(f"{where}: framework.{key} must be a table with step_s (and per_unit_s); got {value!r}")
+            raise ConfigError(f"{where}: framework.{key} must be a table with step_s (and per_unit_s, per_compute); got {value!r}")
         framework[str(key)] = Framework(float(value["step_s"]), float(value.get("per_unit_s", 0.0)), float(value.get("per_compute", 0.0)))
     profile = DeviceProfile(
         name=str(raw["name"]),
