@@ -23,8 +23,10 @@ its phases (``shardwise/data``, ``shardwise/forward_backward``, ``shardwise/opti
 
 These are a partition of each step's span in the trace (each instant counted once), so their
 sum is the step's traced length; the measured step time (``time.perf_counter`` between step
-starts, outside the profiler) is reported beside it, and the two agree within a few per cent
-(tested on ddp and pipeline). On CUDA the phases end with a device synchronize inside the window
+starts, outside the profiler) is reported beside it, per step (``steps``, and each rank's in
+``per_rank``) and on average. The two differ by the profiler's own step call: a few microseconds,
+or a scheduler's time slice when a loaded machine parks the process in it (tested on ddp and
+pipeline: the median step within 5%). On CUDA the phases end with a device synchronize inside the window
 only, so the CPU-side phases include their kernels.
 
 Off (the default), the loop runs no profiler code: no ``torch.profiler`` object exists and the
@@ -239,16 +241,28 @@ class StepProfiler:
             row["measured_step"] = measured[step]
             for i, k in enumerate(keys):
                 mine[i] += row[k] / max(1, len(recorded))
-        table = torch.zeros((self.engine.world_size, len(keys) + 1), dtype=torch.float64, device=self.engine.device)
-        table[self.engine.rank, :-1] = torch.tensor(mine, dtype=torch.float64)
-        table[self.engine.rank, -1] = 1.0
+        # every rank's averages and, step by step, its traced and measured lengths (one all-reduce)
+        width = last - first + 1
+        table = torch.zeros((self.engine.world_size, len(keys) + 2 * width + 1), dtype=torch.float64, device=self.engine.device)
+        steps_of = [(r["traced_step"], r["measured_step"]) for r in rows[: len(recorded)]]
+        table[self.engine.rank, : len(keys)] = torch.tensor(mine, dtype=torch.float64)
+        for i, (traced, wall) in enumerate(steps_of[:width]):
+            table[self.engine.rank, len(keys) + 2 * i : len(keys) + 2 * i + 2] = torch.tensor([traced, wall], dtype=torch.float64)
+        table[self.engine.rank, -1] = len(steps_of[:width]) + 1
         self.engine.all_reduce(table, "sum")
-        per_rank = [dict(zip(keys, row[:-1], strict=True)) if row[-1] > 0 else None for row in table.cpu().tolist()]
+        per_rank: list[dict[str, Any] | None] = []
+        for row in table.cpu().tolist():
+            if row[-1] <= 0:
+                per_rank.append(None)
+                continue
+            pairs = [row[len(keys) + 2 * i : len(keys) + 2 * i + 2] for i in range(int(row[-1]) - 1)]
+            per_rank.append({**dict(zip(keys, row[: len(keys)], strict=True)), "steps": [{"traced_step": t, "measured_step": w} for t, w in pairs]})
         this = dict(zip(keys, mine, strict=True))
         return {
             "window": [recorded[0], recorded[-1]] if recorded else [],
             "steps_recorded": len(recorded),
             "per_step_s": this,
+            "steps": [{**r, "step": s} for s, r in zip(recorded, rows, strict=False)],
             "parts": list(PARTS),
             "parts_sum_s": sum(this[k] for k in PARTS),
             "per_rank": per_rank,

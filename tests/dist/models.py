@@ -63,3 +63,12 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def assert_traced_steps_are_the_loop_steps(steps: list[dict[str, Any]]) -> None:
+    """Each recorded step's trace span against the loop's own clock around it: within 5% on the
+    median step. A step's two clocks differ by the profiler's own step call, a few microseconds, unless
+    the scheduler parks the process right there (a loaded machine): one such step is left out by the
+    median, a window shifted by a step or a trace missing part of it is not."""
+    gaps = sorted(abs(s["traced_step"] - s["measured_step"]) / s["measured_step"] for s in steps)
+    assert gaps[(len(gaps) - 1) // 2] <= 0.05, steps

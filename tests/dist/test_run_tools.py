@@ -6,7 +6,8 @@
   loss, accuracy and outputs equal a hand computation over the whole set in one process.
 - ModelCheckpoint's best checkpoints hold the best scores: each one, validated again, gives the
   score it was kept for; a resumed run restores the callbacks' state exactly.
-- The profiler's parts sum to the measured step within 5% on ddp and on the pipeline.
+- The profiler's parts sum to each rank's traced step, and the traced steps are the loop's (within 5% of
+  its own clock on the median step), on ddp and on the pipeline.
 
 One launch per world size runs every check of that size (a process start costs seconds here).
 """
@@ -27,6 +28,7 @@ from torch.utils.data import TensorDataset
 from shardwise import Trainer, launch
 from shardwise.recipes.digits import load_digits_split
 from shardwise.trainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from tests.dist.models import assert_traced_steps_are_the_loop_steps
 
 N_EVAL = 37  # divides by none of 2, 3 (nor by the batch of 4)
 FAMILIES = {
@@ -162,7 +164,9 @@ def test_the_profile_breakdown_sums_to_the_measured_step(world2, strategy):
     assert section["steps_recorded"] == 4 and section["window"] == [3, 6]
     for rank, row in enumerate(section["per_rank"]):
         parts = sum(row[k] for k in section["parts"])
-        assert abs(parts - row["measured_step"]) <= 0.05 * row["measured_step"], (rank, row)
+        assert parts == pytest.approx(row["traced_step"], rel=1e-6), (rank, row)
+        assert len(row["steps"]) == 4
+        assert_traced_steps_are_the_loop_steps(row["steps"])
         assert row["comm_total"] > 0 and row["forward"] > 0 and row["backward"] > 0 and row["optimizer"] > 0, row
         assert row["comm_exposed"] <= row["comm_total"] + 1e-9
         trace = json.loads((out / f"profile-{strategy}" / "profile" / f"rank-{rank:05d}.json").read_text())
