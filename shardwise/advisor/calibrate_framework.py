@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from shardwise.advisor.models import time_step
+from shardwise.comm.traffic import ALGORITHMS
 from shardwise.plan.model_spec import measured_spec
 
 WIDTH = 64
@@ -93,13 +94,14 @@ def _data(samples: int = SAMPLES) -> torch.utils.data.TensorDataset:
 
 
 CODECS = ("fp16", "bf16", "int8", "sign", "topk:0.01", "randomk:0.2", "powersgd:4")
-"""Each codec is its own calibration point: their encode and decode costs differ by several times."""
+"""Each codec is its own calibration point: their encode and decode costs differ by several times;
+so is each of shardwise's allreduce algorithms (`ALGORITHMS`)."""
 
 # key -> (strategy, options, what varies: "layers" or "microbatches", its values)
 POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, ...]]] = {
     "single": ("single", {}, "layers", (2, 5, 8)),
     "ddp": ("ddp", {}, "layers", (2, 5, 8)),
-    "ddp/algorithm": ("ddp", {"allreduce": "ring"}, "layers", (2, 5, 8)),
+    **{f"ddp/algorithm/{a}": ("ddp", {"allreduce": a}, "layers", (2, 5, 8)) for a in ALGORITHMS if a != "native"},
     **{f"ddp/codec/{c.partition(':')[0]}": ("ddp", {"compression": c}, "layers", (2, 5, 8)) for c in CODECS},
     "zero1": ("zero1", {}, "layers", (2, 5, 8)),
     "zero2": ("zero2", {}, "layers", (2, 5, 8)),

@@ -206,9 +206,11 @@ def local_compute(fit: StepFit, micro: float, passes: float, tp: int, pp: int) -
 
 def framework_key(shape: Shape) -> str:
     """The profile's `Framework` entry for ``shape``: the family, with the variant that changes its per-step
-    work (``pipeline/1f1b``, ``ps/async``, ``ddp/algorithm`` for shardwise's own allreduce algorithms,
-    ``ddp/codec/<name>`` for compressed gradients: each codec's encode and decode cost differ, from a cast
-    (fp16) to a top-k selection or a low-rank factorisation). `estimate` falls back along `framework_keys`."""
+    work (``pipeline/1f1b``, ``ps/async``, ``ddp/algorithm/<name>`` for each of shardwise's own allreduce
+    algorithms: their Python loops differ, ring and Rabenseifner step through chunks where a tree or
+    recursive doubling sends whole buffers; ``ddp/codec/<name>`` for compressed gradients: each codec's
+    encode and decode cost differ, from a cast (fp16) to a top-k selection or a low-rank factorisation).
+    `estimate` falls back along `framework_keys`."""
     if shape.family == "pipeline":
         return f"pipeline/{shape.schedule}"
     if shape.family == "ps":
@@ -216,17 +218,19 @@ def framework_key(shape: Shape) -> str:
     if shape.family == "ddp" and shape.codec:
         return f"ddp/codec/{shape.codec.partition(':')[0]}"
     if shape.family == "ddp" and shape.algorithm != "native":
-        return "ddp/algorithm"
+        return f"ddp/algorithm/{shape.algorithm}"
     return shape.family
 
 
 def framework_keys(shape: Shape) -> list[str]:
-    """The entries `estimate` tries, most specific first: a codec's own, then any codec's
-    (``ddp/codec``, what profiles measured before codecs had their own), then the family's."""
+    """The entries `estimate` tries, most specific first: a codec's or an algorithm's own, then any
+    codec's or algorithm's (``ddp/codec``, ``ddp/algorithm``: what profiles measured before each had its
+    own), then the family's."""
     key = framework_key(shape)
     keys = [key]
-    if key.startswith("ddp/codec/"):
-        keys.append("ddp/codec")
+    for shared in ("ddp/codec", "ddp/algorithm"):
+        if key.startswith(shared + "/"):
+            keys.append(shared)
     if key != shape.family:
         keys.append(shape.family)
     return keys

@@ -125,10 +125,17 @@ def test_framework_keys_name_the_variant_and_fall_back_to_the_family() -> None:
     assert framework_key(Shape("ddp", codec="int8")) == "ddp/codec/int8"
     assert framework_key(Shape("ddp", codec="topk:0.01")) == "ddp/codec/topk"
     assert framework_keys(Shape("ddp", codec="topk:0.01")) == ["ddp/codec/topk", "ddp/codec", "ddp"]
-    assert framework_key(Shape("ddp", algorithm="ring")) == "ddp/algorithm"
-    # ddp/algorithm is not in PROFILE: the family's entry is used
+    assert framework_key(Shape("ddp", algorithm="ring")) == "ddp/algorithm/ring"
+    assert framework_keys(Shape("ddp", algorithm="tree")) == ["ddp/algorithm/tree", "ddp/algorithm", "ddp"]
+    assert framework_keys(Shape("ddp")) == ["ddp"]
+    # no algorithm entry in PROFILE: the family's entry is used
     t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2, algorithm="ring")).time
     assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)
+    # an algorithm with an entry of its own uses it; another falls back to ddp/algorithm (older profiles)
+    algs = replace(PROFILE, framework={**PROFILE.framework, "ddp/algorithm": Framework(5e-3), "ddp/algorithm/ring": Framework(7e-3)})
+    for algorithm, overhead in (("ring", 7e-3), ("tree", 5e-3)):
+        t = estimate(SPEC, Cluster(algs, 2), Settings(32), Shape("ddp", dp=2, algorithm=algorithm)).time
+        assert t["overhead_s"] == pytest.approx(overhead)
     # a codec with an entry of its own uses it; another codec falls back to ddp/codec, then to ddp
     codecs = replace(PROFILE, framework={**PROFILE.framework, "ddp/codec": Framework(5e-3), "ddp/codec/sign": Framework(2e-3)})
     for codec, overhead in (("sign", 2e-3), ("topk:0.01", 5e-3)):
@@ -198,3 +205,14 @@ def test_more_processes_than_cores_stretch_every_part_of_the_step() -> None:
     assert "4 processes share 2 cores" in est4.notes[-1] and t2["step_s"] == pytest.approx(
         estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2)).time["step_s"]
     )
+
+
+def test_every_candidate_the_planner_lists_has_a_calibration_point_of_its_own() -> None:
+    # a candidate whose own key the calibration never measures would borrow another's cost silently
+    from shardwise.advisor.calibrate_framework import POINTS
+    from shardwise.advisor.candidates import _intended_layout, enumerate_candidates, shape_of
+
+    cluster = Cluster(PROFILE, 4)
+    keys = {framework_key(shape_of(c, _intended_layout(c, 4))) for c in enumerate_candidates(cluster, SPEC, 32)}
+    assert {"ddp/algorithm/ring", "ddp/algorithm/tree", "ddp/codec/powersgd"} <= keys
+    assert keys - set(POINTS) == set()
