@@ -6,8 +6,8 @@ own work per step: DDP's hooks and buckets, FSDP's gather and free around every 
 tensor-parallel collectives' launch, a pipeline's schedule actions and point-to-point messages,
 the parameter server's protocol, the Trainer's loop around all of it. Here each strategy trains a
 calibration network (`CalibrationNet`, a stack of residual MLP blocks whose layer pairs tensor
-parallelism splits and a pipeline cuts) at three sizes of what its cost scales with (layers,
-micro-batches for a pipeline, FSDP's parameter groups as its plan wraps them: whatever
+parallelism splits and a pipeline cuts) at three sizes of what its cost scales with (`LAYERS` deep,
+so as many parameter tensors, FSDP units and split linears; micro-batches for a pipeline: whatever
 `shardwise.plan.cost.framework_units` counts, so the fit and the prediction count alike), `REPEATS`
 times each (in rounds over all keys), with the `Trainer` on 2 processes as a user runs it. At each size
 
@@ -97,25 +97,28 @@ CODECS = ("fp16", "bf16", "int8", "sign", "topk:0.01", "randomk:0.2", "powersgd:
 """Each codec is its own calibration point: their encode and decode costs differ by several times;
 so is each of shardwise's allreduce algorithms (`ALGORITHMS`)."""
 
+LAYERS = (1, 4, 8)
+"""The calibration network's depths: 8, 20 and 36 parameter tensors (digits has 6, charlm 69)."""
+
 # key -> (strategy, options, what varies: "layers" or "microbatches", its values)
 POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, ...]]] = {
-    "single": ("single", {}, "layers", (2, 5, 8)),
-    "ddp": ("ddp", {}, "layers", (2, 5, 8)),
-    **{f"ddp/algorithm/{a}": ("ddp", {"allreduce": a}, "layers", (2, 5, 8)) for a in ALGORITHMS if a != "native"},
-    **{f"ddp/codec/{c.partition(':')[0]}": ("ddp", {"compression": c}, "layers", (2, 5, 8)) for c in CODECS},
-    "zero1": ("zero1", {}, "layers", (2, 5, 8)),
-    "zero2": ("zero2", {}, "layers", (2, 5, 8)),
-    "zero3": ("zero3", {}, "layers", (2, 5, 8)),
-    "fsdp": ("fsdp", {}, "layers", (2, 5, 8)),
-    "hsdp": ("hsdp", {}, "layers", (2, 5, 8)),
-    "tp": ("tp", {"tp": 2}, "layers", (2, 5, 8)),
+    "single": ("single", {}, "layers", LAYERS),
+    "ddp": ("ddp", {}, "layers", LAYERS),
+    **{f"ddp/algorithm/{a}": ("ddp", {"allreduce": a}, "layers", LAYERS) for a in ALGORITHMS if a != "native"},
+    **{f"ddp/codec/{c.partition(':')[0]}": ("ddp", {"compression": c}, "layers", LAYERS) for c in CODECS},
+    "zero1": ("zero1", {}, "layers", LAYERS),
+    "zero2": ("zero2", {}, "layers", LAYERS),
+    "zero3": ("zero3", {}, "layers", LAYERS),
+    "fsdp": ("fsdp", {}, "layers", LAYERS),
+    "hsdp": ("hsdp", {}, "layers", LAYERS),
+    "tp": ("tp", {"tp": 2}, "layers", LAYERS),
     "pipeline/gpipe": ("pipeline", {"pp": 2, "schedule": "gpipe"}, "microbatches", (2, 4, 8)),
     "pipeline/1f1b": ("pipeline", {"pp": 2, "schedule": "1f1b"}, "microbatches", (2, 4, 8)),
     "pipeline/interleaved": ("pipeline", {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, "microbatches", (2, 4, 8)),
-    "ps/sync": ("ps", {"servers": 1, "mode": "sync"}, "layers", (2, 5, 8)),
-    "ps/async": ("ps", {"servers": 1, "mode": "async"}, "layers", (2, 5, 8)),
-    "local-sgd": ("local-sgd", {"sync_every": 8}, "layers", (2, 5, 8)),
-    "diloco": ("diloco", {"sync_every": 8}, "layers", (2, 5, 8)),
+    "ps/sync": ("ps", {"servers": 1, "mode": "sync"}, "layers", LAYERS),
+    "ps/async": ("ps", {"servers": 1, "mode": "async"}, "layers", LAYERS),
+    "local-sgd": ("local-sgd", {"sync_every": 8}, "layers", LAYERS),
+    "diloco": ("diloco", {"sync_every": 8}, "layers", LAYERS),
 }
 PIPELINE_DEPTH = 4
 
@@ -143,8 +146,8 @@ def _spec(depth: int, width: int, batch: int, specs: dict[tuple[int, int, int], 
 def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs: dict[tuple[int, int, int], Any] | None = None) -> dict[str, Any]:
     """One calibration run at ``size`` layers or micro-batches, or at the ``"wide"`` point (`WIDE`):
     predicted without the strategy's own cost, measured, their difference, ``units`` (what
-    `shardwise.plan.cost.framework_units` counts for this layout: layers, micro-batches, or FSDP's
-    groups and tensor parallelism's split linears from the strategy's plan) and ``compute_s`` (the
+    `shardwise.plan.cost.framework_units` counts for this layout: parameter tensors, micro-batches, or
+    FSDP's groups and tensor parallelism's split linears from the strategy's plan) and ``compute_s`` (the
     rank's compute in the prediction). ``specs`` shares the timed networks between the points of one calibration."""
     from shardwise.advisor.candidates import Candidate, evaluate
     from shardwise.plan.cluster import Cluster
@@ -238,7 +241,8 @@ def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: in
         f["runs"] = runs[key]
         out[key] = f
         notes = " " + "; ".join(f["notes"]) if f["notes"] else ""
-        unit = "unit" if key.split("/")[0] in ("zero2", "zero3", "fsdp", "hsdp", "tp") else varies.rstrip("es")
+        family = key.split("/")[0]
+        unit = "unit" if family in ("zero2", "zero3", "fsdp", "hsdp", "tp") else "microbatch" if family == "pipeline" else "tensor"
         print(
             f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{unit} + {f['per_compute']:.3f} x compute, "
             f"residual {f['max_residual_s'] * 1e3:.2f} ms  ({'; '.join(per_size)}){notes}",

@@ -241,7 +241,9 @@ def framework_units(shape: Shape, spec: ModelSpec) -> float:
     and a schedule action each); FSDP's parameter groups (each gathers, frees and reduces on its own:
     the units its plan wraps, and the root); the linears tensor parallelism splits (each a DTensor
     redistribution and, for row-wise ones, an allreduce; without a module, 4 a transformer layer and
-    2 a layer otherwise); the model's layers otherwise (DDP's hooks). The calibration fits against
+    2 a layer otherwise); the model's parameter tensors otherwise (`ModelSpec.parameter_tensors`: DDP's
+    gradient hooks, a codec's encode, ZeRO-1's and the parameter server's per-parameter work, each
+    repeats per tensor: digits has 6 in 3 layers, charlm 69 in 4). The calibration fits against
     the same function (`shardwise.advisor.calibrate_framework`), so both count alike."""
     if shape.family == "pipeline":
         return float(shape.microbatches)
@@ -249,7 +251,7 @@ def framework_units(shape: Shape, spec: ModelSpec) -> float:
         return float((spec.layers if shape.units is None else shape.units) + 1)
     if shape.family == "tp":
         return float((4 if spec.transformer else 2) * spec.layers if shape.units is None else shape.units)
-    return float(spec.layers)
+    return float(spec.parameter_tensors())
 
 
 def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape) -> Estimate:

@@ -92,6 +92,10 @@ class ModelSpec:
     """Bytes per activation element the activation figures were computed with."""
     transformer: bool = False
     """True when the activation formulas of Korthikanti et al. apply (tensor-parallel scaling)."""
+    tensors: int = 0
+    """Parameter tensors (each weight and each bias): what per-parameter work repeats over (DDP's
+    gradient hooks, a codec's encode and decode, the optimizer's loop). Counted on a module; from a
+    config, its weights and norms; 0 when not known (`parameter_tensors` estimates it then)."""
     step_fit: StepFit | None = None
     """The model's step timed here (a recipe or factory module); a profile measured on this machine
     (``DeviceProfile.local``) uses it instead of FLOPs over FLOP/s."""
@@ -117,6 +121,14 @@ class ModelSpec:
         else:  # eq. 2
             per = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
         return per * self.act_bytes / 2 * samples
+
+    def parameter_tensors(self) -> int:
+        """`tensors`, or when not known an estimate from the layers: 12 a transformer layer (GPT-2's:
+        four linears and two norms, each with a weight and a bias) and 4 outside them (embeddings
+        and the final norm), 2 a layer otherwise (a linear's weight and bias)."""
+        if self.tensors:
+            return self.tensors
+        return 12 * self.layers + 4 if self.transformer else 2 * self.layers
 
     def to_json(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -180,6 +192,8 @@ def transformer_spec(
         act_bytes_other_sample=float(other),
         act_bytes=act_bytes,
         transformer=True,
+        # weights: q, k, v, o, the MLP's 2 or 3 and 2 norms a layer; the embedding(s) and the final norm
+        tensors=layers * (4 + (3 if gated else 2) + 2) + (1 if tied else 2) + (1 if positions else 0) + 1,
     )
 
 
@@ -284,6 +298,7 @@ def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_b
     from shardwise.plan.saved import SavedBytes
 
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
     blocks = _block_list(model)
     layer_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
     saved = SavedBytes(model.parameters(), act_bytes=act_bytes)
@@ -326,4 +341,5 @@ def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_b
         act_bytes_per_layer_sample=saved.by_label.get("block", 0) / samples / max(1, len(blocks)),
         act_bytes_other_sample=saved.by_label.get("other", 0) / samples,
         act_bytes=act_bytes,
+        tensors=tensors,
     )

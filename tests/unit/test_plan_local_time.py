@@ -48,8 +48,8 @@ def test_ddp_step_is_timed_compute_plus_allreduce_plus_its_framework_cost() -> N
     grads = 4 * 10_000
     allreduce = 2 * SLOW.alpha + grads * SLOW.beta  # ring over 2: 2 rounds, (2(p-1)/p) N = N bytes sent
     assert t["exposed_comm_s"] == pytest.approx(allreduce)
-    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)  # per layer
-    assert t["step_s"] == pytest.approx(compute + allreduce + 1e-3 + 2e-4 * 6)
+    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 12)  # per parameter tensor: 6 layers' weights and biases
+    assert t["step_s"] == pytest.approx(compute + allreduce + 1e-3 + 2e-4 * 12)
 
 
 def test_a_framework_cost_per_second_of_compute_scales_with_the_rank_s_compute() -> None:
@@ -93,8 +93,9 @@ def test_fsdp_framework_cost_counts_the_groups_its_plan_wraps_root_included() ->
     assert rec["time_breakdown"]["overhead_s"] == pytest.approx(4e-3 + 1e-3 * 3)
     wrapped = evaluate(Candidate("zero3", {"wrap": "root"}), spec, Cluster(PROFILE, 2), Settings(32), model)
     assert wrapped["time_breakdown"]["overhead_units"] == 1
-    # ddp's cost is per layer, whatever FSDP would wrap
-    assert evaluate(Candidate("ddp"), spec, Cluster(PROFILE, 2), Settings(32), model)["time_breakdown"]["overhead_units"] == 3
+    # ddp's cost is per parameter tensor, whatever FSDP would wrap
+    spec = replace(spec, tensors=6)
+    assert evaluate(Candidate("ddp"), spec, Cluster(PROFILE, 2), Settings(32), model)["time_breakdown"]["overhead_units"] == 6
 
 
 def test_tp_cost_counts_the_linears_its_plan_splits_with_one_allreduce_each() -> None:
@@ -130,7 +131,7 @@ def test_framework_keys_name_the_variant_and_fall_back_to_the_family() -> None:
     assert framework_keys(Shape("ddp")) == ["ddp"]
     # no algorithm entry in PROFILE: the family's entry is used
     t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2, algorithm="ring")).time
-    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)
+    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 12)
     # an algorithm with an entry of its own uses it; another falls back to ddp/algorithm (older profiles)
     algs = replace(PROFILE, framework={**PROFILE.framework, "ddp/algorithm": Framework(5e-3), "ddp/algorithm/ring": Framework(7e-3)})
     for algorithm, overhead in (("ring", 7e-3), ("tree", 5e-3)):
@@ -142,7 +143,7 @@ def test_framework_keys_name_the_variant_and_fall_back_to_the_family() -> None:
         t = estimate(SPEC, Cluster(codecs, 2), Settings(32), Shape("ddp", dp=2, codec=codec)).time
         assert t["overhead_s"] == pytest.approx(overhead)
     t = estimate(SPEC, Cluster(PROFILE, 2), Settings(32), Shape("ddp", dp=2, codec="fp16")).time
-    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 6)
+    assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 12)
 
 
 def test_the_framework_fit_is_the_least_squares_line_and_says_what_it_clamped() -> None:

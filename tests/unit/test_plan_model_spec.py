@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -46,3 +48,25 @@ def test_transformer_flops_are_narayanan_eq_3() -> None:
     s, layers, h, v = 128, 4, 256, 1000
     spec = transformer_spec("gpt", layers=layers, hidden=h, heads=4, vocab=v, seq=s)
     assert spec.flops_per_sample == pytest.approx(72 * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h)), rel=1e-12)
+
+
+def test_parameter_tensors_are_counted_on_a_module_and_from_a_llama_config(tmp_path) -> None:
+    """Per-tensor work (DDP's hooks, a codec's encode) scales with parameter tensors: a module's
+    trainable ones are counted; a config's are its weights and norms, as the model builds them."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    model[0].bias.requires_grad_(False)  # frozen: no gradient, no per-tensor work
+    assert measured_spec("mlp", model, torch.randn(8, 64), 8).tensors == 3
+    transformers = pytest.importorskip("transformers")
+    from shardwise.plan.model_spec import from_hf_config
+
+    for tied in (False, True):
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied
+        )
+        path = tmp_path / f"llama-{tied}.json"
+        config.to_json_file(str(path))
+        built = transformers.LlamaForCausalLM(config)
+        assert from_hf_config(path).tensors == len(list(built.parameters())) == 3 * 9 + (2 if tied else 3)
+    # without a count, an estimate from the layers: 12 a transformer layer (GPT-2's) and 4 outside
+    bare = transformer_spec("gpt", layers=2, hidden=64, heads=4, vocab=100, seq=16)
+    assert replace(bare, tensors=0).parameter_tensors() == 28 and bare.parameter_tensors() == bare.tensors
