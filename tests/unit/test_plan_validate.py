@@ -39,7 +39,10 @@ def test_validate_one_ddp_candidate_on_digits(tmp_path: Path, capsys: pytest.Cap
         assert row["measured_model_state_bytes"] == pytest.approx(row["predicted_model_state_bytes"])
         assert row["measured_activation_bytes"] > 0
         assert row["measured_memory_bytes"] == pytest.approx(row["predicted_memory_bytes"], rel=0.05), row
-    assert "pred step" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "pred step" in printed
+    # the profile is one measured here: the run also re-times the profile's own calibration point
+    assert "machine check, round 1: ddp on the 4-layer calibration network" in printed and "its prediction (median of 1)" in printed
 
 
 def test_a_calibration_point_times_the_trainer_against_the_model_and_counts_the_plan_s_units() -> None:
@@ -52,3 +55,17 @@ def test_a_calibration_point_times_the_trainer_against_the_model_and_counts_the_
     assert point["units"] == 3 and point["size"] == 2 and set(specs) == {(2, WIDTH, GLOBAL_BATCH)}
     assert math.isfinite(point["measured_s"]) and point["measured_s"] > 0 and point["predicted_without_s"] > 0
     assert point["compute_s"] > 0 and point["extra_s"] == pytest.approx(point["measured_s"] - point["predicted_without_s"])
+
+
+def test_the_machine_check_sets_a_calibration_point_timed_now_against_the_profile_s_whole_prediction() -> None:
+    from dataclasses import replace
+
+    from shardwise.advisor.calibrate_framework import machine_check
+    from shardwise.plan.cluster import Framework, load_profile
+
+    cpu = load_profile("cpu")
+    check = machine_check(cpu)
+    assert check["ratio"] == pytest.approx(check["measured_s"] / check["predicted_s"])
+    # a profile that says ddp costs a second a step more predicts a second more, and the ratio says so
+    slow = machine_check(replace(cpu, framework={**cpu.framework, "ddp": Framework(1.0)}))
+    assert slow["predicted_s"] > 1.0 and slow["ratio"] < 0.1
