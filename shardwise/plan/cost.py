@@ -399,6 +399,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     framework = next((dev.framework[k] for k in framework_keys(shape) if k in dev.framework), None)
     units = framework_units(shape, spec)
     overhead = framework.seconds(units, compute) if framework is not None else dev.step_overhead_s
+    if fam == "pipeline" and tp > 1 and "tp" in dev.framework:
+        # each stage repeats tensor parallelism's per-linear work (`framework_units` of tp) per micro-batch
+        linears = shape.units if shape.units is not None else (4 if spec.transformer else 2) * spec.layers
+        overhead += dev.framework["tp"].per_unit_s * linears / pp * m
     step = compute + bubble + optimizer + exposed + overhead
     shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0
     if shared > 1:  # more processes than cores: each runs a core's share of the time

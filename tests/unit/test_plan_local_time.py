@@ -230,3 +230,23 @@ def test_each_calibration_point_is_the_mean_of_its_rounds() -> None:
     assert [p["extra_s"] for p in points] == pytest.approx([3e-3, 6e-3]) and [p["units"] for p in points] == [8, 20]
     fit = fit_framework(points)
     assert fit["per_unit_s"] == pytest.approx(3e-3 / 12) and fit["max_residual_s"] == pytest.approx(0.0, abs=1e-15)
+
+
+def test_a_pipeline_with_tp_pays_tp_s_per_linear_cost_per_micro_batch_on_each_stage() -> None:
+    from shardwise.advisor.candidates import Candidate, evaluate
+    from shardwise.strategies import get_strategy
+
+    # the pipeline's plan resolves tp's split linears on the whole model: fc1 and fc2 of each of 4 blocks
+    net = CalibrationNet(4)
+    layout = get_strategy("pipeline", pp=2, tp=2, microbatches=4).plan(4, net)
+    assert layout.units is not None and len(layout.units) == 8
+    # a model the whole-model plan does not resolve plans as before, without units (apply checks each stage)
+    assert get_strategy("pipeline", pp=2, tp=2, microbatches=4).plan(4, nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))).units is None
+    profile = replace(PROFILE, framework={**PROFILE.framework, "tp": Framework(9e-3, 1e-3)})
+    spec = replace(SPEC, layers=4, transformer=False)
+    rec = evaluate(Candidate("pipeline", {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 4}), spec, Cluster(profile, 4), Settings(32), net)
+    assert rec["fits"], rec["reason"]
+    # the pipeline's own cost per micro-batch, plus tp's per linear: 8 linears over 2 stages, 4 micro-batches
+    assert rec["time_breakdown"]["overhead_s"] == pytest.approx(5e-4 + 3e-4 * 4 + 1e-3 * 8 / 2 * 4)
+    (tp_ar,) = [c for c in rec["comm_breakdown"] if c["group"] == "tp"]
+    assert tp_ar["count"] == 8 / 2 * 4

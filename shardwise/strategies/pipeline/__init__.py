@@ -320,7 +320,7 @@ import inspect
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -458,7 +458,19 @@ class Pipeline(Strategy):
             check_rows(micro * batch.accumulate, int(self.microbatches or 1), f"micro-batch {micro} x accumulate {batch.accumulate}")
         if model is not None:
             self.split(model)
+            if self.tp > 1:
+                layout = replace(layout, units=self._tp_linears(model))
         return layout
+
+    def _tp_linears(self, model: nn.Module) -> tuple[str, ...] | None:
+        """The linears tensor parallelism splits across the stages (the plan resolved on the whole
+        model, as each stage resolves its share): what the planner counts for tp's per-linear cost and
+        allreduces, each repeated per micro-batch. None when the whole model does not resolve (the
+        stages are checked one by one in `apply`)."""
+        try:
+            return tuple(_tensor_parallel().check_model_fits(model, self.tp_plan, self.tp, self.sequence_parallel, self.dp_strategy))
+        except ConfigError:
+            return None
 
     def split(self, model: nn.Module) -> list[list[str]]:
         """The layer (or block) names of each of the ``pp x virtual_stages`` stages, as ``apply`` will
