@@ -76,8 +76,8 @@ class Layout:
     """Samples per loader micro-batch on one rank, when the plan was given the batch."""
     units: tuple[str, ...] | None = None
     """Submodules the strategy wraps or splits one by one, when the plan was given the model (FSDP's
-    sharded units, the root not counted; the linears tensor parallelism splits): what its per-step
-    work repeats over (`shardwise.plan.cost.framework_units`)."""
+    sharded units, the root not counted; the linears tensor parallelism splits, alone or inside a
+    pipeline's stages): what its per-step work repeats over (`shardwise.plan.cost.framework_units`)."""
 
     def describe(self) -> str:
         """One line: ``ddp on 4 processes: dp4 (micro-batch 8)``."""
