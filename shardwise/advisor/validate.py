@@ -223,8 +223,6 @@ def validate(
     machine's speed has moved since the profile was calibrated."""
     from shardwise.advisor.calibrate_framework import machine_check
 
-    check = checks is not None
-    checks = [] if checks is None else checks
     if model.recipe is None:
         raise ConfigError("--validate runs a built-in recipe (--model digits or charlm): it needs the recipe's data and loss")
     records = [r for r in plan_all(model.spec, cluster, settings, model.module) if r["fits"] and r["world_size"] == cluster.nproc]
@@ -236,9 +234,9 @@ def validate(
     rows = []
     rounds = max(1, repeats)
     for r in range(rounds):  # in rounds over the candidates: a slow stretch of the machine lands on many once
-        if check and cluster.device.framework:
-            checks.append(machine_check(cluster.device))  # at 2 processes, as calibrated
-            c = checks[-1]
+        if checks is not None and cluster.device.framework:
+            c = machine_check(cluster.device)  # at 2 processes, as calibrated
+            checks.append(c)
             print(
                 f"machine check, round {r + 1}: ddp on the 4-layer calibration network {c['measured_s'] * 1e3:.2f} ms, "
                 f"the profile predicts {c['predicted_s'] * 1e3:.2f} ms ({c['ratio']:.2f}x)",
