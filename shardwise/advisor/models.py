@@ -97,11 +97,23 @@ def recipe_model(name: str, timed_batch: int | None = None) -> PlannedModel:
     parts = get_recipe(name).parts()
     batch = _stack([parts.train[i] for i in range(EXAMPLE_SAMPLES)])
     example = batch[0] if isinstance(batch, tuple) else batch
-    spec = measured_spec(name, parts.model, example, EXAMPLE_SAMPLES)
+    spec = measured_spec(name, parts.model, example, EXAMPLE_SAMPLES, loss=lambda out: parts.loss_fn(out, batch), tp_plan=tp_split(parts.model))
     if timed_batch:
         fit = time_step(parts.model, parts.train, parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch))
         spec = replace(spec, step_fit=fit)
     return PlannedModel(spec, parts.model, name)
+
+
+def tp_split(model: nn.Module) -> dict[str, str] | None:
+    """The linears tensor parallelism would split in ``model`` (its declared or automatic plan,
+    resolved as the strategy resolves it), or None when it finds none: what `measured_spec` needs
+    to tell the activations tp splits from those it keeps whole."""
+    from shardwise.strategies.tensor_parallel.plan import resolve_plan
+
+    try:
+        return resolve_plan(model)
+    except ConfigError:
+        return None
 
 
 def _timed_sizes(batch: int) -> tuple[int, int]:
@@ -127,7 +139,7 @@ def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
     if example is None:
         raise ConfigError(f"--model {spec!r}: return (model, example_input) from the factory so FLOPs and activations can be counted")
     samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
-    planned = measured_spec(spec, model, example, samples)
+    planned = measured_spec(spec, model, example, samples, tp_plan=tp_split(model))
     if timed_batch:
         x = example if isinstance(example, torch.Tensor) else example[0]
         reps = -(-TIMED_SAMPLES // samples)

@@ -25,9 +25,12 @@ one of three places:
 
 - `measured_spec`: any `nn.Module` with an example batch (the built-in recipes, a
   ``module:factory``): the parameters are counted, FLOPs of one forward and backward are counted
-  by ``torch.utils.flop_counter.FlopCounterMode`` and the activations are the bytes of every leaf
-  module's output in one forward (what autograd keeps for backward, to within the inputs of the
-  first layer). The layers are the children of the model's longest block list.
+  by ``torch.utils.flop_counter.FlopCounterMode`` and the activations are what autograd saves for
+  backward in one forward and the loss (`shardwise.plan.saved.SavedBytes`). Given the linears
+  tensor parallelism splits, the bytes saved from a column-split linear's output up to the
+  row-split linear's input are set apart: tp divides those, the rest (norms, the residual stream,
+  the split linears' inputs) stays whole on every tp rank, as in Korthikanti et al.'s eq. 2. The
+  layers are the children of the model's longest block list.
 
 Nothing here starts a process; `measured_spec` runs the model once on the example batch.
 """
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -87,7 +90,13 @@ class ModelSpec:
     act_bytes_per_layer_sample: float = 0.0
     """Activation bytes one block keeps for backward per sample, at ``act_bytes`` per element."""
     act_bytes_other_sample: float = 0.0
-    """Activation bytes outside the blocks per sample (embeddings, the output layer's logits)."""
+    """Activation bytes outside the blocks per sample (embeddings, the output layer's logits, the loss)."""
+    act_bytes_tp_split_per_layer_sample: float | None = None
+    """Of `act_bytes_per_layer_sample`, the bytes tensor parallelism splits: those saved between a
+    column-split linear's output and the row-split linear that takes it (attention's heads, the
+    MLP's inner width). The rest (the norms, the residual stream, the split linears' own inputs)
+    stays whole on every tp rank. Measured by `measured_spec` given a tp plan; None: all of it
+    (the Korthikanti formulas decide for a `transformer` spec)."""
     act_bytes: int = 4
     """Bytes per activation element the activation figures were computed with."""
     transformer: bool = False
@@ -105,8 +114,13 @@ class ModelSpec:
         if act_bytes == self.act_bytes:
             return self
         f = act_bytes / self.act_bytes
+        split = self.act_bytes_tp_split_per_layer_sample
         return replace(
-            self, act_bytes=act_bytes, act_bytes_per_layer_sample=self.act_bytes_per_layer_sample * f, act_bytes_other_sample=self.act_bytes_other_sample * f
+            self,
+            act_bytes=act_bytes,
+            act_bytes_per_layer_sample=self.act_bytes_per_layer_sample * f,
+            act_bytes_other_sample=self.act_bytes_other_sample * f,
+            act_bytes_tp_split_per_layer_sample=None if split is None else split * f,
         )
 
     def layer_activation_bytes(self, samples: float, tp: int = 1, sequence_parallel: bool = False) -> float:
@@ -114,7 +128,10 @@ class ModelSpec:
         if tp == 1:
             return self.act_bytes_per_layer_sample * samples
         if not self.transformer:
-            return self.act_bytes_per_layer_sample * samples / tp
+            split = self.act_bytes_tp_split_per_layer_sample
+            if split is None or sequence_parallel:  # sequence parallelism splits the rest along the sequence
+                return self.act_bytes_per_layer_sample * samples / tp
+            return (self.act_bytes_per_layer_sample - split + split / tp) * samples
         s, h, a = self.seq, self.hidden, self.heads
         if sequence_parallel:  # Korthikanti et al. 2023, eq. 4
             per = s * h * (34 + 5 * a * s / h) / tp
@@ -284,14 +301,27 @@ def _block_list(model: nn.Module) -> list[nn.Module]:
     return best or [model]
 
 
-def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_bytes: int = 4) -> ModelSpec:
+def measured_spec(
+    name: str,
+    model: nn.Module,
+    example: Any,
+    samples: int,
+    act_bytes: int = 4,
+    *,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
+) -> ModelSpec:
     """Counts from one forward and backward of ``model`` on ``example`` (``samples`` samples in it).
 
     FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions and
     attention; element-wise work is not counted), activations from what autograd saves for
     backward in the forward (`shardwise.plan.saved.SavedBytes`: floating-point tensors at
     ``act_bytes`` an element, masks and indices as stored; the input batch when a layer saves it),
-    inside the blocks per block, the rest apart.
+    inside the blocks per block, the rest apart. ``loss`` (the model's output -> the training
+    loss) counts what the loss saves too (a cross-entropy keeps its log-softmax); without it the
+    output is summed. ``tp_plan`` (``{linear name: "colwise" | "rowwise"}``, as tensor parallelism
+    resolves it) sets apart the bytes tp splits (`ModelSpec.act_bytes_tp_split_per_layer_sample`):
+    those saved from a colwise linear's output up to the rowwise linear's input.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -312,7 +342,21 @@ def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_b
         if isinstance(out, torch.Tensor):
             widths.append(out.shape[-1])
 
+    def whole(module: nn.Module, *args: Any) -> None:  # a colwise linear's input, a rowwise linear's output
+        if saved.where != "other":
+            saved.where = "block"
+
+    def split(module: nn.Module, args: Any, out: Any) -> None:  # a colwise linear's output, up to the rowwise one
+        if saved.where != "other":
+            saved.where = "block/split"
+
     handles = [b.register_forward_pre_hook(enter) for b in blocks] + [b.register_forward_hook(width) for b in blocks]
+    for lin, style in (tp_plan or {}).items():
+        sub = model.get_submodule(lin)
+        if style == "colwise":
+            handles += [sub.register_forward_pre_hook(whole), sub.register_forward_hook(split)]
+        else:
+            handles.append(sub.register_forward_hook(whole))
     inputs = example if isinstance(example, tuple | list) else (example,)
     was_training = model.training
     model.train()
@@ -320,8 +364,10 @@ def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_b
         with FlopCounterMode(display=False) as counter:
             with saved.hooks():
                 out = model(*inputs)
+                saved.where = "other"
+                value = loss(out) if loss is not None else None
             logits = out if isinstance(out, torch.Tensor) else out[0]
-            logits.float().sum().backward()
+            (value if value is not None else logits.float().sum()).backward()
     finally:
         for h in handles:
             h.remove()
@@ -338,7 +384,8 @@ def measured_spec(name: str, model: nn.Module, example: Any, samples: int, act_b
         seq=seq,
         vocab=int(logits.shape[-1]) if seq > 1 else 0,
         flops_per_sample=counter.get_total_flops() / samples,
-        act_bytes_per_layer_sample=saved.by_label.get("block", 0) / samples / max(1, len(blocks)),
+        act_bytes_per_layer_sample=(saved.by_label.get("block", 0) + saved.by_label.get("block/split", 0)) / samples / max(1, len(blocks)),
+        act_bytes_tp_split_per_layer_sample=saved.by_label.get("block/split", 0) / samples / max(1, len(blocks)) if tp_plan else None,
         act_bytes_other_sample=saved.by_label.get("other", 0) / samples,
         act_bytes=act_bytes,
         tensors=tensors,

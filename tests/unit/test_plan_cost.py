@@ -161,3 +161,26 @@ def test_a_device_file_missing_a_field_names_it(tmp_path: Path, capsys: pytest.C
     assert main(["plan", "--params", "1e9", "--nproc", "8", "--device", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "missing inter" in err and "\n" not in err, err
+
+
+def test_activations_per_rank_keep_what_tp_does_not_split_and_gpipe_keeps_every_head() -> None:
+    """A measured model's block bytes under tp: the whole part plus the split part / tp; outside the
+    blocks (the head and the loss), GPipe's last stage holds every micro-batch's at once, 1F1B one."""
+    from shardwise.plan.cluster import A100_40GB, Cluster
+    from shardwise.plan.cost import Settings, Shape, estimate
+    from shardwise.plan.model_spec import ModelSpec
+
+    layer, split, other = 1000.0, 600.0, 300.0
+    spec = ModelSpec(
+        "m", params=8000, layers=4, layer_params=1000, hidden=8, act_bytes_per_layer_sample=layer, act_bytes_tp_split_per_layer_sample=split, act_bytes_other_sample=other
+    )
+    cluster, settings = Cluster(A100_40GB, 4), Settings(32)
+
+    def acts(shape: Shape) -> float:
+        return estimate(spec, cluster, settings, shape).memory["activations"]
+
+    assert acts(Shape("tp", tp=2)) == pytest.approx(4 * (layer - split + split / 2) * 32 + other * 32)
+    micro = 32 / 8  # pp 2, 8 micro-batches, 2 layers a stage
+    assert acts(Shape("pipeline", pp=2, microbatches=8, schedule="gpipe")) == pytest.approx(2 * layer * micro * 8 + other * micro * 8)
+    assert acts(Shape("pipeline", pp=2, microbatches=8, schedule="1f1b")) == pytest.approx(2 * layer * micro * 2 + other * micro)
+    assert acts(Shape("pipeline", pp=2, tp=2, microbatches=8, schedule="1f1b")) == pytest.approx(2 * (layer - split / 2) * micro * 2 + other * micro)

@@ -70,3 +70,67 @@ def test_parameter_tensors_are_counted_on_a_module_and_from_a_llama_config(tmp_p
     # without a count, an estimate from the layers: 12 a transformer layer (GPT-2's) and 4 outside
     bare = transformer_spec("gpt", layers=2, hidden=64, heads=4, vocab=100, seq=16)
     assert replace(bare, tensors=0).parameter_tensors() == 28 and bare.parameter_tensors() == bare.tensors
+
+
+class _Block(nn.Module):
+    """A gated MLP block whose two colwise linears read two norms of the input (as a cross-attention's
+    q and k/v read two tensors), with a norm after the residual: ln2(x + proj(gelu(fc(ln1 x)) * gate(lnb x)))."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.ln1, self.lnb, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h), nn.LayerNorm(h)
+        self.fc, self.gate, self.proj = nn.Linear(h, 4 * h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.ln1(x), self.lnb(x)
+        return self.ln2(x + self.proj(nn.functional.gelu(self.fc(a)) * self.gate(b)))
+
+
+class _Net(nn.Module):
+    def __init__(self, h: int, v: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(h), _Block(h)])
+        self.head = nn.Linear(h, v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_tensor_parallelism_splits_only_what_is_saved_between_the_colwise_and_the_rowwise_linear() -> None:
+    """Per block and sample (fp32), whole on every tp rank: the input and ln2's (with the three
+    norms' mean and rstd, 2 s each), fc's input and gate's (saved after fc's output, still whole);
+    split: gelu's input, the product's two operands and proj's input (4 s h each). Outside the
+    blocks: the head's input and what the loss keeps (log-softmax's output, s v)."""
+    s, h, v, samples = 6, 8, 5, 3
+    model = _Net(h, v)
+    example = torch.randn(samples, s, h)
+    plan = {f"blocks.{i}.{n}": "colwise" for i in range(2) for n in ("fc", "gate")} | {f"blocks.{i}.proj": "rowwise" for i in range(2)}
+    spec = measured_spec("net", model, example, samples, tp_plan=plan, loss=lambda out: torch.log_softmax(out, -1).mean())
+    split = 16 * s * h * 4
+    whole = (4 * s * h + 6 * s) * 4
+    assert spec.act_bytes_tp_split_per_layer_sample == split
+    assert spec.act_bytes_per_layer_sample == split + whole
+    assert spec.act_bytes_other_sample == (s * h + s * v) * 4
+    assert spec.layer_activation_bytes(samples, tp=2) == (whole + split / 2) * samples
+    # sequence parallelism splits the rest along the sequence; fp16 halves both parts
+    assert spec.layer_activation_bytes(samples, tp=2, sequence_parallel=True) == (whole + split) / 2 * samples
+    assert spec.with_act_bytes(2).act_bytes_tp_split_per_layer_sample == split / 2
+    # without a plan, nothing is known to stay whole: tp splits it all (and no loss: the output is summed)
+    bare = measured_spec("net", model, example, samples)
+    assert bare.act_bytes_tp_split_per_layer_sample is None and bare.act_bytes_other_sample == s * h * 4
+    assert bare.layer_activation_bytes(samples, tp=2) == (whole + split) / 2 * samples
+
+
+def test_the_planned_charlm_keeps_its_norms_and_the_split_linears_inputs_whole() -> None:
+    """The recipe's own tp plan (q, k, v, fc colwise; proj rowwise): about 4 of its 16 s h tensors a
+    block stay whole (the two norms' inputs and outputs), and the loss's log-softmax is counted."""
+    from shardwise.advisor.models import recipe_model
+
+    spec = recipe_model("charlm").spec
+    sh = spec.seq * spec.hidden * 4
+    assert spec.act_bytes_tp_split_per_layer_sample is not None
+    assert spec.act_bytes_tp_split_per_layer_sample / sh == pytest.approx(12, abs=0.1)
+    assert (spec.act_bytes_per_layer_sample - spec.act_bytes_tp_split_per_layer_sample) / sh == pytest.approx(4, abs=0.1)
+    assert spec.act_bytes_other_sample >= spec.seq * (2 * spec.hidden + spec.vocab) * 4  # the head's norm and linear inputs, log-softmax
