@@ -155,7 +155,8 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ConfigError("shardwise plan needs --nproc N (the processes of the job, e.g. --nproc 64 --nodes 8)")
     if not args.model and args.params is None:
         raise ConfigError("shardwise plan needs --model (charlm, digits, PATH.json, module:factory) or --params N (e.g. --params 7.5e9)")
-    device = load_profile(args.device or ("cpu" if args.model in available() else "h100-80gb"))
+    here = args.model in available() or getattr(args, "validate", False)  # --validate measures on this machine
+    device = load_profile(args.device or ("cpu" if here else "h100-80gb"))
     cluster = Cluster(device, args.nproc, args.nodes)
     batch = args.global_batch or (int(get_recipe(args.model).trainer_defaults["global_batch_size"]) if args.model in available() else 512)
     if batch < 1:

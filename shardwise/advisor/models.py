@@ -80,6 +80,30 @@ class PlannedModel:
     spec: ModelSpec
     module: nn.Module | None = None
     recipe: str | None = None
+    example: Any = None
+    """A factory's example input (what its timing and ``--validate`` train on)."""
+
+    def training(self) -> tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor], Callable[[Any], Any]] | None:
+        """What ``--validate`` trains, fresh for each candidate: (model, data set, loss, optimizer). A
+        recipe's own; a factory's module (a copy) on its example repeated, with the loss and optimizer
+        its step was timed with (the output's mean, Adam); None for a model known by its sizes only."""
+        if self.recipe is not None:
+            parts = get_recipe(self.recipe).parts({"sample_chars": 0} if self.recipe == "charlm" else None)
+            return parts.model, parts.train, parts.loss_fn, parts.optimizer
+        if self.module is None or self.example is None:
+            return None
+        return copy.deepcopy(self.module), repeated(self.example), _mean_output_loss, _adam
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def repeated(example: Any) -> torch.utils.data.TensorDataset:
+    """A factory's example input repeated into `TIMED_SAMPLES` samples (a one-tensor data set)."""
+    x = example if isinstance(example, torch.Tensor) else example[0]
+    reps = -(-TIMED_SAMPLES // int(x.shape[0]))
+    return torch.utils.data.TensorDataset(x.repeat(reps, *([1] * (x.dim() - 1))))
 
 
 def _stack(samples: list[Any]) -> Any:
@@ -141,12 +165,9 @@ def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
     samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
     planned = measured_spec(spec, model, example, samples, tp_plan=tp_split(model))
     if timed_batch:
-        x = example if isinstance(example, torch.Tensor) else example[0]
-        reps = -(-TIMED_SAMPLES // samples)
-        data = torch.utils.data.TensorDataset(x.repeat(reps, *([1] * (x.dim() - 1))))
-        fit = time_step(model, data, _mean_output_loss, lambda p: torch.optim.Adam(p, lr=1e-3), _timed_sizes(timed_batch))
+        fit = time_step(model, repeated(example), _mean_output_loss, _adam, _timed_sizes(timed_batch))
         planned = replace(planned, step_fit=fit)
-    return PlannedModel(planned, model)
+    return PlannedModel(planned, model, example=example)
 
 
 def load_model(

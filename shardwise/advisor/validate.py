@@ -1,7 +1,8 @@
 """``shardwise plan --validate``: run candidates here and put the prediction next to the measurement.
 
 Each candidate that fits on this machine is trained for ``--steps`` steps by the `Trainer` on the
-recipe's own model, data and optimizer, with the planner's global batch and precision.
+recipe's own model, data and optimizer (a ``module:factory``'s model on its example input, with the
+loss and optimizer its step was timed with), with the planner's global batch and precision.
 
 - **Step time, measured**: the median of the logged intervals (every 5 steps, the first
   interval left out as warm-up) of ``global_batch / samples_per_s`` from ``metrics.jsonl``
@@ -169,12 +170,14 @@ def steps_for(predicted_step_s: float, steps: int | None = None) -> int:
     return max(MIN_STEPS, min(MAX_STEPS, want))
 
 
-def run_candidate(record: dict[str, Any], recipe: str, settings: Settings, steps: int, out: Path) -> dict[str, Any]:
-    """Train ``record``'s strategy for ``steps`` steps; returns the measured step time and model state."""
-    from shardwise.recipes import get_recipe
+def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Settings, steps: int, out: Path) -> dict[str, Any]:
+    """Train ``record``'s strategy on ``model`` (`PlannedModel.training`) for ``steps`` steps; returns
+    the measured step time, model state and activations."""
     from shardwise.trainer import Trainer
 
-    parts = get_recipe(recipe).parts({"sample_chars": 0} if recipe == "charlm" else None)
+    training = model.training()
+    assert training is not None  # validate() refused the model otherwise
+    module, data, loss_fn, optimizer = training
     trainer = Trainer(
         strategy=record["strategy"],
         strategy_options=dict(record["options"]),
@@ -188,11 +191,11 @@ def run_candidate(record: dict[str, Any], recipe: str, settings: Settings, steps
         out=str(out),
         progress_bar=False,
         model_summary=False,
-        optimizer=parts.optimizer,
-        loss_fn=parts.loss_fn,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
         callbacks=[MemoryProbe(str(out))],
     )
-    trainer.fit(parts.model, parts.train)
+    trainer.fit(module, data)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     memory = measured_memory(out)
     return {
@@ -223,8 +226,11 @@ def validate(
     machine's speed has moved since the profile was calibrated."""
     from shardwise.advisor.calibrate_framework import machine_check
 
-    if model.recipe is None:
-        raise ConfigError("--validate runs a built-in recipe (--model digits or charlm): it needs the recipe's data and loss")
+    if model.training() is None:
+        raise ConfigError(
+            "--validate trains the model: give a built-in recipe (--model digits or charlm) or a module:factory returning "
+            "(model, example_input); a config .json or --params describes a model's sizes only"
+        )
     records = [r for r in plan_all(model.spec, cluster, settings, model.module) if r["fits"] and r["world_size"] == cluster.nproc]
     if only:
         records = [r for r in records if r["label"] in only or r["strategy"] in only]
@@ -244,7 +250,7 @@ def validate(
             )
         for rec, mine in zip(records, runs, strict=True):
             with tempfile.TemporaryDirectory() as tmp:
-                mine.append(run_candidate(rec, model.recipe, settings, steps_for(rec["step_time_s"], steps), Path(tmp)))
+                mine.append(run_candidate(rec, model, settings, steps_for(rec["step_time_s"], steps), Path(tmp)))
             if r < rounds - 1:
                 print(f"{rec['label'][:44]:44s} run {r + 1}: {mine[-1]['step_s'] * 1e3:.2f} ms", flush=True)
             else:

@@ -295,9 +295,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     # outside the blocks (the embeddings; the head and the loss, on a pipeline's last stage): GPipe's
     # last stage keeps every micro-batch's until the backward passes start, a 1F1B one frees each in turn
     other_in_flight = m if fam == "pipeline" and shape.schedule == "gpipe" else 1
-    activations = spec.layer_activation_bytes(micro, tp, shape.sequence_parallel) * layers * in_flight + spec.act_bytes_other_sample * micro * other_in_flight / (
-        tp if spec.transformer else 1
-    )
+    other = spec.act_bytes_other_sample * micro * other_in_flight / (tp if spec.transformer else 1)
+    activations = spec.layer_activation_bytes(micro, tp, shape.sequence_parallel) * layers * in_flight + other
     grad_bytes = per.grads * psi
     buffers = 0.0
     if fam in ("ddp", "zero1") or (fam in ("tp", "pipeline") and shape.dp_strategy == "ddp" and dp > 1):

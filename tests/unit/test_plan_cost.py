@@ -10,6 +10,7 @@ allreduces per layer (Shoeybi et al. 2019, section 3), the ring allreduce's ``2(
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -171,9 +172,8 @@ def test_activations_per_rank_keep_what_tp_does_not_split_and_gpipe_keeps_every_
     from shardwise.plan.model_spec import ModelSpec
 
     layer, split, other = 1000.0, 600.0, 300.0
-    spec = ModelSpec(
-        "m", params=8000, layers=4, layer_params=1000, hidden=8, act_bytes_per_layer_sample=layer, act_bytes_tp_split_per_layer_sample=split, act_bytes_other_sample=other
-    )
+    spec = ModelSpec("m", params=8000, layers=4, layer_params=1000, hidden=8, act_bytes_per_layer_sample=layer, act_bytes_other_sample=other)
+    spec = replace(spec, act_bytes_tp_split_per_layer_sample=split)
     cluster, settings = Cluster(A100_40GB, 4), Settings(32)
 
     def acts(shape: Shape) -> float:

@@ -69,3 +69,33 @@ def test_the_machine_check_sets_a_calibration_point_timed_now_against_the_profil
     # a profile that says ddp costs a second a step more predicts a second more, and the ratio says so
     slow = machine_check(replace(cpu, framework={**cpu.framework, "ddp": Framework(1.0)}))
     assert slow["predicted_s"] > 1.0 and slow["ratio"] < 0.1
+
+
+def tiny_llama() -> tuple[object, object]:
+    """A ``module:factory`` for ``--model``: a 2-layer Llama (RMSNorm, rotary, grouped kv heads, SwiGLU) and its example input."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16
+    )
+    return transformers.LlamaForCausalLM(config), torch.randint(0, 64, (4, 16))
+
+
+def test_validate_trains_a_factory_s_llama_under_tp_and_its_activations_are_the_predicted_ones(tmp_path: Path) -> None:
+    """A user's own model (``module:factory``) is validated as a recipe is. Under tp each rank keeps
+    whole what tp does not split (RMSNorm's work, the residual stream, the split linears' inputs:
+    a quarter of a Llama layer's saved bytes), so splitting all of it by tp would predict 15-20% too
+    little; the planner's prediction is the measured peak."""
+    from shardwise.advisor.models import factory_model
+
+    out = tmp_path / "validate.json"
+    model = "tests.unit.test_plan_validate:tiny_llama"
+    flags = ["plan", "--validate", "--model", model, "--nproc", "2", "--global-batch", "8", "--steps", "10", "--only", "tp(tp=2)"]
+    assert main([*flags, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["measured_activation_bytes"] == pytest.approx(row["predicted_activation_bytes"], rel=0.01), row
+    spec = factory_model(model).spec
+    all_split = (spec.layers * spec.act_bytes_per_layer_sample / 2 + spec.act_bytes_other_sample) * 8
+    assert row["measured_activation_bytes"] > 1.1 * all_split
