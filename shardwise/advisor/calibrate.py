@@ -190,7 +190,7 @@ def calibrate(sizes: list[int] | None = None) -> dict[str, Any]:
     rows = launch(_measure_collectives, sizes or SIZES, nproc=2, threads_per_proc=1)[0]
     profile = fit_profile(rows, measure_matmul_flops(), measure_step_overhead())
     fits = calibrate_framework(profile_from_mapping(profile))
-    profile["framework"] = {k: {"step_s": f["step_s"], "per_unit_s": f["per_unit_s"], "per_compute": f["per_compute"]} for k, f in fits.items()}
+    profile["framework"] = {k: {n: f[n] for n in ("step_s", "per_unit_s", "per_param_s", "per_compute")} for k, f in fits.items()}
     profile["calibration"]["framework"] = fits
     profile_from_mapping(profile)
     return profile

@@ -13,8 +13,10 @@ times each (in rounds over all keys), with the `Trainer` on 2 processes as a use
 
     extra = measured step - (timed compute + alpha-beta collectives)   (`shardwise.plan.cost`)
 
-and a least-squares fit through each size's mean over the rounds gives ``Framework(step_s, per_unit_s, per_compute)``
-for the profile, with its largest residual. Fits are not clamped silently: a negative slope is reported
+and a least-squares fit through each size's mean over the rounds gives ``Framework(step_s, per_unit_s, ...)``
+for the profile, with its largest residual: the third term is per parameter for the strategies whose
+own work goes over gradients and weights once a step, per second of compute for those whose work
+runs beside the compute (`scaling`). Fits are not clamped silently: a negative slope is reported
 and set to 0 (the intercept is then the points' mean), a negative intercept to 0.
 
 Each step time is the median of the run's logged intervals (`shardwise.advisor.validate.measured_step_s`),
@@ -50,8 +52,8 @@ REPEATS = 2
 SAMPLES = 512
 WIDE = (256, 512)
 """The wide point's (width, global batch): 2 layers (a pipeline's 4 blocks, 4 micro-batches) with about
-ten times the compute of the widest deep point and charlm's gradient bytes, so compute varies
-apart from the units and `Framework.per_compute` can be fitted."""
+ten times the compute of the widest deep point and charlm's gradient bytes, so compute and parameters
+vary apart from the units and `Framework.per_compute` or `Framework.per_param_s` can be fitted."""
 
 
 class Block(nn.Module):
@@ -179,6 +181,7 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
         "varies": varies,
         "units": t["overhead_units"],
         "compute_s": t["overhead_compute_s"],
+        "params": t["overhead_params"],
         "measured_s": measured,
         "predicted_without_s": predicted,
         "framework_s": t["overhead_s"],
@@ -207,15 +210,35 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     return [float(x) for x in torch.linalg.lstsq(a, b).solution.squeeze(1)]
 
 
-def fit_framework(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """``step_s``, ``per_unit_s`` and ``per_compute``: the least-squares fit of ``extra_s`` against a
-    key's points' ``units`` and ``compute_s`` (a point without ``compute_s`` counts 0). A negative
-    coefficient is set to 0 and the others fitted again without it, and said so; ``max_residual_s`` is
-    the largest distance of a point from the fit."""
+COMPUTE_FAMILIES = ("tp", "pipeline", "zero2", "zero3", "fsdp", "hsdp")
+"""Strategies whose own work runs beside the compute and grows with it: tensor parallelism's
+allreduces and a pipeline's sends carry activations, and FSDP's gathers and reduce-scatters
+interleave with every unit's forward and backward (two processes to two cores here). Their third term
+is `Framework.per_compute`. The others' own work goes over their gradients and weights once a step
+(DDP's bucket copies and averaging, a codec's encode and decode, ZeRO-1's sharded step, a parameter
+server's push and pull, an outer step) and grows with the parameters whatever the compute:
+`Framework.per_param_s`. Both fit the calibration points alike (the wide point has about charlm's
+parameters and ten times the deep points' compute); the split was chosen on charlm's and digits'
+validation runs: fitted on compute, DDP's and the codecs' cost on charlm (a step computes 3.4 times as
+long as the wide point's) came out 2-4 times what its runs measured, fitted on parameters, FSDP's and
+ZeRO-3's came out 20-40% short."""
+
+
+def scaling(key: str) -> str:
+    """The third term of ``key``'s fit: ``"per_compute"`` or ``"per_param_s"`` (`COMPUTE_FAMILIES`)."""
+    return "per_compute" if key.split("/")[0] in COMPUTE_FAMILIES else "per_param_s"
+
+
+def fit_framework(points: list[dict[str, Any]], third: str = "per_compute") -> dict[str, Any]:
+    """``step_s``, ``per_unit_s`` and ``third`` (``per_compute`` or ``per_param_s``, `scaling`): the
+    least-squares fit of ``extra_s`` against a key's points' ``units`` and ``compute_s`` or ``params``
+    (a point without it counts 0); the other of the two is 0. A negative coefficient is set to 0 and
+    the others fitted again without it, and said so; ``max_residual_s`` is the largest distance of a
+    point from the fit."""
     xs = [float(p["units"]) for p in points]
-    cs = [float(p.get("compute_s", 0.0)) for p in points]
+    zs = [float(p.get("compute_s" if third == "per_compute" else "params", 0.0)) for p in points]
     ys = [float(p["extra_s"]) for p in points]
-    columns = {"step_s": [1.0] * len(ys), "per_unit_s": xs, "per_compute": cs}
+    columns = {"step_s": [1.0] * len(ys), "per_unit_s": xs, third: zs}
     names = [n for n in columns if n == "step_s" or len(set(columns[n])) > 1]
     notes = []
     while True:
@@ -229,8 +252,8 @@ def fit_framework(points: list[dict[str, Any]]) -> dict[str, Any]:
     fit = {n: max(0.0, coef.get(n, 0.0)) for n in columns}
     if coef["step_s"] < 0:
         notes.append(f"intercept {coef['step_s'] * 1e3:.3g} ms set to 0")
-    residual = max(abs(y - (fit["step_s"] + fit["per_unit_s"] * x + fit["per_compute"] * c)) for x, c, y in zip(xs, cs, ys, strict=True))
-    return {**fit, "max_residual_s": residual, "points": points, "notes": notes}
+    residual = max(abs(y - (fit["step_s"] + fit["per_unit_s"] * x + fit[third] * z)) for x, z, y in zip(xs, zs, ys, strict=True))
+    return {"per_compute": 0.0, "per_param_s": 0.0, **fit, "max_residual_s": residual, "points": points, "notes": notes}
 
 
 def point_means(runs: list[dict[str, Any]], sizes: list[int | str]) -> list[dict[str, Any]]:
@@ -264,15 +287,16 @@ def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: in
             measured = ", ".join(f"{p['measured_s'] * 1e3:.2f}" for p in mine)
             where = "wide" if size == "wide" else f"{size} {varies}"
             per_size.append(f"{where}: measured {measured} ms, model {mine[0]['predicted_without_s'] * 1e3:.2f} ms")
-        f = fit_framework(means)
+        f = fit_framework(means, scaling(key))
         f["runs"] = runs[key]
         out[key] = f
         notes = " " + "; ".join(f["notes"]) if f["notes"] else ""
         family = key.split("/")[0]
         unit = "unit" if family in ("zero2", "zero3", "fsdp", "hsdp", "tp") else "microbatch" if family == "pipeline" else "tensor"
         print(
-            f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{unit} + {f['per_compute']:.3f} x compute, "
-            f"residual {f['max_residual_s'] * 1e3:.2f} ms  ({'; '.join(per_size)}){notes}",
+            f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{unit} + "
+            + (f"{f['per_compute']:.3f} x compute, " if scaling(key) == "per_compute" else f"{f['per_param_s'] * 1e9:.2f} ns/parameter, ")
+            + f"residual {f['max_residual_s'] * 1e3:.2f} ms  ({'; '.join(per_size)}){notes}",
             flush=True,
         )
     return out

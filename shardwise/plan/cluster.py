@@ -62,19 +62,23 @@ class Link:
 @dataclass(frozen=True)
 class Framework:
     """What one strategy costs per step on top of its model's compute and its collectives' alpha-beta
-    time: ``step_s + per_unit_s * units + per_compute * compute_s`` (units: `shardwise.plan.cost.framework_units`).
-    Hooks, Python, the launch of each collective, waits the alpha-beta model does not see, and the
-    compute its own work slows (DDP's allreduce threads running beside the backward on a machine with
-    as many processes as cores); measured by ``shardwise plan --calibrate`` on this machine, empty on
-    the datasheet profiles."""
+    time: ``step_s + per_unit_s * units + per_param_s * params + per_compute * compute_s`` (units:
+    `shardwise.plan.cost.framework_units`; params: the rank's share of the model before any
+    data-parallel sharding). Hooks, Python, the launch of each collective, waits the alpha-beta model
+    does not see, work over every gradient or weight element (DDP's bucket copies and averaging, a
+    codec's encode and decode, ZeRO's shard copies), and the compute a strategy's work on activations
+    slows (tensor parallelism's and a pipeline's); measured by ``shardwise plan --calibrate`` on this
+    machine, empty on the datasheet profiles."""
 
     step_s: float
     per_unit_s: float = 0.0
     per_compute: float = 0.0
     """Seconds added per second of the rank's compute."""
+    per_param_s: float = 0.0
+    """Seconds added per parameter of the rank's share of the model."""
 
-    def seconds(self, units: float, compute_s: float = 0.0) -> float:
-        return self.step_s + self.per_unit_s * units + self.per_compute * compute_s
+    def seconds(self, units: float, compute_s: float = 0.0, params: float = 0.0) -> float:
+        return self.step_s + self.per_unit_s * units + self.per_compute * compute_s + self.per_param_s * params
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ class DeviceProfile:
             elif f.name == "flops":
                 v = dict(v)
             elif f.name == "framework":
-                v = {k: {"step_s": x.step_s, "per_unit_s": x.per_unit_s, "per_compute": x.per_compute} for k, x in v.items()}
+                v = {k: {"step_s": x.step_s, "per_unit_s": x.per_unit_s, "per_param_s": x.per_param_s, "per_compute": x.per_compute} for k, x in v.items()}
             out[f.name] = v
         return out
 
@@ -194,8 +198,10 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
     framework = {}
     for key, value in dict(raw.get("framework", {})).items():
         if not isinstance(value, Mapping) or "step_s" not in value:
-            raise ConfigError(f"{where}: framework.{key} must be a table with step_s (and per_unit_s, per_compute); got {value!r}")
-        framework[str(key)] = Framework(float(value["step_s"]), float(value.get("per_unit_s", 0.0)), float(value.get("per_compute", 0.0)))
+            raise ConfigError(f"{where}: framework.{key} must be a table with step_s (and per_unit_s, per_param_s, per_compute); got {value!r}")
+        framework[str(key)] = Framework(
+            float(value["step_s"]), float(value.get("per_unit_s", 0.0)), float(value.get("per_compute", 0.0)), float(value.get("per_param_s", 0.0))
+        )
     profile = DeviceProfile(
         name=str(raw["name"]),
         memory_bytes=float(raw["memory_bytes"]),

@@ -264,7 +264,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     spec = spec.with_act_bytes(settings.act_bytes)
     tp, pp, dp = shape.tp, shape.pp, shape.dp
     fam = shape.family
-    psi = spec.params / (tp * pp)
+    psi = spec.tp_rank_params(tp) / pp
     samples = settings.global_batch / dp  # per rank per step
     m = shape.microbatches if fam == "pipeline" else 1
     micro = samples / m / settings.accumulate
@@ -400,7 +400,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     total_comm = sum(c.seconds for c in colls)
     framework = next((dev.framework[k] for k in framework_keys(shape) if k in dev.framework), None)
     units = framework_units(shape, spec)
-    overhead = framework.seconds(units, compute) if framework is not None else dev.step_overhead_s
+    overhead = framework.seconds(units, compute, psi) if framework is not None else dev.step_overhead_s
     if fam == "pipeline" and tp > 1 and "tp" in dev.framework:
         # each stage repeats tensor parallelism's per-linear work (`framework_units` of tp) per micro-batch
         linears = shape.units if shape.units is not None else (4 if spec.transformer else 2) * spec.layers
@@ -422,6 +422,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         "overhead_s": overhead,
         "overhead_units": units,
         "overhead_compute_s": compute,
+        "overhead_params": psi,
         "step_s": step,
     }
     fits = memory["total"] <= dev.memory_bytes

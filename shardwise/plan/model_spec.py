@@ -105,6 +105,11 @@ class ModelSpec:
     """Parameter tensors (each weight and each bias): what per-parameter work repeats over (DDP's
     gradient hooks, a codec's encode and decode, the optimizer's loop). Counted on a module; from a
     config, its weights and norms; 0 when not known (`parameter_tensors` estimates it then)."""
+    tp_split_params: int | None = None
+    """Parameters in the linears tensor parallelism splits (a column-split linear's weight and bias, a
+    row-split one's weight): each tp rank holds ``1/tp`` of them and the whole of the rest (embeddings,
+    norms, a row-split linear's bias). Counted by `measured_spec` given a tp plan; None: ``1/tp`` of
+    every parameter (Megatron's layout, embeddings split by vocabulary)."""
     step_fit: StepFit | None = None
     """The model's step timed here (a recipe or factory module); a profile measured on this machine
     (``DeviceProfile.local``) uses it instead of FLOPs over FLOP/s."""
@@ -138,6 +143,12 @@ class ModelSpec:
         else:  # eq. 2
             per = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
         return per * self.act_bytes / 2 * samples
+
+    def tp_rank_params(self, tp: int) -> float:
+        """Parameters one rank of a ``tp``-way split holds (`tp_split_params`)."""
+        if tp == 1 or self.tp_split_params is None:
+            return self.params / tp
+        return self.params - self.tp_split_params + self.tp_split_params / tp
 
     def parameter_tensors(self) -> int:
         """`tensors`, or when not known an estimate from the layers: 12 a transformer layer (GPT-2's:
@@ -351,8 +362,10 @@ def measured_spec(
             saved.where = "block/split"
 
     handles = [b.register_forward_pre_hook(enter) for b in blocks] + [b.register_forward_hook(width) for b in blocks]
+    split_params = 0
     for lin, style in (tp_plan or {}).items():
         sub = model.get_submodule(lin)
+        split_params += sum(p.numel() for n, p in sub.named_parameters() if p.requires_grad and (style == "colwise" or n != "bias"))
         if style == "colwise":
             handles += [sub.register_forward_pre_hook(whole), sub.register_forward_hook(split)]
         else:
@@ -389,4 +402,5 @@ def measured_spec(
         act_bytes_other_sample=saved.by_label.get("other", 0) / samples,
         act_bytes=act_bytes,
         tensors=tensors,
+        tp_split_params=split_params if tp_plan else None,
     )

@@ -146,6 +146,34 @@ def test_framework_keys_name_the_variant_and_fall_back_to_the_family() -> None:
     assert t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 12)
 
 
+def test_a_framework_cost_per_parameter_scales_with_the_rank_s_share_of_the_model() -> None:
+    per_param = replace(PROFILE, framework={"ddp": Framework(1e-3, 0.0, 0.0, 2e-8), "tp": Framework(1e-3, 0.0, 0.0, 2e-8)})
+    t = estimate(SPEC, Cluster(per_param, 2), Settings(32), Shape("ddp", dp=2)).time
+    assert t["overhead_params"] == SPEC.params and t["overhead_s"] == pytest.approx(1e-3 + 2e-8 * SPEC.params)
+    # tp's rank holds half the model (the spec knows no split linears: all of it splits)
+    t = estimate(SPEC, Cluster(per_param, 2), Settings(32), Shape("tp", tp=2)).time
+    assert t["overhead_params"] == SPEC.params / 2 and t["overhead_s"] == pytest.approx(1e-3 + 2e-8 * SPEC.params / 2)
+    back = profile_from_mapping({**per_param.to_json(), "intra": {"alpha": 1e-4, "beta": 1e-9}, "inter": {"alpha": 1e-4, "beta": 1e-9}})
+    assert back.framework["ddp"] == Framework(1e-3, 0.0, 0.0, 2e-8)  # written and read back
+
+
+def test_the_fit_s_third_term_is_per_parameter_for_work_on_gradients_and_per_compute_for_work_beside_the_compute() -> None:
+    from shardwise.advisor.calibrate_framework import scaling
+
+    assert [scaling(k) for k in ("ddp", "ddp/codec/fp16", "zero1", "ps/async", "diloco")] == ["per_param_s"] * 5
+    assert [scaling(k) for k in ("tp", "pipeline/1f1b", "zero3", "fsdp")] == ["per_compute"] * 4
+
+    # extra = 1 ms + 0.5 ms a tensor + 20 ns a parameter: the deep points move both, the wide one parameters alone
+    def extra(u: float, n: float) -> float:
+        return 1e-3 + 0.5e-3 * u + 2e-8 * n
+
+    pts = [{"units": u, "params": n, "compute_s": n * 1e-8, "extra_s": extra(u, n)} for u, n in ((8, 3e4), (20, 1.4e5), (36, 2.7e5), (12, 1.1e6))]
+    f = fit_framework(pts, "per_param_s")
+    assert (f["step_s"], f["per_unit_s"], f["per_param_s"], f["per_compute"]) == pytest.approx((1e-3, 0.5e-3, 2e-8, 0.0)) and not f["notes"]
+    assert Framework(f["step_s"], f["per_unit_s"], f["per_compute"], f["per_param_s"]).seconds(69, 0.09, 8.3e5) == pytest.approx(extra(69, 8.3e5))
+    assert fit_framework(pts)["per_param_s"] == 0.0  # per second of compute unless asked
+
+
 def test_the_framework_fit_is_the_least_squares_line_and_says_what_it_clamped() -> None:
     pts = [{"units": 2, "extra_s": 3e-3}, {"units": 8, "extra_s": 9e-3}]
     f = fit_framework(pts)

@@ -111,6 +111,9 @@ def test_tensor_parallelism_splits_only_what_is_saved_between_the_colwise_and_th
     split = 16 * s * h * 4
     whole = (4 * s * h + 6 * s) * 4
     assert spec.act_bytes_tp_split_per_layer_sample == split
+    # tp splits fc's and gate's weights and biases and proj's weight; proj's bias, the norms and the head stay whole
+    per_block = 2 * (h * 4 * h + 4 * h) + 4 * h * h
+    assert spec.tp_split_params == 2 * per_block and spec.tp_rank_params(2) == spec.params - per_block
     assert spec.act_bytes_per_layer_sample == split + whole
     assert spec.act_bytes_other_sample == (s * h + s * v) * 4
     assert spec.layer_activation_bytes(samples, tp=2) == (whole + split / 2) * samples
@@ -120,6 +123,7 @@ def test_tensor_parallelism_splits_only_what_is_saved_between_the_colwise_and_th
     # without a plan, nothing is known to stay whole: tp splits it all (and no loss: the output is summed)
     bare = measured_spec("net", model, example, samples)
     assert bare.act_bytes_tp_split_per_layer_sample is None and bare.act_bytes_other_sample == s * h * 4
+    assert bare.tp_split_params is None and bare.tp_rank_params(2) == bare.params / 2
     assert bare.layer_activation_bytes(samples, tp=2) == (whole + split) / 2 * samples
 
 

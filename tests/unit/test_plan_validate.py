@@ -46,7 +46,7 @@ def test_validate_one_ddp_candidate_on_digits(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_a_calibration_point_times_the_trainer_against_the_model_and_counts_the_plan_s_units() -> None:
-    from shardwise.advisor.calibrate_framework import GLOBAL_BATCH, WIDTH, measure_point
+    from shardwise.advisor.calibrate_framework import GLOBAL_BATCH, WIDTH, CalibrationNet, measure_point
     from shardwise.plan.cluster import load_profile
 
     specs: dict[tuple[int, int, int], object] = {}
@@ -55,6 +55,7 @@ def test_a_calibration_point_times_the_trainer_against_the_model_and_counts_the_
     assert point["units"] == 3 and point["size"] == 2 and set(specs) == {(2, WIDTH, GLOBAL_BATCH)}
     assert math.isfinite(point["measured_s"]) and point["measured_s"] > 0 and point["predicted_without_s"] > 0
     assert point["compute_s"] > 0 and point["extra_s"] == pytest.approx(point["measured_s"] - point["predicted_without_s"])
+    assert point["params"] == sum(p.numel() for p in CalibrationNet(2).parameters())  # zero3's rank: the whole model before sharding
 
 
 def test_the_machine_check_sets_a_calibration_point_timed_now_against_the_profile_s_whole_prediction() -> None:
@@ -87,7 +88,7 @@ def test_validate_trains_a_factory_s_llama_under_tp_and_its_activations_are_the_
     """A user's own model (``module:factory``) is validated as a recipe is. Under tp each rank keeps
     whole what tp does not split (RMSNorm's work, the residual stream, the split linears' inputs:
     a quarter of a Llama layer's saved bytes), so splitting all of it by tp would predict 15-20% too
-    little; the planner's prediction is the measured peak."""
+    little; the planner's prediction is the measured peak, and its model state the measured one."""
     from shardwise.advisor.models import factory_model
 
     out = tmp_path / "validate.json"
@@ -96,6 +97,8 @@ def test_validate_trains_a_factory_s_llama_under_tp_and_its_activations_are_the_
     assert main([*flags, "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["measured_activation_bytes"] == pytest.approx(row["predicted_activation_bytes"], rel=0.01), row
+    # the model state too: the embeddings, the head and the norms are whole on both ranks
+    assert row["measured_model_state_bytes"] == pytest.approx(row["predicted_model_state_bytes"], rel=1e-6), row
     spec = factory_model(model).spec
     all_split = (spec.layers * spec.act_bytes_per_layer_sample / 2 + spec.act_bytes_other_sample) * 8
     assert row["measured_activation_bytes"] > 1.1 * all_split
