@@ -51,8 +51,10 @@ def guarded(code: str) -> str:
 def env() -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     e["PATH"] = str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", "")  # `shardwise` and `python` of this venv
-    # The Ray Train block's local Ray instance: on loopback (a single-machine cluster), no usage report.
-    e.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"})
+    # The Ray Train block's local Ray instance: on loopback (a single-machine cluster), no usage report,
+    # and Ray Train's controller polling its workers every 0.5 s rather than 2 s (27 s rather than 35 s
+    # on an idle machine here; the run is the same).
+    e.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"})
     root = str(README.parent)
     e["PYTHONPATH"] = root + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     return e
