@@ -83,6 +83,11 @@ class PlannedModel:
     example: Any = None
     """A factory's example input (what its timing and ``--validate`` train on)."""
 
+    @property
+    def trainable(self) -> bool:
+        """Whether `training` has something to train (a recipe, or a factory's module and example)."""
+        return self.recipe is not None or (self.module is not None and self.example is not None)
+
     def training(self) -> tuple[nn.Module, Any, Callable[[Any, Any], torch.Tensor], Callable[[Any], Any]] | None:
         """What ``--validate`` trains, fresh for each candidate: (model, data set, loss, optimizer). A
         recipe's own; a factory's module (a copy) on its example repeated, with the loss and optimizer

@@ -226,7 +226,7 @@ def validate(
     machine's speed has moved since the profile was calibrated."""
     from shardwise.advisor.calibrate_framework import machine_check
 
-    if model.training() is None:
+    if not model.trainable:
         raise ConfigError(
             "--validate trains the model: give a built-in recipe (--model digits or charlm) or a module:factory returning "
             "(model, example_input); a config .json or --params describes a model's sizes only"

@@ -66,9 +66,10 @@ class Framework:
     `shardwise.plan.cost.framework_units`; params: the rank's share of the model before any
     data-parallel sharding). Hooks, Python, the launch of each collective, waits the alpha-beta model
     does not see, work over every gradient or weight element (DDP's bucket copies and averaging, a
-    codec's encode and decode, ZeRO's shard copies), and the compute a strategy's work on activations
-    slows (tensor parallelism's and a pipeline's); measured by ``shardwise plan --calibrate`` on this
-    machine, empty on the datasheet profiles."""
+    codec's encode and decode, ZeRO-1's sharded step), and the compute slowed by work running beside it
+    (tensor parallelism's and a pipeline's on activations, FSDP's gathers around each unit); measured by
+    ``shardwise plan --calibrate`` on this machine (`shardwise.advisor.calibrate_framework.scaling`
+    says which of the two last terms a key has), empty on the datasheet profiles."""
 
     step_s: float
     per_unit_s: float = 0.0

@@ -148,6 +148,7 @@ def test_recommendation_follows_the_guide(tmp_path: Path) -> None:
         (["--params", "1e9", "--nproc", "0"], "--nproc must be >= 1"),
         (["--params", "1e9", "--nproc", "8", "--nodes", "3"], "--nodes 3"),
         (["--params", "1e9", "--nproc", "8", "--device", "nosuch-gpu"], "unknown device 'nosuch-gpu'"),
+        (["--params", "1e6", "--nproc", "2", "--validate"], "--validate trains the model: give a built-in recipe"),
     ],
 )
 def test_bad_flags_are_one_line_errors(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
