@@ -37,7 +37,9 @@ sides did not train the same thing and the row is not a comparison).
 
 ``--whole`` adds a second table: the whole process (``python -c`` that trains with 2 processes
 and exits) for ``ddp`` and the other families named by ``--whole-families``: ``Trainer(nproc=2)``
-against the hand-written loop under ``torch.multiprocessing.spawn``, interleaved likewise.
+(its ranks forked from the launcher's zygote, and with ``start_method="spawn"``: fresh
+interpreters) against the hand-written loop in interpreters started by hand, under
+``torch.multiprocessing.spawn`` and under torchrun, interleaved likewise; wall and CPU seconds.
 
     python benchmarks/families.py [--families ddp zero3 tp pipeline ...] [--steps 30] [--repeats 3] [--whole]
 """
@@ -300,8 +302,9 @@ def step_s() -> float:
     return statistics.median(gaps)
 
 
-def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool = True) -> tuple[float, float]:
-    """(seconds of the training loop, last logged loss) of ``shardwise.Trainer`` on the same work."""
+def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool = True, start_method: str = "forkserver") -> tuple[float, float]:
+    """(seconds of the training loop, last logged loss) of ``shardwise.Trainer`` on the same work
+    (``start_method``: the ranks forked from the launcher's zygote, or ``"spawn"``, fresh interpreters)."""
     from torch.utils.data import TensorDataset
 
     import shardwise
@@ -327,6 +330,7 @@ def ours(family: str, s: dict[str, Any], nproc: int | None = None, quiet: bool =
         callbacks=[StepClock()],
         accelerator=s.get("accelerator", "cpu"),
         precision=s.get("precision", "32"),
+        start_method=start_method,
         **({"nproc": nproc} if nproc else {}),
     )
     with contextlib.ExitStack() as stack:
@@ -368,10 +372,12 @@ def _spawned(rank: int, world: int, port: int, family: str, s: dict[str, Any]) -
     dist.destroy_process_group()
 
 
-def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
-    """Seconds of a fresh ``python`` that trains ``family`` on 2 processes and exits: ``ours``
-    (``Trainer(nproc=N)``), ``spawn`` (the hand loop under ``torch.multiprocessing.spawn``) or
-    ``bare`` (the hand loop in N interpreters the script starts itself)."""
+def whole_process(side: str, family: str, s: dict[str, Any]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of it and its children) of a fresh ``python`` that trains ``family``
+    on 2 processes and exits: ``ours`` (``Trainer(nproc=N)``, its ranks forked from its zygote),
+    ``fresh`` (``Trainer(nproc=N, start_method="spawn")``: a fresh interpreter per rank), ``spawn``
+    (the hand loop under ``torch.multiprocessing.spawn``) or ``bare`` (the hand loop in N
+    interpreters the script starts itself)."""
     n = RANKS.get(family, 2)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -380,8 +386,9 @@ def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
         script = os.path.abspath(__file__)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script, "--torchrun-worker", family, *sizes]
         return _timed(cmd, root, env, side, family)
-    if side == "ours":
-        body = f"import benchmarks.families as b; b.ours({family!r}, {s!r}, nproc={n})"
+    if side in ("ours", "fresh"):
+        method = "spawn" if side == "fresh" else "forkserver"
+        body = f"import benchmarks.families as b; b.ours({family!r}, {s!r}, nproc={n}, start_method={method!r})"
     elif side == "bare":  # the leanest launcher: N interpreters started by hand, env:// rendezvous
         child = f"import benchmarks.families as b, sys; b._spawned(int(sys.argv[1]), {n}, int(sys.argv[2]), {family!r}, {s!r})"
         body = (
@@ -401,12 +408,18 @@ def whole_process(side: str, family: str, s: dict[str, Any]) -> float:
     return _timed([sys.executable, "-c", code], root, env, side, family)
 
 
-def _timed(cmd: list[str], root: str, env: dict[str, str], side: str, family: str) -> float:
-    start = time.perf_counter()
+def _timed(cmd: list[str], root: str, env: dict[str, str], side: str, family: str) -> tuple[float, float]:
+    import resource
+
+    def cpu() -> float:
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)  # every waited-for descendant: ranks, zygote, agents
+        return used.ru_utime + used.ru_stime
+
+    start, cpu_start = time.perf_counter(), cpu()
     done = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"the {side} run of {family} failed:\n{done.stderr}")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu() - cpu_start
 
 
 def torchrun_worker(family: str, s: dict[str, Any]) -> None:
@@ -477,18 +490,25 @@ def main() -> None:
             f"\nwhole process: a fresh python that trains {args.steps} steps and exits; Trainer(nproc=N) against the hand loop "
             "in N interpreters the script starts itself (bare) and under torch.multiprocessing.spawn\n"
         )
-        print(f"{'family':10s} {'shardwise s':>12s} {'bare s':>8s} {'spawn s':>8s} {'torchrun s':>10s} {'vs bare':>8s}")
+        print(
+            f"{'family':10s} {'shardwise s':>12s} {'fresh s':>8s} {'bare s':>8s} {'spawn s':>8s} {'torchrun s':>10s} {'vs bare':>8s}   "
+            f"CPU s: {'shardwise':>9s} {'fresh':>6s} {'bare':>6s}"
+        )
         for family in args.whole_families:
-            times: dict[str, list[float]] = {"ours": [], "bare": [], "spawn": [], "torchrun": []}
+            times: dict[str, list[float]] = {"ours": [], "fresh": [], "bare": [], "spawn": [], "torchrun": []}
+            cpus: dict[str, list[float]] = {k: [] for k in times}
             for i in range(args.repeats):
                 order = list(times)
-                for side in order[i % 4 :] + order[: i % 4]:  # rotated: each side goes first in turn
-                    times[side].append(whole_process(side, family, s))
+                for side in order[i % len(order) :] + order[: i % len(order)]:  # rotated: each side goes first in turn
+                    wall, used = whole_process(side, family, s)
+                    times[side].append(wall)
+                    cpus[side].append(used)
             extra = sorted(o - h for o, h in zip(times["ours"], times["bare"], strict=True))
-            o, h, m, t = (statistics.median(times[k]) for k in ("ours", "bare", "spawn", "torchrun"))
+            o, f, h, m, t = (statistics.median(times[k]) for k in ("ours", "fresh", "bare", "spawn", "torchrun"))
+            co, cf, ch = (statistics.median(cpus[k]) for k in ("ours", "fresh", "bare"))
             print(
-                f"{family:10s} {o:12.2f} {h:8.2f} {m:8.2f} {t:10.2f} {o - h:+7.2f}s  (pairs with bare: median {statistics.median(extra):+.2f}s, "
-                f"range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
+                f"{family:10s} {o:12.2f} {f:8.2f} {h:8.2f} {m:8.2f} {t:10.2f} {o - h:+7.2f}s   {co:16.2f} {cf:6.2f} {ch:6.2f}  "
+                f"(pairs with bare: median {statistics.median(extra):+.2f}s, range {extra[0]:+.2f} to {extra[-1]:+.2f}s)",
                 flush=True,
             )
         ours_t, hand_t = [], []

@@ -161,6 +161,7 @@ def strategy_flag_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.engine import seed_everything
+    from shardwise.launcher.spawn import prestart
     from shardwise.recipes import get_recipe
     from shardwise.trainer.config import apply_overrides, from_mapping, load_toml
     from shardwise.trainer.loop import Trainer
@@ -179,6 +180,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             settings[name] = value
     settings = _resolve_strategy_options(settings, strategy_flag_values(args))
     config = from_mapping(settings)  # validates before anything is built or started
+    prestart(config.nproc, config.start_method)  # the ranks' zygote imports torch while the recipe is built
     seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
     parts = recipe.parts(sections.get("recipe"))
     callbacks = []

@@ -29,8 +29,9 @@ def _children() -> set[int]:
             continue
         if fields[1] == me and fields[0] != "Z":
             cmd = (stat.parent / "cmdline").read_bytes()
-            # multiprocessing's resource tracker lives as long as the interpreter, by design.
-            if b"resource_tracker" not in cmd and b"forkserver" not in cmd:
+            # multiprocessing's resource tracker and shardwise's zygote (the process launch forks its
+            # ranks from) live as long as the interpreter, by design.
+            if b"resource_tracker" not in cmd and b"forkserver" not in cmd and b"shardwise.launcher.zygote" not in cmd:
                 out.add(int(stat.parent.name))
     return out
 

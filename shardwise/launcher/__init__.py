@@ -5,8 +5,8 @@ Design notes: Processes
 
 - **Local spawn** (`shardwise.launch`, and `Trainer.fit` with `nproc > 1` outside a launcher):
   the parent serves a `TCPStore` on a port the OS picks (no port races between concurrent
-  launches), children join it with `init_process_group(store=...)`. Each child is a fresh
-  interpreter, `python -m shardwise.launcher.worker`, not multiprocessing's spawn: it runs the
+  launches), children join it with `init_process_group(store=...)`. Each child runs
+  `shardwise.launcher.worker`, not multiprocessing's spawn: it runs the
   user's script as `__mp_main__` (aliased `__main__`, so pickles of `__main__.X` resolve) the
   way spawn does, but `launch` and `Trainer.fit` first call `stop_if_bootstrapping()`, which
   stops that import at the script's own call. So a script needs no `if __name__ ==
@@ -22,6 +22,17 @@ Design notes: Processes
   parity test). Payload, results and errors travel through files in a temporary directory, never
   pipes, so a large result cannot block a child on a pipe the parent is not reading. Each child
   gets `threads_per_proc` intra-op threads (cores / nproc by default).
+- **Zygote** (`launcher.zygote`, the default `start_method="forkserver"` on Linux): each child is
+  a fork of one process per launcher that imported torch, `torch._dynamo` (which torch imports at
+  the first optimizer) and the trainer once, and stays for the launcher's later launches. A fresh
+  interpreter pays about 3 CPU-seconds for those imports per rank and launch. The zygote runs no
+  tensor operation, no CUDA and no thread (checked; otherwise fresh interpreters), so a fork is
+  safe; each child gets the launch's stdin/stdout/stderr (passed over a Unix socket), environment,
+  working directory and argv, the signal dispositions a fresh interpreter would have, and reseeded
+  torch and numpy generators. The zygote ignores SIGINT/SIGTERM/SIGHUP/SIGUSR1/2 (a preemption
+  notice to the process group is for the ranks) and ends when its launcher does (its socket
+  closes, or its parent changes); its children die with it. `start_method="spawn"` starts fresh
+  `python -m shardwise.launcher.worker` interpreters.
 - **Failures.** The parent polls its children; the first failure stops the rest at once
   (SIGTERM, SIGKILL after 5 s) and is raised in the parent as the worker's own exception (its
   type unchanged, so `pytest.raises(ConfigError)` holds), raised from `launch` itself and caused
@@ -33,7 +44,8 @@ Design notes: Processes
   otherwise (`error_dir=` of `launch`). `timeout` stops a hang and names the ranks still running.
 - **Workers die with their leader** (`launcher.lifeline`): SIGKILL of the parent, and SIGTERM
   or SIGHUP (whose default action skips every `finally`), would otherwise leave workers training
-  alone. Each spawned worker sets `prctl(PR_SET_PDEATHSIG, SIGKILL)` first thing (Linux; the
+  alone. Each spawned worker sets `prctl(PR_SET_PDEATHSIG, SIGKILL)` first thing, tied to its
+  parent (the launcher, or the zygote, which follows the launcher) (Linux; the
   parent's pid is checked right after, in case it died already) and starts a thread that exits
   the process when `os.getppid()` changes (every platform, twice a second). Workers stay in the
   parent's process group, so a signal to the group (Ctrl-C in a terminal) reaches them too.

@@ -67,8 +67,9 @@ class TrainerConfig:
     """Show a progress bar on rank 0 (default: when stderr is a terminal; log lines otherwise)."""
     num_workers: int = 0
     """Data-loading worker processes per rank."""
-    start_method: str = "spawn"
-    """How local workers start: 'spawn' (objects must pickle) or 'fork' (notebooks)."""
+    start_method: str = "forkserver"
+    """How local workers start: 'forkserver' (forks of a process that imported torch once; 'fork' is the
+    same) or 'spawn' (a fresh interpreter each). Either way the model and data reach them pickled."""
     timeout_s: float = 300.0
     """Seconds a collective waits for its peers before failing with the rank and operation named."""
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")

@@ -19,7 +19,7 @@ from shardwise.data import ShardedLoader, fetch, unpack_data
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.errors import CommError, ConfigError
 from shardwise.launcher.env import detect_env
-from shardwise.launcher.spawn import check_world_size, launch, stop_if_bootstrapping
+from shardwise.launcher.spawn import check_world_size, launch, prestart, stop_if_bootstrapping
 from shardwise.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, get_strategy
@@ -114,6 +114,7 @@ class Trainer:
             self.logger_objects = [item for item in items if isinstance(item, Logger)]
             settings["loggers"] = tuple(item for item in items if isinstance(item, str))
         self.config = from_mapping(settings, base=config)
+        prestart(self.config.nproc, self.config.start_method)  # the ranks' zygote imports torch while the model is built
         self.hparams = dict(hparams or {})
         """Extra hyperparameters for the loggers (the CLI passes the recipe's options)."""
         self.optimizer_factory = optimizer or _default_optimizer

@@ -1,0 +1,177 @@
+"""launch's ranks are forks of one process that imported torch once (shardwise.launcher.zygote), and
+each rank starts as a fresh interpreter would: its own random seeds, the launcher's environment,
+working directory, stdout and signal dispositions at the time of the launch; none outlives the
+zygote, and the zygote is left alone by the signals meant for its ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise import launch
+from shardwise.errors import LaunchError
+from shardwise.launcher import zygote
+
+
+def _who() -> dict[str, object]:
+    return {
+        "rank": dist.get_rank(),
+        "pid": os.getpid(),
+        "parent": os.getppid(),
+        "torch": torch.rand(4).tolist(),
+        "numpy": np.random.rand(4).tolist(),
+        "marker": os.environ.get("ZYGOTE_TEST_MARKER"),
+        "gone": os.environ.get("ZYGOTE_TEST_GONE"),
+        "cwd": os.getcwd(),
+        "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "sighup": signal.getsignal(signal.SIGHUP),
+        "sigchld": signal.getsignal(signal.SIGCHLD),
+    }
+
+
+def _say_hello() -> None:
+    print(f"hello from rank {dist.get_rank()}", flush=True)
+
+
+def _wait_then_sum(flag: str) -> float:
+    while not Path(flag).exists():
+        time.sleep(0.05)
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _wait_long() -> None:
+    time.sleep(300)
+
+
+pytestmark = pytest.mark.skipif(not zygote.available(), reason="forked workers need Linux")
+
+
+def test_ranks_are_forks_of_one_zygote_that_later_launches_reuse_and_each_starts_as_a_fresh_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZYGOTE_TEST_GONE", "set before the zygote started")
+    first = launch(_who, nproc=2)
+    template = zygote.shared().process.pid
+    assert [r["parent"] for r in first] == [template, template]
+    assert first[0]["gone"] == "set before the zygote started"
+    # the environment and working directory of the launch, not of the zygote's start
+    monkeypatch.setenv("ZYGOTE_TEST_MARKER", "set after")
+    monkeypatch.delenv("ZYGOTE_TEST_GONE")
+    monkeypatch.chdir(tmp_path)
+    second = launch(_who, nproc=2)
+    assert zygote.shared().process.pid == template
+    assert [r["parent"] for r in second] == [template, template]
+    assert {r["pid"] for r in first}.isdisjoint(r["pid"] for r in second)
+    for r in second:
+        assert r["marker"] == "set after" and r["gone"] is None and r["cwd"] == str(tmp_path)
+        # a fresh interpreter's signal dispositions, not the zygote's (it ignores SIGINT/SIGHUP and handles SIGCHLD)
+        assert r["sigint"] and r["sighup"] == signal.SIG_DFL and r["sigchld"] == signal.SIG_DFL
+    # every rank of every launch draws its own random numbers (the zygote's generators are reseeded)
+    draws = [r[k] for r in first + second for k in ("torch", "numpy")]
+    assert len({tuple(d) for d in draws}) == len(draws)
+
+
+def test_spawn_starts_fresh_interpreters_that_are_children_of_the_launcher():
+    results = launch(_who, nproc=2, start_method="spawn")
+    assert [r["parent"] for r in results] == [os.getpid(), os.getpid()]
+
+
+def test_a_rank_writes_to_the_launcher_s_stdout_as_it_is_at_the_launch(capfd):
+    launch(_say_hello, nproc=2)
+    out = capfd.readouterr().out
+    assert "hello from rank 0" in out and "hello from rank 1" in out
+
+
+def test_signals_for_the_ranks_leave_the_zygote_alone(tmp_path):
+    # A preemption notice goes to the whole process group: the zygote must not die of it (its ranks
+    # die with it) but go on serving.
+    template = zygote.shared()
+    flag = tmp_path / "go"
+    launch(_who, nproc=1)  # the zygote is ready
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        os.kill(template.process.pid, sig)
+    time.sleep(0.3)
+    assert template.process.poll() is None
+    flag.touch()
+    assert launch(_wait_then_sum, str(flag), nproc=2) == [3.0, 3.0]
+    assert zygote.shared() is template
+
+
+def test_a_killed_zygote_takes_its_ranks_with_it_and_the_next_launch_starts_a_new_one(tmp_path):
+    launch(_who, nproc=1)
+    old = zygote.shared().process
+
+    def kill_soon() -> None:
+        time.sleep(2.0)
+        old.kill()
+
+    import threading
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"died with exit code -9"):
+        launch(_wait_long, nproc=2, collective_timeout_s=600)
+    assert time.monotonic() - start < 120  # not the ranks' 300 s sleep: they died with the zygote
+    results = launch(_who, nproc=2)
+    assert results[0]["parent"] == zygote.shared().process.pid != old.pid
+
+
+def test_the_zygote_ends_when_its_launcher_ends(tmp_path):
+    import subprocess
+
+    script = tmp_path / "leader.py"
+    script.write_text(
+        "import os, sys, shardwise\n"
+        "from shardwise.launcher import zygote\n"
+        "def f():\n    return os.getppid()\n"
+        "shardwise.launch(f, nproc=1)\n"
+        "print(zygote.shared().process.pid, flush=True)\n"
+        "import time; time.sleep(300)\n"
+    )
+    leader = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert leader.stdout is not None
+        pid = int(leader.stdout.readline())
+        leader.kill()  # SIGKILL: no atexit, no finally
+        leader.wait()
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), "the zygote outlived its launcher"
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_trainer_for_several_processes_starts_the_zygote_while_the_model_is_built(monkeypatch):
+    from shardwise import Trainer
+
+    monkeypatch.setattr(zygote, "_zygote", None)
+    Trainer(nproc=1)
+    assert zygote._zygote is None  # one process trains here: nothing to fork
+    Trainer(nproc=2, start_method="spawn")
+    assert zygote._zygote is None
+    Trainer(nproc=2)
+    started = zygote._zygote
+    try:
+        assert started is not None and started.process.poll() is None
+    finally:
+        if started is not None:
+            started.close()
