@@ -437,7 +437,7 @@ def spread(ours_t: list[float], hand_t: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES, help="none (a bare --families): the whole-process table only")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=192)

@@ -121,8 +121,8 @@ def launch(
     checks that every rank runs the same collective with the same shapes. ``start_method``:
     ``"forkserver"`` (the default; ``"fork"`` is the same) forks each rank from a process that
     imported torch once and stays for later launches (``shardwise.launcher.zygote``: about 3 s of
-    CPU less per rank; Linux, elsewhere fresh interpreters); ``"spawn"`` starts every rank as a
-    fresh interpreter. Either way a rank shares no state with this process.
+    CPU less per rank; Linux, ranks on the CPU; elsewhere fresh interpreters); ``"spawn"`` starts
+    every rank as a fresh interpreter. Either way a rank shares no state with this process.
 
     >>> def hello():
     ...     import torch.distributed as dist
@@ -195,10 +195,24 @@ def join_and_run(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 _Process = subprocess.Popen[bytes] | zygote_mod.Child
 
 
-def _zygote(start_method: str) -> zygote_mod.Zygote | None:
-    """The zygote to fork ranks from (``shardwise.launcher.zygote``), or None: fresh interpreters
-    (``start_method="spawn"``, a platform without fork, or a zygote that could not start here)."""
+_launches = 0
+"""Launches this process has started ranks for (`_zygote`: a first one starts fresh interpreters)."""
+
+
+def _zygote(start_method: str, accelerator: str, nproc: int) -> zygote_mod.Zygote | None:
+    """The zygote to fork ranks from (``shardwise.launcher.zygote``), or None: fresh interpreters.
+
+    Fresh interpreters for ``start_method="spawn"``, a platform without fork, a zygote that could not
+    start here, and ranks on CUDA (forking them is not yet checked on a GPU). And for this process's
+    first launch when its ranks have a core each and no zygote is running yet: the ranks then import
+    torch side by side, while a zygote would import it alone before the first fork (a one-off launch
+    of 2 ranks on 2 cores ended 0.3-1.7 s later that way, `benchmarks/families.py --whole`). From the
+    second launch on, or with more ranks than cores, or once `prestart` started one, the zygote."""
     if start_method == "spawn" or not zygote_mod.available():
+        return None
+    if accelerator == "cuda" or (accelerator == "auto" and _sees_cuda()):
+        return None
+    if _launches == 0 and nproc <= _cores() and not zygote_mod.running():
         return None
     try:
         return zygote_mod.shared()
@@ -206,17 +220,31 @@ def _zygote(start_method: str) -> zygote_mod.Zygote | None:
         return None
 
 
-def prestart(nproc: int, start_method: str = "forkserver") -> None:
-    """Start this process's zygote now, if a launch of ``nproc`` ranks would fork them from it: it
-    imports torch while the caller builds its model and data (``Trainer()``, ``shardwise train``), so
-    a one-off launch does not wait for it. Nothing in a worker or under a launcher (nothing is spawned
-    there), nor for one process."""
-    if nproc < 2 or start_method == "spawn" or _bootstrapping or not zygote_mod.available():
+def _sees_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a job's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - a platform without affinity
+        return os.cpu_count() or 1
+
+
+def prestart(nproc: int, start_method: str = "forkserver", accelerator: str = "auto") -> None:
+    """Start this process's zygote now when a launch of ``nproc`` ranks will fork them from it even
+    as its first: more ranks than cores (`_zygote`). It imports torch while the caller builds its
+    model and data (``Trainer()``, ``shardwise train``). Nothing in a worker or under a launcher
+    (nothing is spawned there)."""
+    if nproc <= _cores() or start_method == "spawn" or _bootstrapping or not zygote_mod.available():
         return
     from shardwise.launcher.env import detect_env
 
     if not detect_env().distributed:
-        _zygote(start_method)
+        _zygote(start_method, accelerator, nproc)
 
 
 def _main_spec() -> tuple[str, str] | None:
@@ -283,6 +311,7 @@ def _spawn(
     extra_env: dict[str, str],
     start_method: str = "forkserver",
 ) -> list[Any]:
+    global _launches
     import torch.distributed as dist
 
     main_spec = _main_spec()
@@ -302,7 +331,8 @@ def _spawn(
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
-        zygote = _zygote(start_method)
+        zygote = _zygote(start_method, accelerator, nproc)
+        _launches += 1
         for rank in range(nproc):
             # Children speak torch's environment convention, so that user code (and
             # shardwise.launcher.env) sees an ordinary distributed job.

@@ -119,8 +119,9 @@ def main(boot_dir: str, rank: int) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None when the launcher's stdout or stderr was closed (a daemon)
+            stream.flush()
     return code
 
 

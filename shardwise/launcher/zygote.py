@@ -7,6 +7,9 @@ one zygote per launcher process, on its first launch, which imports torch, ``tor
 and shardwise's worker side and then waits; each rank is a fork of it, and a later launch in
 the same process (a notebook, a sweep, a test suite) forks the same zygote again.
 
+Ranks on CPU only, for now: ranks that will run on CUDA start as fresh interpreters until forking
+them is checked on a GPU (the zygote touches no CUDA, which is what forkserver-style starts need).
+
 Forking is safe here because the zygote runs nothing: no tensor operation (so no OpenMP thread
 pool; numpy's OpenBLAS is held to one thread), no CUDA (checked after the imports: a zygote that
 finds CUDA initialized says so, and the launcher starts fresh interpreters instead), no thread.
@@ -180,8 +183,11 @@ class Zygote:
                     raise
                 self.ready = True
             request = {"args": args, "env": env, "cwd": os.getcwd(), "argv": list(sys.argv), "ignored": _ignored_here()}
-            with open(os.devnull, "rb") as null:
-                socket.send_fds(self.sock, [pickle.dumps(request)], [null.fileno(), 1, 2])
+            with open(os.devnull, "r+b") as null:
+                # what a subprocess would inherit as its stdout and stderr; a closed one (a daemon's, or
+                # its number reused by a descriptor closed on exec) is /dev/null for the rank
+                fds = [null.fileno()] + [fd if _inherited(fd) else null.fileno() for fd in (1, 2)]
+                socket.send_fds(self.sock, [pickle.dumps(request)], fds)
             pid = self._await("started")[1]
             self.children.add(pid)
         return Child(self, pid, ["shardwise.launcher.worker", *map(str, args)])
@@ -192,11 +198,20 @@ class Zygote:
             return
         with contextlib.suppress(OSError):
             self.sock.close()
+        if not self.ready:
+            self.process.kill()  # still importing (started ahead, never used): nothing to finish
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def _inherited(fd: int) -> bool:
+    try:
+        return os.get_inheritable(fd)
+    except OSError:
+        return False
 
 
 def _ignored_here() -> list[int]:
@@ -213,6 +228,12 @@ def _ignored_here() -> list[int]:
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
 _refused: str | None = None  # why this process's zygote could not start, once it could not
+
+
+def running() -> bool:
+    """Whether this process has a zygote started and not ended."""
+    z = _zygote
+    return z is not None and z.owner == os.getpid() and not z.dead and z.process.poll() is None
 
 
 def shared() -> Zygote:

@@ -114,7 +114,7 @@ class Trainer:
             self.logger_objects = [item for item in items if isinstance(item, Logger)]
             settings["loggers"] = tuple(item for item in items if isinstance(item, str))
         self.config = from_mapping(settings, base=config)
-        prestart(self.config.nproc, self.config.start_method)  # the ranks' zygote imports torch while the model is built
+        prestart(self.config.nproc, self.config.start_method, self.config.accelerator)  # the ranks' zygote imports torch while the model is built
         self.hparams = dict(hparams or {})
         """Extra hyperparameters for the loggers (the CLI passes the recipe's options)."""
         self.optimizer_factory = optimizer or _default_optimizer

@@ -56,6 +56,13 @@ def _wait_long() -> None:
 pytestmark = pytest.mark.skipif(not zygote.available(), reason="forked workers need Linux")
 
 
+@pytest.fixture(autouse=True)
+def _zygote_running():
+    # A process's first launch of no more ranks than cores starts fresh interpreters (see
+    # test_the_first_launch_...); these tests are about the launches that fork from the zygote.
+    zygote.shared()
+
+
 def test_ranks_are_forks_of_one_zygote_that_later_launches_reuse_and_each_starts_as_a_fresh_interpreter(tmp_path, monkeypatch):
     monkeypatch.setenv("ZYGOTE_TEST_GONE", "set before the zygote started")
     first = launch(_who, nproc=2)
@@ -160,18 +167,84 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_trainer_for_several_processes_starts_the_zygote_while_the_model_is_built(monkeypatch):
+def test_a_trainer_for_more_processes_than_cores_starts_the_zygote_while_the_model_is_built(monkeypatch):
     from shardwise import Trainer
+    from shardwise.launcher import spawn
 
     monkeypatch.setattr(zygote, "_zygote", None)
-    Trainer(nproc=1)
-    assert zygote._zygote is None  # one process trains here: nothing to fork
-    Trainer(nproc=2, start_method="spawn")
-    assert zygote._zygote is None
+    monkeypatch.setattr(spawn, "_cores", lambda: 2)
     Trainer(nproc=2)
+    assert zygote._zygote is None  # a core each: a first launch starts fresh interpreters, nothing to start ahead
+    Trainer(nproc=3, start_method="spawn")
+    assert zygote._zygote is None
+    Trainer(nproc=3)
     started = zygote._zygote
     try:
         assert started is not None and started.process.poll() is None
     finally:
         if started is not None:
             started.close()
+
+
+def test_the_first_launch_of_a_core_each_is_fresh_interpreters_and_the_next_ones_fork(tmp_path):
+    import json
+    import subprocess
+
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import json, os, sys, shardwise\n"
+        "from shardwise.launcher import spawn, zygote\n"
+        "def parent():\n    return os.getppid()\n"
+        "cores = spawn._cores()\n"
+        "first = shardwise.launch(parent, nproc=min(2, cores))\n"
+        "second = shardwise.launch(parent, nproc=min(2, cores))\n"
+        "print(json.dumps({'me': os.getpid(), 'first': first, 'second': second, 'zygote': zygote.shared().process.pid}))\n"
+    )
+    crowded = tmp_path / "crowded.py"
+    crowded.write_text(
+        "import json, os, shardwise\n"
+        "from shardwise.launcher import spawn, zygote\n"
+        "def parent():\n    return os.getppid()\n"
+        "print(json.dumps({'first': shardwise.launch(parent, nproc=spawn._cores() + 1), 'zygote': zygote.shared().process.pid}))\n"
+    )
+    runs = {}
+    for name in ("twice", "crowded"):
+        done = subprocess.run([sys.executable, str(tmp_path / f"{name}.py")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs[name] = json.loads(done.stdout.splitlines()[-1])
+    twice = runs["twice"]
+    assert set(twice["first"]) == {twice["me"]}  # fresh interpreters, children of the launcher
+    assert set(twice["second"]) == {twice["zygote"]}
+    assert set(runs["crowded"]["first"]) == {runs["crowded"]["zygote"]}  # more ranks than cores: forked at once
+
+
+def test_ranks_on_cuda_start_as_fresh_interpreters(monkeypatch):
+    from shardwise.launcher import spawn
+
+    assert spawn._zygote("forkserver", "cpu", 2) is zygote.shared()
+    assert spawn._zygote("forkserver", "cuda", 2) is None
+    assert spawn._zygote("spawn", "cpu", 2) is None
+    monkeypatch.setattr(spawn, "_sees_cuda", lambda: True)
+    assert spawn._zygote("forkserver", "auto", 2) is None  # 'auto' runs on the GPU it sees
+
+
+def test_a_launcher_started_with_its_stdout_closed_still_gets_its_ranks_results(tmp_path):
+    import subprocess
+
+    script = tmp_path / "daemon.py"
+    script.write_text(
+        "import os, sys, shardwise\n"
+        "def f():\n"
+        "    print('to nowhere')\n"
+        "    return os.readlink('/proc/self/fd/1') if os.path.exists('/proc/self/fd/1') else None\n"
+        "sys.stderr.write(repr([shardwise.launch(f, nproc=2) for _ in range(2)]))  # fresh interpreters, then forks\n"
+    )
+    # a daemon's stdout: closed from the start (the number 1 is then reused by whatever the launcher
+    # opens next, closed on exec: no rank may write into it)
+    done = subprocess.run([sys.executable, str(script)], stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0, done.stderr
+    import ast
+
+    fresh, forked = ast.literal_eval(done.stderr.strip().splitlines()[-1])
+    assert len(fresh) == 2  # fresh interpreters: sys.stdout is None there, and the flush at exit skips it
+    assert forked == ["/dev/null", "/dev/null"]  # forks: the launcher's reused number 1 is not passed on
