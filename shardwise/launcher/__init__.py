@@ -23,7 +23,9 @@ Design notes: Processes
   pipes, so a large result cannot block a child on a pipe the parent is not reading. Each child
   gets `threads_per_proc` intra-op threads (cores / nproc by default).
 - **Zygote** (`launcher.zygote`, the default `start_method="forkserver"` on Linux, ranks on the
-  CPU; CUDA ranks start fresh until forking them is checked on a GPU): each child is
+  CPU; CUDA ranks start fresh until forking them is checked on a GPU; a process's first launch
+  with a core per rank starts fresh interpreters too, which import torch side by side and start
+  sooner than a zygote importing it alone; `spawn._zygote`): each child is
   a fork of one process per launcher that imported torch, `torch._dynamo` (which torch imports at
   the first optimizer) and the trainer once, and stays for the launcher's later launches. A fresh
   interpreter pays about 3 CPU-seconds for those imports per rank and launch. The zygote runs no

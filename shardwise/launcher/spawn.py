@@ -121,8 +121,9 @@ def launch(
     checks that every rank runs the same collective with the same shapes. ``start_method``:
     ``"forkserver"`` (the default; ``"fork"`` is the same) forks each rank from a process that
     imported torch once and stays for later launches (``shardwise.launcher.zygote``: about 3 s of
-    CPU less per rank; Linux, ranks on the CPU; elsewhere fresh interpreters); ``"spawn"`` starts
-    every rank as a fresh interpreter. Either way a rank shares no state with this process.
+    CPU less per rank; Linux, ranks on the CPU), except at this process's first launch when each
+    rank has a core of its own: fresh interpreters then import torch side by side, sooner; ``"spawn"``
+    starts every rank as a fresh interpreter. Either way a rank shares no state with this process.
 
     >>> def hello():
     ...     import torch.distributed as dist

@@ -3,9 +3,13 @@
 A fresh interpreter pays about 2 s of CPU to import torch, and another 1.2 s when it builds its
 first optimizer (torch imports its compiler stack, ``torch._dynamo``, on first use): about 3 s
 per rank on every launch before any training, whatever the machine. The launcher instead starts
-one zygote per launcher process, on its first launch, which imports torch, ``torch._dynamo``
-and shardwise's worker side and then waits; each rank is a fork of it, and a later launch in
-the same process (a notebook, a sweep, a test suite) forks the same zygote again.
+one zygote per launcher process, which imports torch, ``torch._dynamo`` and shardwise's worker side
+and then waits; each rank is a fork of it, and every later launch in the same process (a notebook,
+a sweep, a test suite) forks the same zygote again. When it starts: at the process's second launch,
+or at its first when the ranks outnumber the cores (``Trainer()`` and ``shardwise train`` start it
+then, while the model is built); a first launch with a core per rank starts fresh interpreters,
+which import torch side by side and so start sooner than ranks waiting for a zygote to import it
+alone (``shardwise.launcher.spawn._zygote``).
 
 Ranks on CPU only, for now: ranks that will run on CUDA start as fresh interpreters until forking
 them is checked on a GPU (the zygote touches no CUDA, which is what forkserver-style starts need).

@@ -68,8 +68,9 @@ class TrainerConfig:
     num_workers: int = 0
     """Data-loading worker processes per rank."""
     start_method: str = "forkserver"
-    """How local workers start: 'forkserver' (forks of a process that imported torch once; 'fork' is the
-    same) or 'spawn' (a fresh interpreter each). Either way the model and data reach them pickled."""
+    """How local workers start: 'forkserver' (forks of a process that imported torch once, from the
+    second launch in a process or with more ranks than cores; 'fork' is the same) or 'spawn' (a fresh
+    interpreter each, always). Either way the model and data reach them pickled."""
     timeout_s: float = 300.0
     """Seconds a collective waits for its peers before failing with the rank and operation named."""
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
