@@ -180,7 +180,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             settings[name] = value
     settings = _resolve_strategy_options(settings, strategy_flag_values(args))
     config = from_mapping(settings)  # validates before anything is built or started
-    prestart(config.nproc, config.start_method, config.accelerator)  # the ranks' zygote imports torch while the recipe is built
+    prestart(config.nproc, config.start_method, config.accelerator, even_one_off=True)  # the ranks' zygote imports torch while the recipe is built
     seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
     parts = recipe.parts(sections.get("recipe"))
     callbacks = []

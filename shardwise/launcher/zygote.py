@@ -6,8 +6,8 @@ per rank on every launch before any training, whatever the machine. The launcher
 one zygote per launcher process, which imports torch, ``torch._dynamo`` and shardwise's worker side
 and then waits; each rank is a fork of it, and every later launch in the same process (a notebook,
 a sweep, a test suite) forks the same zygote again. When it starts: at the process's second launch,
-or at its first when the ranks outnumber the cores (``Trainer()`` and ``shardwise train`` start it
-then, while the model is built); a first launch with a core per rank starts fresh interpreters,
+or at its first when the ranks outnumber the cores (``Trainer()`` starts it then, while the model
+is built), or ahead of any launch of ``shardwise train``, while its recipe loads; a first launch with a core per rank starts fresh interpreters,
 which import torch side by side and so start sooner than ranks waiting for a zygote to import it
 alone (``shardwise.launcher.spawn._zygote``).
 
@@ -35,6 +35,7 @@ environment had when the zygote started (``TORCH_CPP_LOG_LEVEL``, for one), exce
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
 import select
@@ -312,8 +313,9 @@ def _preload() -> str | None:
 
     if torch.cuda.is_initialized():
         return "CUDA was initialized while importing the worker's modules; a fork would inherit it"
-    if threading.active_count() > 1:
-        return f"threads were started while importing the worker's modules: {[t.name for t in threading.enumerate()]}"
+    threads = len(os.listdir("/proc/self/task"))  # native ones too (a BLAS pool), which threading does not list
+    if threads > 1:
+        return f"{threads - 1} thread(s) were started while importing the worker's modules; a fork would copy their locks, not them"
     return None
 
 
@@ -363,7 +365,12 @@ def _child(sock: socket.socket, wake: tuple[int, int], fds: list[int], request: 
                 signal.signal(sig, signal.SIG_IGN)
             else:
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        for target, fd in enumerate(fds):
+        # Out of the way first: a received descriptor may have a number 0-2 itself (a zygote started
+        # with one of them closed), which the dup2 of another would overwrite.
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        for target, fd in enumerate(high):
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])

@@ -248,3 +248,31 @@ def test_a_launcher_started_with_its_stdout_closed_still_gets_its_ranks_results(
     fresh, forked = ast.literal_eval(done.stderr.strip().splitlines()[-1])
     assert len(fresh) == 2  # fresh interpreters: sys.stdout is None there, and the flush at exit skips it
     assert forked == ["/dev/null", "/dev/null"]  # forks: the launcher's reused number 1 is not passed on
+
+
+def test_shardwise_train_starts_the_zygote_ahead_even_for_a_one_off_launch(monkeypatch):
+    from shardwise import cli
+    from shardwise.launcher import spawn
+
+    monkeypatch.setattr(zygote, "_zygote", None)
+    monkeypatch.setattr(spawn, "_cores", lambda: 2)
+    spawn.prestart(2, even_one_off=True)  # what shardwise train asks for
+    started = zygote._zygote
+    try:
+        assert started is not None and started.process.poll() is None
+    finally:
+        if started is not None:
+            started.close()
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def record(*args, **kwargs):
+        asked.append((args, kwargs))
+        raise Stop
+
+    monkeypatch.setattr(spawn, "prestart", record)
+    with pytest.raises(Stop):
+        cli.cmd_train(cli.train_parser().parse_args(["--recipe", "digits", "--nproc", "2"]))
+    assert asked == [((2, "forkserver", "auto"), {"even_one_off": True})]
