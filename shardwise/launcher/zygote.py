@@ -95,9 +95,6 @@ class Child:
         if self.poll() is None:  # reaped children are never signalled: their pid may be another process's now
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 

@@ -167,6 +167,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _assert_started_then_close() -> None:
+    """A zygote was started (and is running); it is ended here, the test's own."""
+    started = zygote._zygote
+    try:
+        assert started is not None and started.process.poll() is None
+    finally:
+        if started is not None:
+            started.close()
+
+
 def test_a_trainer_for_more_processes_than_cores_starts_the_zygote_while_the_model_is_built(monkeypatch):
     from shardwise import Trainer
     from shardwise.launcher import spawn
@@ -178,12 +188,7 @@ def test_a_trainer_for_more_processes_than_cores_starts_the_zygote_while_the_mod
     Trainer(nproc=3, start_method="spawn")
     assert zygote._zygote is None
     Trainer(nproc=3)
-    started = zygote._zygote
-    try:
-        assert started is not None and started.process.poll() is None
-    finally:
-        if started is not None:
-            started.close()
+    _assert_started_then_close()
 
 
 def test_the_first_launch_of_a_core_each_is_fresh_interpreters_and_the_next_ones_fork(tmp_path):
@@ -257,12 +262,7 @@ def test_shardwise_train_starts_the_zygote_ahead_even_for_a_one_off_launch(monke
     monkeypatch.setattr(zygote, "_zygote", None)
     monkeypatch.setattr(spawn, "_cores", lambda: 2)
     spawn.prestart(2, even_one_off=True)  # what shardwise train asks for
-    started = zygote._zygote
-    try:
-        assert started is not None and started.process.poll() is None
-    finally:
-        if started is not None:
-            started.close()
+    _assert_started_then_close()
     asked = []
 
     class Stop(Exception):
