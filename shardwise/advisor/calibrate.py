@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from shardwise.errors import ConfigError
 from shardwise.plan.cluster import PROFILES_DIR, profile_from_mapping
 
 ALPHA_FLOOR_S = 1e-6
@@ -236,9 +237,38 @@ def fit_profile(rows: list[dict[str, Any]], flops: dict[str, Any], overhead: flo
     return profile
 
 
-def cmd_calibrate(out: str | None) -> int:
-    """``shardwise plan --calibrate [--out FILE]``: measure, print the fits, write the profile."""
+def recalibrate(profile: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """``profile`` (a JSON mapping written by `calibrate`) with the strategy costs ``keys`` measured and
+    fitted again (`calibrate_framework`, against the profile's own links and compute) and the rest kept;
+    the calibration's record says which keys were refitted when."""
+    from shardwise.advisor.calibrate_framework import POINTS, calibrate_framework
+
+    unknown = [k for k in keys if k not in POINTS]
+    if unknown or not keys:
+        raise ConfigError(f"--calibrate --only takes strategy cost keys separated by ; (one of {', '.join(POINTS)}); got {';'.join(keys) or 'none'}")
+    if "framework" not in profile or "calibration" not in profile:
+        raise ConfigError("--calibrate --only measures some strategy costs again in a profile measured here; this one has none: run --calibrate alone first")
+    fits = calibrate_framework(profile_from_mapping(profile), keys)
+    out = json.loads(json.dumps(profile))
+    for k, f in fits.items():
+        out["framework"][k] = {n: f[n] for n in ("step_s", "per_unit_s", "per_param_s", "per_compute")}
+        out["calibration"].setdefault("framework", {})[k] = f
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out["calibration"].setdefault("refitted", []).append({"date": when, "keys": list(keys)})
+    profile_from_mapping(out)
+    return out
+
+
+def cmd_calibrate(out: str | None, only: list[str] | None = None) -> int:
+    """``shardwise plan --calibrate [--out FILE] [--only KEYS]``: measure, print the fits, write the profile
+    (with ``only``: measure those strategy costs again in the profile at ``out``, `recalibrate`)."""
     path = Path(out) if out else PROFILES_DIR / "cpu.json"
+    if only is not None:
+        if not path.is_file():
+            raise ConfigError(f"--calibrate --only updates an existing profile; {path} does not exist (give it with --out, or run --calibrate alone)")
+        path.write_text(json.dumps(recalibrate(json.loads(path.read_text()), only), indent=1))
+        print(f"wrote {path} ({', '.join(only)} measured again; the rest kept)")
+        return 0
     profile = calibrate()
     cal = profile["calibration"]
     print(f"{'collective':28s} {'alpha (s)':>11s} {'beta (s/B)':>11s} {'GB/s':>7s} {'med err':>8s} {'max err':>8s}")

@@ -13,7 +13,11 @@ times each (in rounds over all keys), with the `Trainer` on 2 processes as a use
 
     extra = measured step - (timed compute + alpha-beta collectives)   (`shardwise.plan.cost`)
 
-and a least-squares fit through each size's mean over the rounds gives ``Framework(step_s, per_unit_s, ...)``
+for the strategy's own work (local SGD's and DiLoCo's averaging round, every ``sync_every`` steps, is
+divided by `shardwise.plan.cost.framework_scale`, the share of it a step carries: the prediction multiplies
+by it again; their runs log whole rounds, `shardwise.advisor.validate.log_every_for`),
+
+and a least-squares fit through each size's median over the rounds gives ``Framework(step_s, per_unit_s, ...)``
 for the profile, with its largest residual: the third term is per parameter for the strategies whose
 own work goes over gradients and weights once a step, per second of compute for those whose work
 runs beside the compute (`scaling`). Fits are not clamped silently: a negative slope is reported
@@ -23,8 +27,11 @@ Each step time is the median of the run's logged intervals (`shardwise.advisor.v
 each run as long as ``--validate`` trains a candidate (`shardwise.advisor.validate.steps_for`: 30-200
 steps, about 2 s), so that both measure alike. A calibration step is a few milliseconds; on two cores
 one run still moves 10-50% between runs (the wake-up of a rank blocked in a collective is what varies,
-and the machine's speed drifts over minutes), hence the rounds, the mean over them (the faster of
-two, taken before, left the profile predicting its own points 1.1-1.6x too fast) and the third size.
+and the machine's speed drifts over minutes), hence the rounds, the median over them (the faster of
+two, taken before, left the profile predicting its own points 1.1-1.6x too fast; two independent
+calibrations of two rounds each, through their means, predicted digits' candidates 25-50% apart:
+recursive doubling 3.06 and 1.75 ms, fp16 3.36 and 4.87 ms) and the third size. Each round times the
+networks' own steps again (`time_step`), so that their error averages over the rounds as well.
 
 The calibration network is neither built-in recipe, so ``shardwise plan --validate`` on digits and
 charlm checks the resulting predictions on models the fit never saw.
@@ -47,8 +54,8 @@ WIDTH = 64
 FEATURES = 32
 CLASSES = 8
 GLOBAL_BATCH = 32
-REPEATS = 2
-"""Runs of each point, in rounds over all keys; a key's fit goes through each point's mean run."""
+REPEATS = 4
+"""Runs of each point, in rounds over all keys; a key's fit goes through each point's median run."""
 SAMPLES = 512
 WIDE = (256, 512)
 """The wide point's (width, global batch): 2 layers (a pipeline's 4 blocks, 4 micro-batches) with about
@@ -127,17 +134,21 @@ POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, ...]]] = {
 PIPELINE_DEPTH = 4
 
 
-def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int, steps: int, batch: int = GLOBAL_BATCH) -> float:
-    """Step seconds: the median logged interval of ``steps`` Trainer steps (`measured_step_s`: the first left out)."""
-    from shardwise.advisor.validate import timed_fit
+def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: int, predicted_s: float, period: int, batch: int = GLOBAL_BATCH) -> float:
+    """Step seconds: the median logged interval (`measured_step_s`: the first left out) of a run as long
+    as ``--validate`` trains a candidate predicted at ``predicted_s`` (`steps_for`), logged as it logs
+    one (`log_every_for`: whole rounds of local SGD and DiLoCo)."""
+    from shardwise.advisor.validate import log_every_for, steps_for, timed_fit
 
     data = _data(max(SAMPLES, 8 * batch))
-    return timed_fit(model, data, steps=steps, batch=batch, optimizer=_adam, loss_fn=_loss, strategy=strategy, options=options, nproc=world)
+    every = log_every_for(period)
+    steps = steps_for(predicted_s, None, every)
+    return timed_fit(model, data, steps=steps, batch=batch, optimizer=_adam, loss_fn=_loss, strategy=strategy, options=options, nproc=world, log_every=every)
 
 
 def _spec(depth: int, width: int, batch: int, specs: dict[tuple[int, int, int], Any]) -> Any:
     """The calibration network's spec at ``depth`` and ``width``, its step timed here at ``batch``, kept
-    in ``specs`` (one calibration's): every key at that point is set against the same timed compute."""
+    in ``specs`` (one calibration round's): every key at that point in the round is set against the same timed compute."""
     if (depth, width, batch) not in specs:
         torch.manual_seed(0)
         model = CalibrationNet(depth, width)
@@ -152,9 +163,8 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
     predicted without the strategy's own cost, measured, their difference, ``units`` (what
     `shardwise.plan.cost.framework_units` counts for this layout: parameter tensors, micro-batches, or
     FSDP's groups and tensor parallelism's split linears from the strategy's plan) and ``compute_s`` (the
-    rank's compute in the prediction). ``specs`` shares the timed networks between the points of one calibration."""
+    rank's compute in the prediction). ``specs`` shares the timed networks between the points of one calibration round."""
     from shardwise.advisor.candidates import Candidate, evaluate
-    from shardwise.advisor.validate import steps_for
     from shardwise.plan.cluster import Cluster
     from shardwise.plan.cost import Settings
 
@@ -174,7 +184,7 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
         raise RuntimeError(f"calibration point {key} at {size} {varies} does not plan: {record['reason']}")
     t = record["time_breakdown"]
     predicted = t["step_s"] - t["overhead_s"]
-    measured = _measure(strategy, opts, model, record["world_size"], steps_for(t["step_s"]), batch)
+    measured = _measure(strategy, opts, model, record["world_size"], t["step_s"], t["overhead_period"], batch)
     return {
         "key": key,
         "size": size,
@@ -185,7 +195,8 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
         "measured_s": measured,
         "predicted_without_s": predicted,
         "framework_s": t["overhead_s"],
-        "extra_s": measured - predicted,
+        "scale": t["overhead_scale"],
+        "extra_s": (measured - predicted) / t["overhead_scale"],  # unscaled, as the profile keeps it (`framework_scale`)
     }
 
 
@@ -256,24 +267,25 @@ def fit_framework(points: list[dict[str, Any]], third: str = "per_compute") -> d
     return {"per_compute": 0.0, "per_param_s": 0.0, **fit, "max_residual_s": residual, "points": points, "notes": notes}
 
 
-def point_means(runs: list[dict[str, Any]], sizes: list[int | str]) -> list[dict[str, Any]]:
-    """One point per size: its runs' mean measured step, prediction and extra (units and compute are
-    the same in every run of a size)."""
+def point_medians(runs: list[dict[str, Any]], sizes: list[int | str]) -> list[dict[str, Any]]:
+    """One point per size: its runs' median measured step, prediction, extra and compute, each taken
+    apart (each round times the network's step again; of two runs, the mean); units and parameters are
+    the same in every run of a size."""
     out = []
     for size in sizes:
         mine = [p for p in runs if p["size"] == size]
-        out.append({**mine[0], **{k: statistics.fmean(p[k] for p in mine) for k in ("measured_s", "predicted_without_s", "extra_s")}})
+        out.append({**mine[0], **{k: statistics.median(p[k] for p in mine) for k in ("measured_s", "predicted_without_s", "extra_s", "compute_s")}})
     return out
 
 
 def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: int = REPEATS) -> dict[str, dict[str, Any]]:
     """Every key of `POINTS` (or ``keys``): ``repeats`` rounds, each measuring every key at each of its
     sizes (a slow stretch of the machine lands on many keys once, not on one key's every run), then
-    each key's fit through the mean of each point's runs, printed."""
+    each key's fit through the median of each point's runs, printed."""
     keys = keys or list(POINTS)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
-    specs: dict[tuple[int, int, int], Any] = {}
     for r in range(repeats):
+        specs: dict[tuple[int, int, int], Any] = {}  # each round times the networks' steps again: their error averages too
         for key in keys:
             sizes: list[int | str] = [*POINTS[key][3], "wide"]
             runs[key] += [measure_point(key, size, profile, specs=specs) for size in sizes]
@@ -281,7 +293,7 @@ def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: in
     out = {}
     for key in keys:
         _, _, varies, values = POINTS[key]
-        means, per_size = point_means(runs[key], [*values, "wide"]), []
+        means, per_size = point_medians(runs[key], [*values, "wide"]), []
         for size in [*values, "wide"]:
             mine = [p for p in runs[key] if p["size"] == size]
             measured = ", ".join(f"{p['measured_s'] * 1e3:.2f}" for p in mine)

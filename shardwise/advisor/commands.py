@@ -52,7 +52,12 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=None, help="--validate: steps per candidate (default: 30, or more for a short step, about 2 s of training each)"
     )
     p.add_argument("--repeats", type=int, default=1, help="--validate: runs per candidate; its step time is their median (default 1)")
-    p.add_argument("--only", default=None, help="--validate: candidate labels or strategy names to run, separated by ;")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="--validate: candidate labels or strategy names to run, separated by ;  --calibrate: the strategy costs to "
+        "measure again (keys of the profile's framework, such as 'local-sgd;diloco'), the rest of the profile (--out) kept",
+    )
 
 
 def si(n: float, unit: str = "B") -> str:
@@ -175,7 +180,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         from shardwise.advisor.calibrate import cmd_calibrate
 
-        return cmd_calibrate(args.out)
+        return cmd_calibrate(args.out, args.only.split(";") if args.only else None)
     model, cluster, settings = _settings_and_cluster(args)
     if args.validate:
         from shardwise.advisor.validate import cmd_validate

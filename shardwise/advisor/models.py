@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +32,11 @@ TIMED_TARGET_S = 1.5
 """A run shorter than this is repeated with more steps (at most `TIMED_MAX_STEPS`): a millisecond
 step needs more than 7 intervals for their median to settle."""
 TIMED_MAX_STEPS = 200
+TIMED_RUNS = 3
+"""Timing runs of each size, taken in turns (lo, hi, lo, hi, ...); each size's time is their median.
+Every prediction on a profile measured here starts from this timing, so one run taken in a slow
+stretch of the machine would move all of them alike (the calibration network's one-layer step timed
+0.89 ms in one calibration and 1.23 ms in the next)."""
 
 
 def time_step(
@@ -45,8 +51,9 @@ def time_step(
     The Trainer's step, not a bare forward-backward-step loop: its loader, precision context, loss
     and optimizer call are part of what every strategy's step costs on each rank, and a strategy's
     own cost (`shardwise.plan.cluster.Framework`) is what it adds on top. Each size trains
-    `TIMED_STEPS` steps (more for a short step); its time is the median logged interval after the first
-    (`shardwise.advisor.validate.measured_step_s`). ``model`` is not changed.
+    `TIMED_STEPS` steps (more for a short step); a run's time is the median logged interval after the first
+    (`shardwise.advisor.validate.measured_step_s`), a size's the median of its `TIMED_RUNS` runs, taken in
+    turns with the other size's. ``model`` is not changed.
     """
     from shardwise.advisor.validate import timed_fit
 
@@ -55,17 +62,21 @@ def time_step(
     def timed(size: int, steps: int) -> float:
         return timed_fit(copy.deepcopy(model), data, steps=steps, batch=size, optimizer=make_optimizer, loss_fn=loss_fn, quiet=True)
 
-    seconds = []
+    runs: dict[int, list[float]] = {lo: [], hi: []}
+    steps = dict.fromkeys((lo, hi), TIMED_STEPS)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for size in (lo, hi):
-            step = timed(size, TIMED_STEPS)
-            if step * TIMED_STEPS < TIMED_TARGET_S:
-                step = timed(size, min(TIMED_MAX_STEPS, 5 * math.ceil(TIMED_TARGET_S / step / 5)))
-            seconds.append(step)
+        for _ in range(TIMED_RUNS):
+            for size in (lo, hi):
+                step = timed(size, steps[size])
+                if steps[size] == TIMED_STEPS and step * TIMED_STEPS < TIMED_TARGET_S:
+                    steps[size] = min(TIMED_MAX_STEPS, 5 * math.ceil(TIMED_TARGET_S / step / 5))
+                    step = timed(size, steps[size])
+                runs[size].append(step)
     finally:
         torch.set_num_threads(threads)
+    seconds = [statistics.median(runs[lo]), statistics.median(runs[hi])]
     per_sample = max(0.0, (seconds[1] - seconds[0]) / (hi - lo)) if hi > lo else 0.0
     return StepFit(fixed_s=max(0.0, seconds[0] - per_sample * lo), per_sample_s=per_sample, sizes=(lo, hi))
 

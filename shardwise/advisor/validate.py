@@ -4,11 +4,11 @@ Each candidate that fits on this machine is trained for ``--steps`` steps by the
 recipe's own model, data and optimizer (a ``module:factory``'s model on its example input, with the
 loss and optimizer its step was timed with), with the planner's global batch and precision.
 
-- **Step time, measured**: the median of the logged intervals (every 5 steps, the first
-  interval left out as warm-up) of ``global_batch / samples_per_s`` from ``metrics.jsonl``
-  (see `measured_step_s`). Each candidate trains ``--steps`` steps; by default at least
-  `MIN_STEPS`, and more when its predicted step is short, so that it runs about `TARGET_S`
-  seconds (`steps_for`).
+- **Step time, measured**: the median of the logged intervals (every 5 steps, or every whole
+  number of local SGD's and DiLoCo's rounds, `log_every_for`; the first interval left out as
+  warm-up) of ``global_batch / samples_per_s`` from ``metrics.jsonl`` (see `measured_step_s`).
+  Each candidate trains ``--steps`` steps; by default at least `MIN_STEPS`, and more when its
+  predicted step is short, so that it runs about `TARGET_S` seconds (`steps_for`).
 - **Memory, measured** on every rank's tensors (`MemoryProbe`), the largest rank reported:
   the model state (parameters, gradients and optimizer state this rank holds, summed right after
   the first optimizer step, shards counted as shards) and the activations (the peak of what
@@ -124,9 +124,10 @@ def timed_fit(
     options: dict[str, Any] | None = None,
     nproc: int = 1,
     quiet: bool = False,
+    log_every: int = LOG_EVERY,
 ) -> float:
     """Train ``model`` ``steps`` steps with the `Trainer` on CPU in a scratch directory, logged every
-    `LOG_EVERY`; returns `measured_step_s` of its metrics (``quiet``: the Trainer's printing discarded).
+    ``log_every`` steps; returns `measured_step_s` of its metrics (``quiet``: the Trainer's printing discarded).
     The model's own timed step (`shardwise.advisor.models.time_step`) and the calibration points run through it."""
     import contextlib
     import io
@@ -139,7 +140,7 @@ def timed_fit(
             strategy_options=options or {},
             nproc=nproc,
             max_steps=steps,
-            log_every=LOG_EVERY,
+            log_every=log_every,
             global_batch_size=batch,
             accelerator="cpu",
             out=out,
@@ -158,32 +159,54 @@ TARGET_S = 2.0
 """Seconds of training each validated candidate aims for when ``--steps`` is not given (`steps_for`)."""
 MIN_STEPS = 30
 MAX_STEPS = 200
+MIN_INTERVALS = 3
+"""Logged intervals a run needs, after the first, for `log_every_for` to log whole rounds."""
 
 
-def steps_for(predicted_step_s: float, steps: int | None = None) -> int:
-    """``steps`` when given; else `MIN_STEPS`, or more (a multiple of `LOG_EVERY`, at most
-    `MAX_STEPS`) so that a candidate whose predicted step is short still trains about
-    `TARGET_S` seconds: enough logged intervals for their median to settle."""
+def log_every_for(period: int, steps: int | None = None) -> int:
+    """The steps between logged intervals: `LOG_EVERY`, or, for a strategy whose own work runs once a
+    round of ``period`` steps (local SGD's and DiLoCo's ``sync_every``, `shardwise.plan.cost.framework_period`),
+    the fewest whole rounds that make at least `LOG_EVERY` steps, so that every interval holds as many
+    rounds as the next. With 5-step intervals the median interval misjudges the round: at H = 32, 27
+    intervals in 32 hold none and the median leaves it out; at H = 8, five in eight hold one and the
+    median counts a whole round every 5 steps (8/5 of its share). Given ``steps`` too short for
+    `MIN_INTERVALS` such intervals after the first, `LOG_EVERY`."""
+    every = max(1, period) * math.ceil(LOG_EVERY / max(1, period))
+    if steps is not None and steps < (MIN_INTERVALS + 1) * every:
+        return LOG_EVERY
+    return every
+
+
+def steps_for(predicted_step_s: float, steps: int | None = None, every: int = LOG_EVERY) -> int:
+    """``steps`` when given; else `MIN_STEPS`, or more (a multiple of ``every``, the logging interval,
+    at most `MAX_STEPS`) so that a candidate whose predicted step is short still trains about
+    `TARGET_S` seconds: enough logged intervals for their median to settle. A long interval
+    (`log_every_for`) gets at least ``MIN_INTERVALS + 1`` intervals and may run up to 10."""
     if steps is not None:
         return steps
-    want = math.ceil(TARGET_S / max(predicted_step_s, 1e-6) / LOG_EVERY) * LOG_EVERY
-    return max(MIN_STEPS, min(MAX_STEPS, want))
+    lo = max(math.ceil(MIN_STEPS / every), MIN_INTERVALS + 1) * every
+    hi = max(MAX_STEPS // every, 10) * every
+    want = math.ceil(TARGET_S / max(predicted_step_s, 1e-6) / every) * every
+    return max(lo, min(hi, want))
 
 
-def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Settings, steps: int, out: Path) -> dict[str, Any]:
-    """Train ``record``'s strategy on ``model`` (`PlannedModel.training`) for ``steps`` steps; returns
-    the measured step time, model state and activations."""
+def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Settings, steps: int | None, out: Path) -> dict[str, Any]:
+    """Train ``record``'s strategy on ``model`` (`PlannedModel.training`) for ``steps`` steps (None:
+    `steps_for` its predicted step), logged every `log_every_for` its rounds; returns the measured step
+    time, model state and activations."""
     from shardwise.trainer import Trainer
 
     training = model.training()
     assert training is not None  # validate() refused the model otherwise
     module, data, loss_fn, optimizer = training
+    every = log_every_for(record["time_breakdown"]["overhead_period"], steps)
+    steps = steps_for(record["step_time_s"], steps, every)
     trainer = Trainer(
         strategy=record["strategy"],
         strategy_options=dict(record["options"]),
         nproc=record["world_size"],
         max_steps=steps,
-        log_every=LOG_EVERY,
+        log_every=every,
         global_batch_size=settings.global_batch,
         accumulate=settings.accumulate,
         precision=settings.precision,
@@ -250,7 +273,7 @@ def validate(
             )
         for rec, mine in zip(records, runs, strict=True):
             with tempfile.TemporaryDirectory() as tmp:
-                mine.append(run_candidate(rec, model, settings, steps_for(rec["step_time_s"], steps), Path(tmp)))
+                mine.append(run_candidate(rec, model, settings, steps, Path(tmp)))
             if r < rounds - 1:
                 print(f"{rec['label'][:44]:44s} run {r + 1}: {mine[-1]['step_s'] * 1e3:.2f} ms", flush=True)
             else:
@@ -306,7 +329,7 @@ def cmd_validate(args: argparse.Namespace, model: PlannedModel, cluster: Cluster
         raise ConfigError(
             f"--validate needs --repeats of at least 1 and --steps of at least {2 * LOG_EVERY}; got --repeats {args.repeats}, --steps {args.steps}"
         )
-    length = f"{args.steps} steps" if args.steps else f"{MIN_STEPS}-{MAX_STEPS} steps (about {TARGET_S:g} s)"
+    length = f"{args.steps} steps" if args.steps else f"{MIN_STEPS}-{MAX_STEPS} steps (about {TARGET_S:g} s; up to 10 whole rounds of local SGD and DiLoCo)"
     runs = f", the median of {args.repeats} runs" if args.repeats > 1 else ""
     print(f"validate {model.spec.name} on {cluster.nproc} processes, {cluster.device.name} profile, {length} each{runs}")
     print(HEADER)

@@ -36,7 +36,8 @@ algorithms count exactly `shardwise.comm.traffic.allreduce_traffic`. Per family:
   backward per micro-batch per stage boundary (``v`` times with ``v`` chunks per rank).
 - ps: each worker pushes its gradients and pulls the parameters; each of ``k`` servers sends
   ``W Psi / k`` parameters back to the ``W`` workers.
-- local SGD and DiLoCo: one allreduce of the parameters every ``H`` steps, ``1/H`` per step.
+- local SGD and DiLoCo: one allreduce of the parameters every ``H`` steps, ``1/H`` per step; their
+  own per-round work (the calibrated framework cost) is spread over the ``H`` steps as ``1 / sqrt(H)`` (`framework_scale`).
 
 **Time** (Hockney 1994; Thakur et al. 2005): a collective of ``r`` rounds sending ``N`` bytes
 from one rank takes ``r alpha + N beta`` on the link its group spans (the inter-node link as
@@ -254,6 +255,25 @@ def framework_units(shape: Shape, spec: ModelSpec) -> float:
     return float(spec.parameter_tensors())
 
 
+def framework_period(shape: Shape) -> int:
+    """Steps between the rounds of a strategy's own work: ``sync_every`` for local SGD and DiLoCo (their
+    averaging round), 1 (every step) otherwise."""
+    return shape.sync_every if shape.family in ("local-sgd", "diloco") else 1
+
+
+def framework_scale(shape: Shape) -> float:
+    """The share of a strategy's calibrated round cost each step carries: 1, or ``1 / sqrt(H)`` for a
+    round every ``H`` steps (`framework_period`). Between rounds a replica trains alone, as ``single``
+    does; the round's own cost here is mostly the wait for the slower replica, and that wait grows as
+    the square root of the steps since the last round (each replica's time is a sum of ``H`` noisy
+    steps: the expected larger of two such sums is ``sigma sqrt(H / pi)`` above their mean), so that
+    spread over the ``H`` steps it falls as ``1 / sqrt(H)``. On digits (2 processes) the measured extra
+    over the single step was 0.6 ms a step at H = 8, 0.3 at H = 32 and 0.07 at H = 1000 (``1 / H`` would
+    give 0.15 and 0.005). The round's allreduce is costed apart (alpha-beta, ``1 / H`` a step). The
+    calibration divides its measured extra by this (`shardwise.advisor.calibrate_framework.measure_point`)."""
+    return framework_period(shape) ** -0.5
+
+
 def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape) -> Estimate:
     """Memory, collectives and time of ``shape`` for ``spec`` on ``cluster`` (see the module docstring)."""
     dev = cluster.device
@@ -400,7 +420,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     total_comm = sum(c.seconds for c in colls)
     framework = next((dev.framework[k] for k in framework_keys(shape) if k in dev.framework), None)
     units = framework_units(shape, spec)
-    overhead = framework.seconds(units, compute, psi) if framework is not None else dev.step_overhead_s
+    scale = framework_scale(shape)
+    overhead = framework.seconds(units, compute, psi) * scale if framework is not None else dev.step_overhead_s
     if fam == "pipeline" and tp > 1 and "tp" in dev.framework:
         # each stage repeats tensor parallelism's per-linear work (`framework_units` of tp) per micro-batch
         linears = shape.units if shape.units is not None else (4 if spec.transformer else 2) * spec.layers
@@ -423,6 +444,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         "overhead_units": units,
         "overhead_compute_s": compute,
         "overhead_params": psi,
+        "overhead_scale": scale,
+        "overhead_period": framework_period(shape),
         "step_s": step,
     }
     fits = memory["total"] <= dev.memory_bytes

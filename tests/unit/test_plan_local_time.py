@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.advisor.calibrate_framework import CalibrationNet, fit_framework, point_means
+from shardwise.advisor.calibrate_framework import CalibrationNet, fit_framework, point_medians
 from shardwise.advisor.models import time_step
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import A100_40GB, Cluster, Framework, Link, profile_from_mapping
@@ -247,17 +247,21 @@ def test_every_candidate_the_planner_lists_has_a_calibration_point_of_its_own() 
     assert keys - set(POINTS) == set()
 
 
-def test_each_calibration_point_is_the_mean_of_its_rounds() -> None:
-    # the faster of two rounds, taken before, left the profile predicting its own points 1.1-1.6x fast
+def test_each_calibration_point_is_the_median_of_its_rounds() -> None:
+    # the faster of two rounds, taken before, left the profile predicting its own points 1.1-1.6x fast; of two, the mean
     runs = [
         {"size": s, "units": u, "compute_s": 1e-3, "measured_s": m, "predicted_without_s": 1e-3, "extra_s": m - 1e-3}
         for s, u, m in ((1, 8, 3e-3), (4, 20, 6e-3), (1, 8, 5e-3), (4, 20, 8e-3))
     ]
-    points = point_means(runs, [1, 4])
+    points = point_medians(runs, [1, 4])
     assert [p["measured_s"] for p in points] == pytest.approx([4e-3, 7e-3])
     assert [p["extra_s"] for p in points] == pytest.approx([3e-3, 6e-3]) and [p["units"] for p in points] == [8, 20]
     fit = fit_framework(points)
     assert fit["per_unit_s"] == pytest.approx(3e-3 / 12) and fit["max_residual_s"] == pytest.approx(0.0, abs=1e-15)
+    # of three, one slow round (the machine's slow stretch) moves nothing; each round's own timed compute counts too
+    slow = {"size": 1, "units": 8, "compute_s": 2e-3, "measured_s": 30e-3, "predicted_without_s": 2e-3, "extra_s": 28e-3}
+    point = point_medians([*runs, slow], [1])[0]
+    assert (point["measured_s"], point["extra_s"], point["compute_s"]) == pytest.approx((5e-3, 4e-3, 1e-3))
 
 
 def test_a_pipeline_with_tp_pays_tp_s_per_linear_cost_per_micro_batch_on_each_stage() -> None:
@@ -278,3 +282,98 @@ def test_a_pipeline_with_tp_pays_tp_s_per_linear_cost_per_micro_batch_on_each_st
     assert rec["time_breakdown"]["overhead_s"] == pytest.approx(5e-4 + 3e-4 * 4 + 1e-3 * 8 / 2 * 4)
     (tp_ar,) = [c for c in rec["comm_breakdown"] if c["group"] == "tp"]
     assert tp_ar["count"] == 8 / 2 * 4
+
+
+def test_local_sgd_and_diloco_spread_their_round_cost_over_the_round_as_one_over_sqrt_h() -> None:
+    rounds = replace(PROFILE, framework={**PROFILE.framework, "local-sgd": Framework(4e-3), "diloco": Framework(6e-3)})
+    for family, cost in (("local-sgd", 4e-3), ("diloco", 6e-3)):
+        for h in (1, 4, 16):
+            t = estimate(SPEC, Cluster(rounds, 2), Settings(32), Shape(family, dp=2, sync_every=h)).time
+            assert t["overhead_period"] == h and t["overhead_scale"] == pytest.approx(h**-0.5)
+            assert t["overhead_s"] == pytest.approx(cost / h**0.5)
+    t = estimate(SPEC, Cluster(rounds, 2), Settings(32), Shape("ddp", dp=2)).time  # every step: whole
+    assert t["overhead_period"] == 1 and t["overhead_s"] == pytest.approx(1e-3 + 2e-4 * 12)
+
+
+def test_a_round_s_measured_extra_is_kept_unscaled_and_its_run_logs_whole_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardwise.advisor.calibrate_framework as cf
+
+    seen = {}
+
+    def measure(strategy: str, options: dict, model: nn.Module, world: int, predicted_s: float, period: int, batch: int = 32) -> float:
+        seen.update(strategy=strategy, period=period)
+        return 5e-3
+
+    monkeypatch.setattr(cf, "_measure", measure)
+    monkeypatch.setattr(cf, "_spec", lambda depth, width, batch, specs: replace(SPEC, layers=depth))
+    rounds = replace(PROFILE, framework={"local-sgd": Framework(4e-3)})
+    point = cf.measure_point("local-sgd", 1, rounds)  # the calibration's local SGD averages every 8 steps
+    assert seen == {"strategy": "local-sgd", "period": 8} and point["scale"] == pytest.approx(8**-0.5)
+    assert point["framework_s"] == pytest.approx(4e-3 / 8**0.5)
+    assert point["extra_s"] == pytest.approx((5e-3 - point["predicted_without_s"]) * 8**0.5)
+    assert cf.measure_point("ddp", 1, rounds)["extra_s"] == pytest.approx(5e-3 - cf.measure_point("ddp", 1, rounds)["predicted_without_s"])
+    assert seen["period"] == 1
+
+
+def test_each_calibration_round_times_the_networks_again_and_shares_them_within_the_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardwise.advisor.calibrate_framework as cf
+
+    calls: list[tuple[str, int | str, int]] = []
+
+    def point(key: str, size: int | str, profile: object, world: int = 2, specs: dict | None = None) -> dict:
+        assert specs is not None
+        calls.append((key, size, id(specs)))
+        specs.setdefault("timed", True)  # a round's dict outlives its points
+        units = 8.0 if size == "wide" else 4.0 * int(size) + 4
+        timings = {"compute_s": 1e-3, "measured_s": 3e-3, "predicted_without_s": 1e-3, "extra_s": 2e-3}
+        return {"key": key, "size": size, "varies": "layers", "units": units, "params": 1e4, **timings}
+
+    monkeypatch.setattr(cf, "measure_point", point)
+    cf.calibrate_framework(PROFILE, ["ddp", "zero1"], repeats=2)
+    first, second = {c[2] for c in calls[: len(calls) // 2]}, {c[2] for c in calls[len(calls) // 2 :]}
+    assert len(calls) == 2 * 2 * 4 and len(first) == 1 and len(second) == 1 and first != second
+
+
+def test_time_step_takes_each_size_s_median_of_runs_taken_in_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardwise.advisor.validate as validate
+    from shardwise.advisor.models import TIMED_RUNS
+
+    # one slow run of each size (a slow stretch of the machine) moves neither size's time
+    script = {2: [0.10, 0.50, 0.12], 16: [0.20, 0.22, 0.90]}
+    order: list[int] = []
+
+    def timed_fit(model: nn.Module, data: object, *, steps: int, batch: int, **kwargs: object) -> float:
+        order.append(batch)
+        return script[batch][sum(1 for b in order if b == batch) - 1]
+
+    monkeypatch.setattr(validate, "timed_fit", timed_fit)
+    fit = time_step(CalibrationNet(1), None, None, None, (16, 2))  # type: ignore[arg-type]
+    assert TIMED_RUNS == 3 and order == [2, 16] * 3
+    assert fit.per_sample_s == pytest.approx((0.22 - 0.12) / 14) and fit.fixed_s == pytest.approx(0.12 - 2 * (0.10 / 14))
+
+
+def test_calibrate_only_measures_the_named_costs_again_and_keeps_the_rest(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    import shardwise.advisor.calibrate_framework as cf
+    from shardwise.advisor.calibrate import cmd_calibrate, recalibrate
+
+    raw = PROFILE.to_json()
+    raw["intra"] = raw["inter"] = {"alpha": 1e-4, "beta": 1e-9}
+    raw["calibration"] = {"date": "then", "framework": {"ddp": {"kept": True}}}
+    new = {"step_s": 9e-3, "per_unit_s": 1e-4, "per_param_s": 0.0, "per_compute": 0.0, "points": [], "notes": []}
+    asked: list[list[str]] = []
+    monkeypatch.setattr(cf, "calibrate_framework", lambda profile, keys: asked.append(keys) or dict.fromkeys(keys, new))
+    out = recalibrate(raw, ["local-sgd", "diloco"])
+    assert asked == [["local-sgd", "diloco"]] and out["framework"]["diloco"]["step_s"] == 9e-3
+    assert out["framework"]["ddp"] == raw["framework"]["ddp"] and out["calibration"]["framework"]["ddp"] == {"kept": True}
+    assert out["calibration"]["refitted"][0]["keys"] == ["local-sgd", "diloco"] and "diloco" not in raw["framework"]  # the input is not changed
+    with pytest.raises(ConfigError, match=r"strategy cost keys.*got local_sgd"):
+        recalibrate(raw, ["local_sgd"])
+    with pytest.raises(ConfigError, match="run --calibrate alone first"):
+        recalibrate({k: v for k, v in raw.items() if k != "calibration"}, ["ddp"])
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        cmd_calibrate(str(tmp_path / "none.json"), ["ddp"])
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(raw))
+    assert cmd_calibrate(str(path), ["ddp"]) == 0 and json.loads(path.read_text())["framework"]["ddp"]["step_s"] == 9e-3

@@ -102,3 +102,24 @@ def test_validate_trains_a_factory_s_llama_under_tp_and_its_activations_are_the_
     spec = factory_model(model).spec
     all_split = (spec.layers * spec.act_bytes_per_layer_sample / 2 + spec.act_bytes_other_sample) * 8
     assert row["measured_activation_bytes"] > 1.1 * all_split
+
+
+def test_a_round_every_h_steps_is_measured_over_whole_rounds_not_5_step_intervals() -> None:
+    from shardwise.advisor.validate import LOG_EVERY, log_every_for, measured_step_s, steps_for
+
+    assert [log_every_for(p) for p in (1, 2, 3, 5, 8, 32)] == [5, 6, 6, 5, 8, 32]
+    assert log_every_for(32, steps=100) == LOG_EVERY and log_every_for(32, steps=128) == 32  # too short for 3 whole intervals
+    assert steps_for(1e-3) == 200 and steps_for(1e-3, None, 32) == 320 and steps_for(0.5, None, 8) == 32 and steps_for(1e-3, 50, 32) == 50
+
+    # a 1 ms step with a 10 ms round every 32 steps: 5-step intervals' median leaves the round out
+    def logged(every: int, steps: int = 320, batch: int = 64) -> list[dict[str, float]]:
+        rows, clock, last = [], 0.0, 0
+        for step in range(1, steps + 1):
+            clock += 1e-3 + (10e-3 if step % 32 == 0 else 0.0)
+            if step % every == 0:
+                rows.append({"samples_per_s": every * batch / (clock - last)})
+                last = clock
+        return rows
+
+    assert measured_step_s(logged(5), 64) == pytest.approx(1e-3)
+    assert measured_step_s(logged(32), 64) == pytest.approx(1e-3 + 10e-3 / 32)
