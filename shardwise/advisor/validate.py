@@ -34,7 +34,7 @@ from typing import Any
 
 from shardwise.advisor.candidates import plan_all
 from shardwise.advisor.models import PlannedModel
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, LaunchError
 from shardwise.plan.cluster import Cluster
 from shardwise.plan.cost import Settings
 from shardwise.trainer.callbacks import Callback
@@ -244,7 +244,9 @@ def validate(
 ) -> list[dict[str, Any]]:
     """Rows of predicted against measured for every candidate that fits here (or the ``only`` ones);
     with ``repeats``, each candidate's step time is the median of that many runs, taken in rounds over
-    the candidates (memory is exact: the first run's). Given a ``checks`` list and a profile with
+    the candidates (memory is exact: the first run's). A run that fails to launch or whose rank dies
+    (`LaunchError`) is left out and said so; a candidate none of whose runs finished gets a row with
+    its ``error`` and no measurement, and the others still run. Given a ``checks`` list and a profile with
     framework costs (one measured here), each round first runs `machine_check` into it: how far the
     machine's speed has moved since the profile was calibrated."""
     from shardwise.advisor.calibrate_framework import machine_check
@@ -260,6 +262,7 @@ def validate(
     if not records:
         raise ConfigError(f"no candidate to validate among {only}; run `shardwise plan` with the same flags to see the candidates' labels")
     runs: list[list[dict[str, Any]]] = [[] for _ in records]
+    failed: dict[str, list[str]] = {}
     rows = []
     rounds = max(1, repeats)
     for r in range(rounds):  # in rounds over the candidates: a slow stretch of the machine lands on many once
@@ -273,16 +276,25 @@ def validate(
             )
         for rec, mine in zip(records, runs, strict=True):
             with tempfile.TemporaryDirectory() as tmp:
-                mine.append(run_candidate(rec, model, settings, steps, Path(tmp)))
+                try:
+                    mine.append(run_candidate(rec, model, settings, steps, Path(tmp)))
+                except LaunchError as exc:  # a rank crashed or hung: the other candidates still run
+                    failed.setdefault(rec["label"], []).append(str(exc).splitlines()[0])
+                    print(f"{rec['label'][:44]:44s} run {r + 1}: failed: {failed[rec['label']][-1]}", flush=True)
+                    if r < rounds - 1:
+                        continue
             if r < rounds - 1:
                 print(f"{rec['label'][:44]:44s} run {r + 1}: {mine[-1]['step_s'] * 1e3:.2f} ms", flush=True)
-            else:
+            elif mine:
                 rows.append(_row(rec, dict(mine[0], step_s=statistics.median(x["step_s"] for x in mine))))
+                print(format_row(rows[-1]), flush=True)
+            else:
+                rows.append({**_row(rec, dict.fromkeys(("step_s", "model_state_bytes", "activation_bytes", "memory_bytes"))), "error": failed[rec["label"]][0]})
                 print(format_row(rows[-1]), flush=True)
     return rows
 
 
-def _row(rec: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+def _row(rec: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:  # got's values may be None (a failed candidate)
     """One candidate's row: its plan record's predictions against ``got`` (`run_candidate`'s measurements)."""
     breakdown = rec["memory_breakdown"]
     pred_state = breakdown["model_state"]
@@ -290,7 +302,7 @@ def _row(rec: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
     return {
         "label": rec["label"],
         "predicted_step_s": rec["step_time_s"],
-        "measured_step_s": got["step_s"],
+        "measured_step_s": got["step_s"],  # None: every run failed
         "step_rel_error": _rel(rec["step_time_s"], got["step_s"]),
         "predicted_model_state_bytes": pred_state,
         "measured_model_state_bytes": got["model_state_bytes"],
@@ -316,8 +328,9 @@ def format_row(r: dict[str, Any]) -> str:
     def kb(x: float | None) -> str:
         return "-" if x is None else f"{x / 1e3:.1f} kB"
 
+    measured = "failed" if r["measured_step_s"] is None else f"{r['measured_step_s'] * 1e3:8.2f}ms"
     return (
-        f"{r['label'][:44]:44s} {r['predicted_step_s'] * 1e3:8.2f}ms {r['measured_step_s'] * 1e3:8.2f}ms {pct(r['step_rel_error']):>5s} "
+        f"{r['label'][:44]:44s} {r['predicted_step_s'] * 1e3:8.2f}ms {measured:>10s} {pct(r['step_rel_error']):>5s} "
         f"{kb(r['predicted_model_state_bytes']):>10s} {kb(r['measured_model_state_bytes']):>10s} {pct(r['state_rel_error']):>5s} "
         f"{kb(r['predicted_memory_bytes']):>10s} {kb(r['measured_memory_bytes']):>10s} {pct(r['memory_rel_error']):>5s}"
     )
@@ -338,6 +351,9 @@ def cmd_validate(args: argparse.Namespace, model: PlannedModel, cluster: Cluster
     steps = [r["step_rel_error"] for r in rows if r["step_rel_error"] is not None]
     states = [r["state_rel_error"] for r in rows if r["state_rel_error"] is not None]
     mems = [r["memory_rel_error"] for r in rows if r["memory_rel_error"] is not None]
+    if not steps:
+        print("no candidate finished a run: nothing to set the predictions against")
+        return 1
     print(f"median relative error: step time {statistics.median(steps):.1%} over {len(steps)} candidates", end="")
     print(f", model state {statistics.median(states):.1%} (max {max(states):.1%})" if states else "", end="")
     print(f", peak tensor memory per rank {statistics.median(mems):.1%} (max {max(mems):.1%}) over {len(mems)}" if mems else "")
@@ -349,4 +365,7 @@ def cmd_validate(args: argparse.Namespace, model: PlannedModel, cluster: Cluster
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    failed = [r for r in rows if r.get("error")]
+    for r in failed:
+        print(f"{r['label']} failed in every run: {r['error']}")
+    return 1 if failed else 0

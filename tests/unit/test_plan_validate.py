@@ -123,3 +123,32 @@ def test_a_round_every_h_steps_is_measured_over_whole_rounds_not_5_step_interval
 
     assert measured_step_s(logged(5), 64) == pytest.approx(1e-3)
     assert measured_step_s(logged(32), 64) == pytest.approx(1e-3 + 10e-3 / 32)
+
+
+def test_a_candidate_whose_rank_dies_is_reported_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shardwise.advisor.calibrate_framework as cf
+    import shardwise.advisor.validate as validate
+    from shardwise.errors import LaunchError
+
+    calls: list[str] = []
+
+    def run_candidate(record: dict, model: object, settings: object, steps: object, out: Path) -> dict:
+        calls.append(record["label"])
+        if record["label"] == "zero2" or (record["label"] == "zero1" and calls.count("zero1") == 2):
+            raise LaunchError("rank 1 died with exit code -11 before reporting a result (killed, out of memory, or a crash in native code)")
+        return {"step_s": 4e-3, "model_state_bytes": 1.0, "activation_bytes": 1.0, "memory_bytes": 2.0}
+
+    monkeypatch.setattr(validate, "run_candidate", run_candidate)
+    monkeypatch.setattr(cf, "machine_check", lambda profile: {"predicted_s": 1e-3, "measured_s": 1e-3, "ratio": 1.0})
+    out = tmp_path / "validate.json"
+    flags = ["plan", "--validate", "--model", "digits", "--nproc", "2", "--repeats", "2", "--only", "zero1;zero2;ddp(allreduce=tree)"]
+    assert main([*flags, "--json", str(out)]) == 1  # the table, then a failure exit
+    rows = {r["label"]: r for r in json.loads(out.read_text())}
+    assert calls == ["ddp(allreduce=tree)", "zero1", "zero2"] * 2  # every candidate in every round, after a failure too
+    assert rows["zero2"]["measured_step_s"] is None and rows["zero2"]["step_rel_error"] is None and "exit code -11" in rows["zero2"]["error"]
+    assert rows["zero1"]["measured_step_s"] == 4e-3 and "error" not in rows["zero1"]  # its other run counts
+    printed = capsys.readouterr().out
+    assert "zero1                                        run 2: failed: rank 1 died" in printed
+    assert "over 2 candidates" in printed and "zero2 failed in every run: rank 1 died with exit code -11" in printed
