@@ -29,6 +29,7 @@ import json
 import math
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from shardwise.advisor.models import PlannedModel
 from shardwise.errors import ConfigError, LaunchError
 from shardwise.plan.cluster import Cluster
 from shardwise.plan.cost import Settings
+from shardwise.plan.model_spec import StepFit
 from shardwise.trainer.callbacks import Callback
 
 LOG_EVERY = 5
@@ -244,7 +246,8 @@ def validate(
 ) -> list[dict[str, Any]]:
     """Rows of predicted against measured for every candidate that fits here (or the ``only`` ones);
     with ``repeats``, each candidate's step time is the median of that many runs, taken in rounds over
-    the candidates (memory is exact: the first run's). A run that fails to launch or whose rank dies
+    the candidates (memory is exact: the first run's), and each round after the first times the model's
+    own step again: the predictions in the rows use the median of the timings (`replanned`). A run that fails to launch or whose rank dies
     (`LaunchError`) is left out and said so; a candidate none of whose runs finished gets a row with
     its ``error`` and no measurement, and the others still run. Given a ``checks`` list and a profile with
     framework costs (one measured here), each round first runs `machine_check` into it: how far the
@@ -265,7 +268,13 @@ def validate(
     failed: dict[str, list[str]] = {}
     rows = []
     rounds = max(1, repeats)
+    fits = [model.spec.step_fit] if model.spec.step_fit is not None and cluster.device.local else []
     for r in range(rounds):  # in rounds over the candidates: a slow stretch of the machine lands on many once
+        if r > 0 and fits:
+            fits.append(retimed(model, fits[0].sizes))
+            print(f"model step timed again, round {r + 1}: {fits[-1].fixed_s * 1e3:.3f} ms + {fits[-1].per_sample_s * 1e6:.2f} us a sample", flush=True)
+            if r == rounds - 1:
+                records = replanned(records, model, median_fit(fits), cluster, settings)
         if checks is not None and cluster.device.framework:
             c = machine_check(cluster.device)  # at 2 processes, as calibrated
             checks.append(c)
@@ -292,6 +301,31 @@ def validate(
                 rows.append({**_row(rec, dict.fromkeys(("step_s", "model_state_bytes", "activation_bytes", "memory_bytes"))), "error": failed[rec["label"]][0]})
                 print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def retimed(model: PlannedModel, sizes: tuple[int, int]) -> StepFit:
+    """The model's own step timed again (`shardwise.advisor.models.time_step`, at the same two sizes),
+    on what ``--validate`` trains (`PlannedModel.training`)."""
+    from shardwise.advisor.models import time_step
+
+    training = model.training()
+    assert training is not None  # validate() refused the model otherwise
+    module, data, loss_fn, optimizer = training
+    return time_step(module, data, loss_fn, optimizer, sizes)
+
+
+def median_fit(fits: list[StepFit]) -> StepFit:
+    """The median of the model's step timings: each part (fixed, per sample) taken apart."""
+    return StepFit(fixed_s=statistics.median(f.fixed_s for f in fits), per_sample_s=statistics.median(f.per_sample_s for f in fits), sizes=fits[0].sizes)
+
+
+def replanned(records: list[dict[str, Any]], model: PlannedModel, fit: StepFit, cluster: Cluster, settings: Settings) -> list[dict[str, Any]]:
+    """``records`` planned again with the model's step ``fit`` (the median over the rounds' timings,
+    `median_fit`): the prediction's one measured input, timed in every round as the candidates are run
+    in every round, so that one slow stretch of the machine moves neither side alone."""
+    labels = {r["label"] for r in records}
+    again = {r["label"]: r for r in plan_all(replace(model.spec, step_fit=fit), cluster, settings, model.module) if r["label"] in labels}
+    return [again[r["label"]] if r["label"] in again and r["world_size"] == again[r["label"]]["world_size"] else r for r in records]
 
 
 def _row(rec: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:  # got's values may be None (a failed candidate)

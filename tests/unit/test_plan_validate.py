@@ -152,3 +152,24 @@ def test_a_candidate_whose_rank_dies_is_reported_and_the_others_still_run(
     printed = capsys.readouterr().out
     assert "zero1                                        run 2: failed: rank 1 died" in printed
     assert "over 2 candidates" in printed and "zero2 failed in every run: rank 1 died with exit code -11" in printed
+
+
+def test_with_repeats_the_model_s_step_is_timed_each_round_and_the_rows_predict_from_the_median(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shardwise.advisor.calibrate_framework as cf
+    import shardwise.advisor.validate as validate
+    from shardwise.plan.model_spec import StepFit
+
+    timings = iter([StepFit(0.5, 0.0, (4, 64)), StepFit(0.7, 1e-3, (4, 64))])  # rounds 2 and 3; round 1's is the planner's own (ms)
+    monkeypatch.setattr(validate, "retimed", lambda model, sizes: next(timings))
+    monkeypatch.setattr(validate, "run_candidate", lambda record, *a: {"step_s": 0.6, "model_state_bytes": 1.0, "activation_bytes": 1.0, "memory_bytes": 2.0})
+    monkeypatch.setattr(cf, "machine_check", lambda profile: {"predicted_s": 1e-3, "measured_s": 1e-3, "ratio": 1.0})
+    out = tmp_path / "validate.json"
+    flags = ["plan", "--validate", "--model", "digits", "--nproc", "2", "--repeats", "3", "--only", "local-sgd(sync_every=32)"]
+    assert main([*flags, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    # each part's median: fixed 0.5 s (of the planner's ~1 ms, 0.5 s and 0.7 s), per sample the planner's few us (of it, 0 and 1 ms)
+    assert 0.5 <= row["predicted_step_s"] < 0.55 and row["measured_step_s"] == 0.6
+    printed = capsys.readouterr().out
+    assert "model step timed again, round 2: 500.000 ms + 0.00 us a sample" in printed and "round 3: 700.000 ms" in printed
