@@ -11,6 +11,7 @@ import copy
 import importlib
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +38,10 @@ TIMED_RUNS = 3
 Every prediction on a profile measured here starts from this timing, so one run taken in a slow
 stretch of the machine would move all of them alike (the calibration network's one-layer step timed
 0.89 ms in one calibration and 1.23 ms in the next)."""
+TIMED_BUDGET_S = 10.0
+"""No further round of runs once the timing has taken this long: a long step's one round already
+spans many seconds (charlm's, about 15), where a millisecond step's takes 1-3 s."""
+_now = time.monotonic
 
 
 def time_step(
@@ -53,7 +58,7 @@ def time_step(
     own cost (`shardwise.plan.cluster.Framework`) is what it adds on top. Each size trains
     `TIMED_STEPS` steps (more for a short step); a run's time is the median logged interval after the first
     (`shardwise.advisor.validate.measured_step_s`), a size's the median of its `TIMED_RUNS` runs, taken in
-    turns with the other size's. ``model`` is not changed.
+    turns with the other size's (fewer once the timing has taken `TIMED_BUDGET_S`). ``model`` is not changed.
     """
     from shardwise.advisor.validate import timed_fit
 
@@ -66,8 +71,11 @@ def time_step(
     steps = dict.fromkeys((lo, hi), TIMED_STEPS)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    start = _now()
     try:
         for _ in range(TIMED_RUNS):
+            if runs[lo] and _now() - start >= TIMED_BUDGET_S:
+                break
             for size in (lo, hi):
                 step = timed(size, steps[size])
                 if steps[size] == TIMED_STEPS and step * TIMED_STEPS < TIMED_TARGET_S:

@@ -377,3 +377,15 @@ def test_calibrate_only_measures_the_named_costs_again_and_keeps_the_rest(monkey
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(raw))
     assert cmd_calibrate(str(path), ["ddp"]) == 0 and json.loads(path.read_text())["framework"]["ddp"]["step_s"] == 9e-3
+
+
+def test_time_step_takes_no_further_round_once_its_budget_is_spent(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardwise.advisor.models as models
+    import shardwise.advisor.validate as validate
+
+    clock = iter([0.0, models.TIMED_BUDGET_S + 1])  # the start, then after the first round: a long step's round
+    monkeypatch.setattr(models, "_now", lambda: next(clock))
+    order: list[int] = []
+    monkeypatch.setattr(validate, "timed_fit", lambda model, data, *, steps, batch, **kw: order.append(batch) or 0.1 * batch)
+    fit = time_step(CalibrationNet(1), None, None, None, (2, 16))  # type: ignore[arg-type]
+    assert order == [2, 16] and fit.per_sample_s == pytest.approx(0.1)
