@@ -40,6 +40,7 @@ RESUME = "tests/dist/test_resume.py"
 CLAIMS = "tests/dist/test_readme_claims.py"
 RUN_TOOLS = "tests/dist/test_run_tools.py"
 RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
+PLAN_INTERLEAVED = "tests/unit/test_plan_cost.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
 
 # Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
 # rerun (ddp, common, data, checkpoint, engine, trainer, precision).
@@ -179,6 +180,20 @@ MUTANTS = [
            ("tests/unit/test_plot.py",)),
     Mutant("plot's throughput clock counts one step per logging interval", "shardwise/plot/runs.py",
            '        t += steps * batch / r["samples_per_s"]', '        t += batch / r["samples_per_s"]', ("tests/unit/test_plot.py",)),
+    # -- issue 36 item 8: bugs written without looking at this list (params servers, PowerSGD, data, planner, hang report, zygote)
+    Mutant("planner: interleaved 1F1B activations drop the (p-1)/(pv) term", "shardwise/plan/cost.py",
+           "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * 1", (PLAN_INTERLEAVED,)),
+    Mutant("planner: interleaved 1F1B activations drop the 1 (only the extra warm-up)", "shardwise/plan/cost.py",
+           "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * ((pp - 1) / (pp * shape.virtual))", (PLAN_INTERLEAVED,)),
+    Mutant("planner: interleaved 1F1B activations drop the leading p (one micro-batch a stage)", "shardwise/plan/cost.py",
+           "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = 1 + (pp - 1) / (pp * shape.virtual)", (PLAN_INTERLEAVED,)),
+    Mutant("planner: interleaved 1F1B activations drop the chunks v", "shardwise/plan/cost.py",
+           "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + (pp - 1) / pp)", (PLAN_INTERLEAVED,)),
+    Mutant("planner: interleaved 1F1B activations drop the -1 of p - 1", "shardwise/plan/cost.py",
+           "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + pp / (pp * shape.virtual))", (PLAN_INTERLEAVED,)),
+    Mutant("planner: interleaved 1F1B activations drop the p of p v", "shardwise/plan/cost.py",
+           "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + (pp - 1) / shape.virtual)", (PLAN_INTERLEAVED,)),
+    # -- end of issue 36 item 8 (M)
 ]
 
 

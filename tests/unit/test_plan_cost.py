@@ -185,3 +185,51 @@ def test_activations_per_rank_keep_what_tp_does_not_split_and_gpipe_keeps_every_
     assert acts(Shape("pipeline", pp=2, microbatches=8, schedule="gpipe")) == pytest.approx(2 * layer * micro * 8 + other * micro * 8)
     assert acts(Shape("pipeline", pp=2, microbatches=8, schedule="1f1b")) == pytest.approx(2 * layer * micro * 2 + other * micro)
     assert acts(Shape("pipeline", pp=2, tp=2, microbatches=8, schedule="1f1b")) == pytest.approx(2 * (layer - split / 2) * micro * 2 + other * micro)
+
+
+def _peak_chunks(actions: list[tuple[str, int]]) -> int:
+    """Most chunk activations held at once by a rank running ``actions`` in order: a forward keeps
+    its chunk's activations until that chunk's backward of the same micro-batch frees them."""
+    held = peak = 0
+    for kind, _ in actions:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def _torch_interleaved_order(p: int, v: int, m: int, rank: int) -> list[tuple[str, int]]:
+    """Rank ``rank``'s forwards and backwards in torch's own ``ScheduleInterleaved1F1B`` (its
+    ``pipeline_order``, computed without stages or a process group)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    sched = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    ops = [a for a in sched._calculate_single_rank_operations(rank) if a is not None]
+    return [(a.computation_type.value, a.microbatch_index) for a in ops]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (2, 3, 6), (4, 2, 8), (4, 3, 8), (3, 2, 9)])
+def test_interleaved_activations_are_the_peak_counted_from_the_schedule(p: int, v: int, m: int) -> None:
+    """Interleaved 1F1B: the first rank holds ``v p + p - 1`` chunk activations at its peak (its
+    warm-up of ``(v - 1) p + 2 (p - 1)`` forwards and one more before the first backward; Narayanan
+    et al. 2021, section 2.2.2), each chunk ``L / (p v)`` layers: ``L (1 + (p - 1)/(p v))`` layers'
+    worth (Korthikanti et al. 2023, section 4.2.3). Counted here from torch's action order and from
+    the simulator's; the planner's activation bytes must be that count times a layer's bytes."""
+    from shardwise.plan.cluster import A100_40GB, Cluster
+    from shardwise.plan.cost import Settings, Shape, estimate
+    from shardwise.plan.model_spec import ModelSpec
+    from shardwise.plan.simulate_pipeline import schedule_order
+
+    ours = [("FB"[d], j) for d, _, j in schedule_order("interleaved", p, m, v, 0)]
+    peaks = [_peak_chunks(_torch_interleaved_order(p, v, m, r)) for r in range(p)]
+    assert peaks[0] == _peak_chunks(ours) == v * p + p - 1  # the hand count, in torch's and our order
+    assert max(peaks) == peaks[0]  # the first rank holds the most: it is the one the planner sizes
+
+    layers, layer, other = p * v * 2, 1000.0, 300.0  # two layers a chunk
+    spec = ModelSpec("m", params=8000, layers=layers, layer_params=1000, hidden=8, act_bytes_per_layer_sample=layer, act_bytes_other_sample=other)
+    micro = 32 / m
+    got = estimate(spec, Cluster(A100_40GB, p), Settings(32), Shape("pipeline", pp=p, microbatches=m, schedule="interleaved", virtual=v)).memory["activations"]
+    chunk_layers = layers / (p * v)
+    assert got == pytest.approx(peaks[0] * chunk_layers * layer * micro + other * micro, rel=1e-12)
