@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import os
 import pickle
 import shutil
@@ -108,10 +107,12 @@ def launch(
     job's world size.
 
     ``fn`` and its arguments are pickled by value (each rank gets its own copy of every
-    tensor), so ``fn`` must be defined at the top level of a module or script. A script
-    needs no ``if __name__ == "__main__":`` guard: each worker runs the script's top-level
-    code up to the call to ``launch`` and stops there. In a notebook, define ``fn`` in a
-    module, or save the code as a script.
+    tensor): functions and classes with an importable name by reference, as plain pickle does,
+    and lambdas, closures and a notebook's functions by value, with cloudpickle
+    (``launcher.payload``); an object that cannot be pickled at all (a lock, an open file) is a
+    ``LaunchError`` naming where it is held. A script needs no ``if __name__ == "__main__":``
+    guard: each worker runs the script's top-level code up to the call to ``launch`` and stops
+    there.
 
     A failing rank raises its own exception here (its type unchanged), caused by a
     ``RemoteTraceback`` with a short report; the full traceback of each failed rank is in
@@ -267,39 +268,12 @@ def _main_spec() -> tuple[str, str] | None:
     return ("path", os.path.abspath(path))
 
 
-class _Pickler(pickle.Pickler):
-    """Plain pickle that notes whether anything refers to ``__main__``."""
-
-    uses_main = False
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, type) or callable(obj):
-            if getattr(obj, "__module__", None) == "__main__":
-                self.uses_main = True
-        return NotImplemented
-
-
 def _payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], main_spec: tuple[str, str] | None) -> bytes:
-    # Plain pickle, by value: multiprocessing's own pickler (with torch's reducers) would
-    # put tensors in shared memory, and every rank would then step the same parameters.
-    buf = io.BytesIO()
-    pickler = _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    try:
-        pickler.dump((fn, args, kwargs))
-    except (pickle.PicklingError, AttributeError, TypeError) as exc:
-        raise LaunchError(
-            f"could not send the function and its arguments to the workers: {exc}. They must be picklable: "
-            "define the function at module level (not a lambda or a nested function), or run the script "
-            "with `shardwise run`"
-        ) from None  # the pickler's own traceback adds nothing to this message
-    if pickler.uses_main and main_spec is None:
-        raise ConfigError(
-            f"launch got {getattr(fn, '__qualname__', fn)!r} (or a class it needs) defined in an interactive session "
-            "(a notebook, a REPL, python -c, a package run with -m), which worker processes cannot import. Move the function and "
-            "the classes it uses into a .py module and import them, or save the code as a script and run it "
-            "with `python script.py`"
-        )
-    return buf.getvalue()
+    """``(fn, args, kwargs)`` pickled for the workers (``launcher.payload``: plain pickle, or cloudpickle for
+    lambdas, closures and a notebook's functions; what neither can send is named with a fix)."""
+    from shardwise.launcher import payload
+
+    return payload.dumps(fn, args, kwargs, main_spec)
 
 
 def _spawn(
