@@ -166,10 +166,24 @@ def write(
 
 def prune(root: Path, keep_last: int, run_id: str | None = None) -> None:
     """Delete all but the newest ``keep_last`` checkpoints under ``root`` written by run lineage
-    ``run_id`` (every checkpoint when None); another run's checkpoints are never touched."""
+    ``run_id`` (every checkpoint when None); another run's checkpoints are never touched. The newest
+    finite checkpoint (`is_finite`) is never deleted, even when ``keep_last`` newer ones are not
+    finite: after a run trained on NaN (``on_nonfinite="warn"``) it is the one to go back to."""
     ours = [p for p in list_checkpoints(root) if run_id is None or _run_id(p) == run_id]
+    keep = next((p for p in reversed(ours) if is_finite(p)), None)
     for old in ours[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def is_finite(path: Path) -> bool:
+    """Whether a checkpoint's weights came from finite steps only, as its manifest records
+    (``"finite"``, written by the Trainer); a checkpoint that does not say (the Engine's, older
+    ones) counts as finite, and so does an unreadable one (verification decides about those)."""
+    try:
+        return read_manifest(Path(path)).get("finite", True) is not False
+    except CheckpointError:
+        return True
 
 
 def _run_id(path: Path) -> str | None:
@@ -224,14 +238,23 @@ def verify(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def latest_valid(root: Path) -> Path | None:
+def latest_valid(root: Path, *, finite: bool = False) -> Path | None:
     """The newest checkpoint under ``root`` that verifies and loads; damaged ones are skipped with a warning.
 
     Verifying is the manifest's checksums; loading is every ``.pt`` file through `load_file`
     (``weights_only``: tensors and plain data, nothing else unpickled), so a file that matches its
     checksum but holds something else (written over, manifest and all) is skipped too, the same way
-    on every rank, before any rank starts to load it."""
+    on every rank, before any rank starts to load it. ``finite`` (``resume="auto"``) also skips, with
+    a warning, checkpoints whose manifest says their weights saw a non-finite step (`is_finite`):
+    resuming from NaN weights trains nothing; pass such a checkpoint's path to take it anyway."""
     for path in reversed(list_checkpoints(root)):
+        if finite and not is_finite(path):
+            warnings.warn(
+                f"skipping checkpoint {path}: it was saved after a non-finite step (its manifest says finite: false); "
+                "resume=<its path> takes it anyway",
+                stacklevel=2,
+            )
+            continue
         try:
             manifest = verify(path)
             for name in manifest["files"]:

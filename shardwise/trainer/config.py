@@ -35,6 +35,10 @@ class TrainerConfig:
     """'32', '64', 'bf16-mixed', or '16-mixed' (fp16 autocast with a grad scaler)."""
     global_batch_size: int | None = None
     """Samples per optimizer step across all processes (default: the DataLoader's batch size, else 32)."""
+    drop_last: bool = True
+    """Leave out the last, smaller global batch of each epoch (len(data) % global batch samples; said at the start).
+    False trains on it too, split over the ranks as evenly as it goes, each micro-batch's mean loss weighted by its
+    share, so the step is exact: the gradient of the mean over those samples (data-parallel strategies; pipelines refuse)."""
     accumulate: int = 1
     """Micro-batches per step on each rank; gradients sync only on the last."""
     max_steps: int | None = None
@@ -43,6 +47,11 @@ class TrainerConfig:
     """Epochs to run when max_steps is not set (default 1)."""
     clip_grad_norm: float | None = None
     """Clip gradients to this global norm (across every shard) before each step."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradients are not finite (NaN, inf), checked on every rank and agreed: 'stop' (the run ends
+    with an error naming the step, the ranks and the first such tensor; no optimizer step, the newest finite checkpoint
+    kept), 'skip' (no optimizer or scheduler step, counted as nonfinite_skipped, as a grad scaler skips) or 'warn'
+    (trained on, one line per step). Under 16-mixed the grad scaler's own skips are not errors."""
     seed: int = 0
     """Seeds model-independent randomness and the data order."""
     deterministic: bool = False
@@ -128,6 +137,10 @@ class TrainerConfig:
         object.__setattr__(self, "precision", normalize(self.precision))
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0 (or None to disable); got {self.clip_grad_norm}")
+        if self.on_nonfinite not in ("stop", "skip", "warn"):
+            raise ConfigError(f"on_nonfinite must be 'stop', 'skip' or 'warn'; got {self.on_nonfinite!r}")
+        if not isinstance(self.drop_last, bool):
+            raise ConfigError(f"drop_last must be True or False; got {self.drop_last!r}")
         if self.accelerator not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"accelerator must be 'auto', 'cpu' or 'cuda'; got {self.accelerator!r}")
         if self.num_workers < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
 from shardwise.trainer.lightning_compat import LightningAdapter, adapter_for
 from shardwise.trainer.logging import Progress, RunFiles, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
+from shardwise.trainer.nonfinite import NonFiniteCheck, NonFiniteError, Verdict, stop_message
 from shardwise.trainer.preempt import Preemption
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
@@ -174,7 +176,9 @@ class Trainer:
         if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
             check_out(cfg.out, cfg.resume, cfg.overwrite)
         if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
-            check_batch_fits(model, fetch(dataset, [0], collate))
+            sample = fetch(dataset, [0], collate)
+            check_batch_fits(model, sample)
+            strategy.check_sample(model, sample, self._layout)  # tp rehearses its split on it (meta tensors)
 
     def _check_tools(self, val_data: Any, model: nn.Module | None = None) -> None:
         """Loggers and callbacks that cannot work, in the parent before launch (one line each)."""
@@ -404,7 +408,7 @@ class Trainer:
         total = cfg.max_steps or (cfg.max_epochs or 1) * loader.steps_per_epoch
         if cfg.fast_dev_run:
             total = cfg.fast_dev_run
-        counters: dict[str, Any] = {"step": 0, "samples": 0}
+        counters: dict[str, Any] = {"step": 0, "samples": 0, "nonfinite_skipped": 0, "nonfinite_trained": 0, "weights_finite": True}
         state: dict[str, Any] = {"model": wrapped, "optimizer": optimizer, "loader": loader, "counters": counters}
         if scheduler is not None:
             state["scheduler"] = scheduler
@@ -420,8 +424,11 @@ class Trainer:
         resumed_from = self._resume(engine, state)
         if resumed_from is not None:
             counters = state["counters"]
+            for key, value in {"nonfinite_skipped": 0, "nonfinite_trained": 0, "weights_finite": True}.items():
+                counters.setdefault(key, value)  # a checkpoint written before these counters
             self._run_id = ckpt.run_id_of(resumed_from) or getattr(self, "_run_id", None) or new_run_id()
         self.step = start_step = int(counters["step"])
+        self._last_loss: torch.Tensor | None = None
         if resumed_from is not None:
             callbacks.restore_states(self.callbacks, counters.get("callbacks", {}))
             self._callback("on_load_checkpoint", engine, resumed_from)
@@ -441,6 +448,8 @@ class Trainer:
             model_summary = {"modules": table, "parameters_per_rank": per_rank}
             engine.print(evaluate.format_summary(table, per_rank))
         step_fn = make_step_fn(self.loss_fn, engine.unwrap(wrapped))
+        # The grad scaler checks fp16 gradients itself and skips what overflows: not ours to stop (the loss still is).
+        nonfinite = NonFiniteCheck(engine.unwrap(wrapped), engine.group, engine.recorder, check_grads=engine.precision.scaler is None)
         val = unpack_data(val_data)
         val_batch = cfg.val_batch_size or max(1, loader.micro)
         ckpt_root = Path(out) / "checkpoints" if out else None
@@ -469,7 +478,8 @@ class Trainer:
             # (a rank that loops alone, an async parameter-server worker, logs its own).
             nonlocal last_train_loss, t_log, steps_at_log, preempted
             # One reduction carries the loss and whether any rank got a preemption signal (`preempt`).
-            local = torch.stack(losses).double().mean()
+            # Skipped non-finite steps leave no loss: a window of only those logs nan (every rank alike: the skip is agreed).
+            local = torch.stack(losses).double().mean() if losses else torch.tensor(float("nan"), dtype=torch.float64, device=engine.device)
             both = engine.all_reduce(torch.stack([local, torch.full_like(local, self.preemption.flag)]), "mean")
             mean, preempt = both[0], float(both[1].item())
             last_train_loss = float(mean.item())
@@ -484,6 +494,8 @@ class Trainer:
                 "lr": optimizer.param_groups[0]["lr"],
                 "samples_per_s": (self.step - steps_at_log) * global_batch / max(now - t_log, 1e-9),
             }
+            if counters["nonfinite_skipped"]:
+                record["nonfinite_skipped"] = int(counters["nonfinite_skipped"])
             emit(record)
             progress.update(self.step - steps_at_log, record)
             t_log, steps_at_log = now, self.step
@@ -515,16 +527,24 @@ class Trainer:
                 with phase("forward_backward"):
                     loss = engine.forward_backward(wrapped, micro, step_fn)
                 with phase("optimizer"):
-                    if cfg.clip_grad_norm is not None:
-                        engine.clip_grad_norm(wrapped, optimizer, cfg.clip_grad_norm)
-                    stepped = engine.step(optimizer)
+                    verdict = nonfinite.verdict(self.step + 1, loss)  # every rank, agreed; before clipping scales the gradients
+                    skip = verdict is not None and self._on_nonfinite(verdict, counters, progress, ckpt_root)
+                    stepped = False
+                    if not skip:
+                        if cfg.clip_grad_norm is not None:
+                            engine.clip_grad_norm(wrapped, optimizer, cfg.clip_grad_norm)
+                        stepped = engine.step(optimizer)
                     optimizer.zero_grad(set_to_none=True)
                     if scheduler is not None and stepped:
-                        scheduler.step()
+                        scheduler.step()  # as after a grad scaler's skip: a skipped step moves no schedule
                 self.step += 1
                 counters["step"] = self.step
                 counters["samples"] = counters["samples"] + global_batch
-                losses.append(loss)
+                if verdict is None:
+                    counters["weights_finite"] = True
+                self._last_loss = loss
+                if not skip:
+                    losses.append(loss)
                 done = self.step >= total
                 if self.step % cfg.log_every == 0 or done or self.should_stop:
                     log_train()
@@ -572,6 +592,9 @@ class Trainer:
             "train_s": train_s,
             "samples_per_s": steps_run * global_batch / max(train_s, 1e-9),
             "train_loss": last_train_loss,
+            "on_nonfinite": cfg.on_nonfinite,
+            "nonfinite_skipped": int(counters["nonfinite_skipped"]),
+            "nonfinite_trained": int(counters["nonfinite_trained"]),
             **val_metrics,
             "resumed_from": str(resumed_from) if resumed_from else None,
             "last_checkpoint": str(last_ckpt) if last_ckpt else None,
@@ -604,13 +627,29 @@ class Trainer:
         return summary, model_state
 
     # -- pieces -----------------------------------------------------------------------------
+    def _on_nonfinite(self, verdict: Verdict, counters: dict[str, Any], progress: Progress, ckpt_root: Path | None) -> bool:
+        """What ``on_nonfinite`` does with a step the check found non-finite (`shardwise.trainer.nonfinite`);
+        True when the step is to be skipped. Every rank gets the same verdict and does the same."""
+        mode = self.config.on_nonfinite
+        if mode == "stop":
+            newest = next((p for p in reversed(ckpt.list_checkpoints(ckpt_root)) if ckpt.is_finite(p)), None) if ckpt_root is not None else None
+            raise NonFiniteError(stop_message(verdict, newest))
+        if mode == "skip":
+            counters["nonfinite_skipped"] = int(counters["nonfinite_skipped"]) + 1
+            progress.write(f"shardwise: {verdict.describe()}; on_nonfinite='skip': step skipped ({counters['nonfinite_skipped']} so far)")
+            return True
+        counters["nonfinite_trained"] = int(counters["nonfinite_trained"]) + 1
+        counters["weights_finite"] = False
+        progress.write(f"shardwise: warning: {verdict.describe()}; on_nonfinite='warn': trained on it")
+        return False
+
     def _resume(self, engine: Engine, state: dict[str, Any]) -> Path | None:
         cfg = self.config
         if cfg.resume is None:
             return None
         if cfg.resume == "auto":
             assert cfg.out is not None
-            path = ckpt.latest_valid(Path(cfg.out) / "checkpoints")
+            path = ckpt.latest_valid(Path(cfg.out) / "checkpoints", finite=True)  # never back onto NaN weights
             if path is None:
                 engine.print("resume='auto': no checkpoint yet, starting fresh")
                 return None
@@ -633,9 +672,16 @@ class Trainer:
         engine, state = self._engine, self._state
         if engine is None or state is None:
             raise ConfigError("save_checkpoint saves the running fit: call it from a callback while fit runs")
-        state["counters"]["callbacks"] = callbacks.collect_states(self.callbacks)
+        counters = state["counters"]
+        counters["callbacks"] = callbacks.collect_states(self.callbacks)
         run_id = getattr(self, "_run_id", None)
-        saved = engine.save(Path(path), state, meta={"step": self.step, "run_id": run_id})
+        # Whether these weights came from finite steps only (pruning keeps the newest such; resume='auto' takes it),
+        # and rank 0's loss of the step that led here (None when not finite or before any step).
+        last = getattr(self, "_last_loss", None)
+        loss = float(last.double().mean()) if isinstance(last, torch.Tensor) else None
+        loss = loss if loss is not None and math.isfinite(loss) else None
+        meta = {"step": self.step, "run_id": run_id, "finite": bool(counters.get("weights_finite", True)), "loss": loss}
+        saved = engine.save(Path(path), state, meta=meta)
         self._callback("on_save_checkpoint", engine, saved)
         return saved
 
