@@ -40,6 +40,7 @@ RESUME = "tests/dist/test_resume.py"
 CLAIMS = "tests/dist/test_readme_claims.py"
 RUN_TOOLS = "tests/dist/test_run_tools.py"
 RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
+DATA_DRAWS = "tests/unit/test_data_workers.py::test_augmentation_draws_anew_each_epoch_and_the_same_again_on_a_resume_or_in_a_worker"
 PLAN_INTERLEAVED = "tests/unit/test_plan_cost.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
 
 # Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
@@ -193,6 +194,15 @@ MUTANTS = [
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + pp / (pp * shape.virtual))", (PLAN_INTERLEAVED,)),
     Mutant("planner: interleaved 1F1B activations drop the p of p v", "shardwise/plan/cost.py",
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + (pp - 1) / shape.virtual)", (PLAN_INTERLEAVED,)),
+    Mutant("per-sample randomness repeats every epoch (the epoch left out of the sample's seed)", "shardwise/data/__init__.py",
+           "return (seed * 1_000_003 + epoch) * 2_147_483_647 + index * 7_919 + 1", "return seed * 1_000_003 * 2_147_483_647 + index * 7_919 + 1",
+           (DATA_DRAWS,)),
+    Mutant("per-sample randomness in the main process repeats epoch 0's", "shardwise/data/__init__.py",
+           "return seeded_fetch(self.dataset, indices, self.collate_fn, self.seed, epoch)",
+           "return seeded_fetch(self.dataset, indices, self.collate_fn, self.seed, 0)", (DATA_DRAWS,)),
+    Mutant("per-sample randomness in data-loading workers repeats epoch 0's", "shardwise/data/__init__.py",
+           "return seeded_fetch(self.dataset, indices, self.collate, self.seed, epoch)",
+           "return seeded_fetch(self.dataset, indices, self.collate, self.seed, 0)", (DATA_DRAWS,)),
     # -- end of issue 36 item 8 (M)
 ]
 

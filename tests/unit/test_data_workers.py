@@ -116,3 +116,55 @@ def test_an_iterable_dataset_is_refused_with_the_reason_and_the_ways_out():
         Trainer(loss_fn=loss_fn, max_steps=1).fit(WithDropout(), Stream())
     with pytest.raises(ConfigError, match="IterableDataset"):
         Trainer(loss_fn=loss_fn, max_steps=1).fit(WithDropout(), torch.utils.data.DataLoader(Stream(), batch_size=2))
+
+
+class Draws(Dataset):
+    """Each sample is its index and one draw from each global generator: what an augmentation sees."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int):
+        return i, torch.tensor([torch.rand(()).item(), random.random(), float(np.random.rand())], dtype=torch.float64)
+
+
+def _draws(loader: ShardedLoader, steps: int) -> dict[int, torch.Tensor]:
+    """Index -> its draws, over the loader's next ``steps`` steps (across an epoch's end too)."""
+    out: dict[int, torch.Tensor] = {}
+    while steps:
+        for step in loader:
+            for index, draws in step:
+                out.update(zip(index.tolist(), draws, strict=True))
+            steps -= 1
+            if not steps:
+                break
+    return out
+
+
+def test_augmentation_draws_anew_each_epoch_and_the_same_again_on_a_resume_or_in_a_worker():
+    # 12 samples in global batches of 4: 3 steps an epoch. Samples are seeded from (seed, epoch, index):
+    # the same index draws differently in epoch 1 than in epoch 0 (an augmentation that repeated
+    # every epoch would show a model the same crops forever), and identically when epoch 1 is replayed.
+    loader = ShardedLoader(Draws(), global_batch=4, seed=3)
+    epoch0 = _draws(loader, 3)
+    epoch1_first = _draws(loader, 1)
+    position = loader.state_dict()
+    epoch1_rest = _draws(loader, 2)
+    epoch1 = {**epoch1_first, **epoch1_rest}
+    assert sorted(epoch0) == sorted(epoch1) == list(range(12))
+    for i in range(12):
+        assert (epoch0[i] != epoch1[i]).all(), (i, epoch0[i], epoch1[i])  # every generator, every sample
+    assert len({tuple(d.tolist()) for d in epoch0.values()}) == 12
+
+    resumed = ShardedLoader(Draws(), global_batch=4, seed=3)
+    resumed.load_state_dict(position)
+    again = _draws(resumed, 2)
+    assert again.keys() == epoch1_rest.keys() and all(torch.equal(again[i], epoch1_rest[i]) for i in again)
+
+    worker = ShardedLoader(Draws(), global_batch=4, seed=3, num_workers=1)
+    try:
+        in_worker = [_draws(worker, 3), _draws(worker, 3)]  # both epochs from one persistent worker
+    finally:
+        worker.close()
+    for got, want in zip(in_worker, (epoch0, epoch1), strict=True):
+        assert got.keys() == want.keys() and all(torch.equal(got[i], want[i]) for i in got)
