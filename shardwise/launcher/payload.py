@@ -61,7 +61,7 @@ def _by_value_pickler(main_by_reference: bool) -> type[pickle.Pickler]:
         return (_with_filename, (*code_reduce(code), code.co_filename))
 
     class Pickler(cloudpickle.Pickler):
-        dispatch_table = collections.ChainMap({types.CodeType: keep_filename}, cloudpickle.Pickler.dispatch_table)
+        dispatch_table = collections.ChainMap({types.CodeType: keep_filename, io.TextIOWrapper: _open_file}, cloudpickle.Pickler.dispatch_table)
 
         def reducer_override(self, obj: Any) -> Any:
             main = sys.modules.get("__main__")
@@ -74,6 +74,15 @@ def _by_value_pickler(main_by_reference: bool) -> type[pickle.Pickler]:
             return reduced
 
     return Pickler
+
+
+def _open_file(f: io.TextIOWrapper) -> tuple[Any, ...]:
+    """The worker's own standard streams for this process's; any other open file is refused (cloudpickle
+    would send a copy of a readable file's contents, which no rank could write to or read on from)."""
+    for name in ("stdout", "stderr", "stdin"):
+        if f is getattr(sys, name) or f is getattr(sys, f"__{name}__"):
+            return (getattr, (sys, name))
+    raise pickle.PicklingError(f"cannot pickle an open file ({getattr(f, 'name', '?')!r}, mode {getattr(f, 'mode', '?')!r})")
 
 
 def _with_filename(make: Any, args: tuple[Any, ...], filename: str) -> types.CodeType:
@@ -190,7 +199,7 @@ def _fails(obj: Any, pickler: type[pickle.Pickler]) -> str | None:
 def _roots(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """The payload's parts under the names the caller knows them by: the function, then its arguments
     by parameter name where the signature says it (``trainer``, ``model`` for ``Trainer.fit``'s workers)."""
-    yield getattr(fn, "__qualname__", "the function"), fn
+    yield "fn", fn  # launch(fn, ...)
     try:
         params = inspect.signature(fn).parameters
         bound = inspect.signature(fn).bind(*args, **kwargs).arguments

@@ -7,8 +7,10 @@ import inspect
 import os
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 from shardwise import Trainer, launch
 from shardwise.errors import ConfigError, LaunchError
 from shardwise.launcher.spawn import RemoteTraceback
+from tests.models import zoo
 
 
 def _rank_and_sum() -> tuple[int, int, float, int]:
@@ -60,8 +63,9 @@ def test_a_hang_is_stopped_and_names_the_ranks():
 def test_bad_nproc_and_unpicklable_functions_are_clear_errors():
     with pytest.raises(ConfigError, match="nproc must be a whole number >= 1; got 0"):
         launch(_rank_and_sum, nproc=0)
-    with pytest.raises(LaunchError, match="picklable"):
-        launch(lambda: 1, nproc=1)
+    lock = threading.Lock()
+    with pytest.raises(LaunchError, match=r"could not send fn.<closure>.lock to the worker processes: it is a _thread.lock, which cannot be pickled"):
+        launch(lambda: lock, nproc=1)
 
 
 # -- a worker's error: one short block, the original type, the full traceback in a file ---------------
@@ -163,8 +167,12 @@ def test_an_nproc_that_disagrees_with_the_launchers_world_size_is_a_config_error
     assert not dist.is_initialized()
 
 
-def test_a_function_from_an_interactive_session_is_a_clear_error_before_anything_starts(monkeypatch):
+def test_a_function_from_an_interactive_session_crosses_by_value(monkeypatch):
+    # A notebook's or REPL's __main__ has no script for a worker to run: its functions go by value.
+    import pickle
     import types
+
+    from shardwise.launcher import payload
 
     fake_main = types.ModuleType("__main__")  # a REPL's __main__: no __file__
     monkeypatch.setitem(__import__("sys").modules, "__main__", fake_main)
@@ -175,5 +183,46 @@ def test_a_function_from_an_interactive_session_is_a_clear_error_before_anything
     in_repl.__module__ = "__main__"
     in_repl.__qualname__ = "in_repl"
     fake_main.in_repl = in_repl  # type: ignore[attr-defined]
-    with pytest.raises(ConfigError, match="defined in an interactive session.*Move the function"):
-        launch(in_repl, nproc=2)
+    sent = payload.dumps(in_repl, (), {}, None)
+    monkeypatch.delattr(fake_main, "in_repl")  # a worker's __main__ does not have it
+    fn, _, _ = pickle.loads(sent)
+    assert fn() == 1 and fn is not in_repl
+
+
+def _scaled_loss(scale: float) -> Any:
+    def loss(output: Any, batch: Any) -> torch.Tensor:  # a closure, as users write them
+        return scale * zoo.causal_lm_loss64(output, batch)
+
+    return loss
+
+
+def test_a_lambda_optimizer_a_closure_loss_a_lambda_collate_and_gradient_checkpointing_train_under_ddp_as_single(recwarn):
+    # Each of the four is refused by plain pickle (the model for the forward hook transformers'
+    # gradient_checkpointing_enable registers on the input embeddings, a function local to transformers).
+    from torch.utils.data import DataLoader, default_collate
+
+    def fit(strategy: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        model = zoo.build("gpt2", layers=1)
+        model.gradient_checkpointing_enable()
+        assert model.transformer.wte._forward_hooks and model.transformer.h[0].gradient_checkpointing
+        data = DataLoader(zoo.dataset("gpt2", 16), batch_size=4, collate_fn=lambda samples: default_collate(samples))
+        trainer = Trainer(
+            strategy=strategy,
+            nproc=1 if strategy == "single" else 2,
+            global_batch_size=8,
+            max_steps=2,
+            precision="64",
+            seed=0,
+            progress_bar=False,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+            loss_fn=_scaled_loss(0.5),
+        )
+        summary = trainer.fit(model, data)
+        return summary, model.state_dict()
+
+    single, single_state = fit("single")
+    ddp, ddp_state = fit("ddp")
+    assert ddp["steps"] == 2 and abs(ddp["train_loss"] - single["train_loss"]) < 1e-9
+    for name, value in single_state.items():
+        torch.testing.assert_close(ddp_state[name], value, rtol=0, atol=1e-9, msg=name)
+    assert not torch.equal(single_state["transformer.h.0.mlp.c_fc.weight"], zoo.build("gpt2", layers=1).state_dict()["transformer.h.0.mlp.c_fc.weight"])
