@@ -173,6 +173,13 @@ class Strategy(ABC):
         (called in the parent before launch, and by the Engine). Every precision runs by default."""
         return None
 
+    def check_sample(self, model: nn.Module, batch: Any, layout: Layout) -> None:
+        """Refuse, with a `ConfigError`, a model this strategy would fail on with ``batch`` (one sample
+        of the training data, collated as the loader does), called by the Trainer in the parent
+        before launch. A strategy may run the model on it there (tp rehearses its split on meta
+        tensors); nothing by default."""
+        return None
+
     def options(self) -> dict[str, Any]:
         """The options as plain values (for summary.json and the resolved config)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} if dataclasses.is_dataclass(self) else {}

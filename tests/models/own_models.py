@@ -314,3 +314,56 @@ def token_loss(output: Any, batch: Any) -> torch.Tensor:
 
 def own_loss(name: str) -> Callable[[Any, Any], torch.Tensor]:
     return token_loss if name in ("postransformer", "gpt") else classification_loss
+
+
+# -- appended for tp's checks before launch (issue 36 item 2) ------------------------------------------------
+class HeadAttention(nn.Module):
+    """Attention that reshapes with a fixed head width (``view(b, t, -1, head_dim)``): it runs on any
+    share of its heads, so tensor parallelism splits it."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = d // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class PosBlock(nn.Module):
+    """A block that adds its own position table to the residual stream (a whole ``(SEQ, d)`` parameter)."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(SEQ, d) * 0.02)
+        self.ln = nn.LayerNorm(d)
+        self.attn = HeadAttention(d, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.ln(x + self.pos))
+
+
+class BlockPosTransformer(nn.Module):
+    """Exact under tp (its attention reshapes by head width); under sequence parallelism each block's
+    position table, whole, meets a sequence-sharded activation: it cannot take it."""
+
+    def __init__(self, d: int = 16, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList([PosBlock(d, heads) for _ in range(layers)])
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_blockpos(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """`BlockPosTransformer` from ``seed``; its data is ``own_dataset("postransformer")``, its loss `token_loss`."""
+    torch.manual_seed(seed)
+    return BlockPosTransformer().to(dtype)

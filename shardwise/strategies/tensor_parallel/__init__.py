@@ -344,6 +344,7 @@ from shardwise.strategies.tensor_parallel.plan import (
     resolve,
     resolve_plan,
 )
+from shardwise.strategies.tensor_parallel.rehearse import rehearse
 from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
 from shardwise.strategies.tensor_parallel.roles import roles
 
@@ -461,15 +462,15 @@ class TensorParallel(Strategy):
             try:
                 plan = json.loads(plan)
             except ValueError:
-                raise ConfigError(f"plan must be a dict of module name (or pattern) -> 'colwise'|'rowwise', or its JSON text; got {plan!r}") from None
+                raise ConfigError(f"tp_plan must be a dict of module name (or pattern) -> 'colwise'|'rowwise', or its JSON text; got {plan!r}") from None
         if plan is not None:
             if not isinstance(plan, dict) or not plan:
-                raise ConfigError(f"plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
+                raise ConfigError(f"tp_plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
             for key, style in plan.items():
                 if style not in STYLES:
                     close = difflib.get_close_matches(str(style), STYLES, n=1)
                     raise ConfigError(
-                        f"plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'"
+                        f"tp_plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'"
                     )
             plan = dict(plan)
         object.__setattr__(self, "tp_plan", plan)
@@ -502,6 +503,11 @@ class TensorParallel(Strategy):
             resolved = check_model_fits(model, self.tp_plan, tp, self.sequence_parallel, self.dp_strategy)
             layout = replace(layout, units=tuple(resolved))
         return layout
+
+    def check_sample(self, model: nn.Module, batch: Any, layout: Layout) -> None:
+        """Rehearse the split on one sample batch in the parent (`rehearse.rehearse`: meta tensors, a fake
+        process group): a module the split would leave mixed or misshapen is a `ConfigError` naming it."""
+        rehearse(model, batch, self.tp_plan, int(layout.degrees.get("tp", 1)), self.sequence_parallel)
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> TensorParallelRun:
         if not dist.is_initialized():

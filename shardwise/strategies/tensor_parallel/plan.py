@@ -129,7 +129,7 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
             raise ConfigError(
                 f"{_join(prefix, fused[0])} is a fused q|k|v projection whose layout (stacked or interleaved per head) "
                 "shardwise cannot tell: splitting it by columns could give a rank all of q and none of v. Split it into three "
-                "linears (q, k, v), or pass plan={...} naming only the linears to split"
+                "linears (q, k, v), or pass tp_plan={...} naming only the linears to split"
             )
         if stacked:
             rows = [n for n in linears if n in ATTN_ROWWISE]
@@ -208,12 +208,12 @@ def declared_plan(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
         elif style not in _HF_SKIPPED:
             raise ConfigError(
                 f"{type(module).__name__} declares tensor-parallel style {style!r} for {pattern!r}, which shardwise does not "
-                "translate (it knows colwise, rowwise, replicated_with_grad_allreduce); pass plan={...} naming the linears to split"
+                "translate (it knows colwise, rowwise, replicated_with_grad_allreduce); pass tp_plan={...} naming the linears to split"
             )
     return (plan, grad_sum) if plan else None
 
 
-def _expand(module: nn.Module, plan: dict[str, str], what: str = "plan", lenient: bool = False) -> dict[str, str]:
+def _expand(module: nn.Module, plan: dict[str, str], what: str = "tp_plan", lenient: bool = False) -> dict[str, str]:
     """Patterns -> module names. ``lenient`` (a declared plan on part of a model, a pipeline stage):
     a pattern that matches nothing is skipped."""
     names = [n for n, _ in module.named_modules() if n]
@@ -222,7 +222,7 @@ def _expand(module: nn.Module, plan: dict[str, str], what: str = "plan", lenient
         if style not in STYLES:
             close = difflib.get_close_matches(str(style), STYLES, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: 'colwise', 'rowwise'")
+            raise ConfigError(f"tp_plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: 'colwise', 'rowwise'")
         matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
         if not matched and lenient:
             continue
@@ -251,13 +251,13 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
     grad_sum: list[str] = []
     if plan is not None:
         if not isinstance(plan, dict) or not plan:
-            raise ConfigError(f"plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
+            raise ConfigError(f"tp_plan must be a non-empty dict of module name (or pattern) -> 'colwise'|'rowwise'; got {plan!r}")
         resolved, source = _expand(module, plan), "user"
     elif (declared := declared_plan(module)) is not None:
         resolved, source = _expand(module, declared[0], f"the tensor-parallel plan {type(module).__name__} declares", lenient=True), "declared"
         if not resolved:
             raise ConfigError(
-                f"the tensor-parallel plan {type(module).__name__} declares ({sorted(declared[0])}) matches none of its modules; pass plan={{...}}"
+                f"the tensor-parallel plan {type(module).__name__} declares ({sorted(declared[0])}) matches none of its modules; pass tp_plan={{...}}"
             )
         names = [n for n, _ in module.named_modules() if n]
         grad_sum = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in declared[1])]
@@ -296,7 +296,7 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
     for name, style in resolved.items():
         sub = module.get_submodule(name)
         if not _splittable(sub):
-            raise ConfigError(f"plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules (and Conv1D); {name} is a {type(sub).__name__}")
+            raise ConfigError(f"tp_plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules (and Conv1D); {name} is a {type(sub).__name__}")
     if tp is not None:
         check_divisible(module, resolved, tp)
     return resolved, grad_sum, source
