@@ -333,9 +333,20 @@ from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
+from shardwise.strategies.pipeline import traced
 from shardwise.strategies.pipeline.compose import _tensor_parallel, apply_data_parallel, average_grads, clip_grad_norm
 from shardwise.strategies.pipeline.evaluate import _DTYPES, PipelineModule
-from shardwise.strategies.pipeline.nested import NestedStage, batch_kwargs, check_nested, is_nested, nested_layout, split_blocks
+from shardwise.strategies.pipeline.nested import (
+    NestedLayout,
+    NestedStage,
+    _plan_blocks,
+    batch_kwargs,
+    check_nested,
+    is_nested,
+    nested_layout,
+    split_blocks,
+    tied_aliases,
+)
 from shardwise.strategies.pipeline.observe import _Clock, bubble_section, gather_events, mean, record_stage_traffic, write_timeline
 from shardwise.strategies.pipeline.schedule import (
     _Replay,
@@ -368,6 +379,78 @@ __all__ = [
     "split_layers",
     "write_timeline",
 ]
+
+
+# -- how a model is split ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a model is cut into stages: ``nested`` (its block list, `nested`), ``traced`` (its traced
+    forward, `traced`) or ``sequence`` (its top-level children in order, `split`)."""
+
+    kind: Literal["nested", "traced", "sequence"]
+    names: list[list[str]]
+    """The layers (blocks) each stage owns."""
+    layout: NestedLayout | None = None
+    block_runs: list[list[str]] | None = None
+    plan: traced.TracedPlan | None = None
+
+
+def _is_transformers(model: nn.Module) -> bool:
+    """A transformers model (any class of its hierarchy defined in the transformers package)."""
+    return any(c.__module__.split(".")[0] == "transformers" for c in type(model).__mro__)
+
+
+def _types(gm: Any, args: tuple[Any, ...], model64: nn.Module) -> dict[str, bool]:
+    """Each node's kind (tensor or not) from one run on the sample; in eval mode where training mode
+    cannot take one sample (BatchNorm on one row)."""
+    try:
+        return traced.node_types(gm, args)
+    except Exception:
+        model64.eval()
+        try:
+            return traced.node_types(gm, args)
+        except Exception as exc:
+            raise ConfigError(f"{type(model64).__name__}'s traced forward raises on a sample batch: {type(exc).__name__}: {exc}") from None
+        finally:
+            model64.train()
+
+
+def _prove(model: nn.Module, r: Route, sample: Any, where: str) -> None:
+    """The stages of ``r``, on a float64 copy of ``model`` run one after another on ``sample``, give
+    the model's own output exactly (`traced.check_composition`), or a `ConfigError` naming where not."""
+    from shardwise.batches import model_args
+
+    model64 = traced.float64_copy(model)
+    args, kwargs = model_args(sample)
+    args64, kwargs64 = traced.to_float64(tuple(args)), traced.to_float64(dict(kwargs))
+    stage_of: dict[str, int] = {}
+    if r.kind == "nested":
+        assert r.layout is not None and r.block_runs is not None
+        layout, n = r.layout, len(r.block_runs)
+        stages: list[nn.Module] = [NestedStage(model64, layout, r.block_runs[s], s == 0, s == n - 1) for s in range(n)]
+        stage_of = {name: s for s, run in enumerate(r.names) for name in run} | {p: 0 for p in layout.prelude} | {p: n - 1 for p in layout.postlude}
+        order = list(layout.prelude) + [name for run in r.names for name in run] + list(layout.postlude)
+
+        def run() -> Any:
+            traced.run_in_turn(stages, (), batch_kwargs(args64, kwargs64), True)
+            return stages[-1].output
+
+    else:
+        if kwargs:
+            raise ConfigError(
+                f"{type(model).__name__} is split by its top-level children, which take positional inputs; the batch is a dict ({sorted(kwargs)})"
+            )
+        runs = split_layers(sequence_layers(model64), len(r.names), [run[0] for run in r.names[1:]])
+        stages = [StageModule(run) for run in runs]
+        stage_of = {name: s for s, run in enumerate(r.names) for name in run}
+        order = [name for run in r.names for name in run]
+
+        def run() -> Any:
+            return traced.run_in_turn(stages, args64, {}, False)
+
+    traced.check_composition(model64, args64, kwargs64, stages, run, order, stage_of, where)
 
 
 # -- the strategy: options and plan ----------------------------------------------------------------
@@ -457,7 +540,7 @@ class Pipeline(Strategy):
             micro = layout.micro_batch
             check_rows(micro * batch.accumulate, int(self.microbatches or 1), f"micro-batch {micro} x accumulate {batch.accumulate}")
         if model is not None:
-            self.split(model)
+            self.route(model, check=False)  # the proof of a split the tracer did not give waits for check_sample's batch
             if self.tp > 1:
                 layout = replace(layout, units=self._tp_linears(model))
         return layout
@@ -472,24 +555,114 @@ class Pipeline(Strategy):
         except ConfigError:
             return None
 
-    def split(self, model: nn.Module) -> list[list[str]]:
+    def split(self, model: nn.Module, sample: Any = None) -> list[list[str]]:
         """The layer (or block) names of each of the ``pp x virtual_stages`` stages, as ``apply`` will
-        cut ``model``; a `ConfigError` for a model this pipeline cannot split: not a sequence of
-        layers nor a nested model with a block list, fewer layers (blocks) than stages,
-        ``split_points`` that do not name them in order, an encoder-decoder model, BatchNorm with
-        more than one micro-batch, weights tied across stages under ``dp_strategy="fsdp"``. Pure."""
-        if is_nested(model, self.layers):
-            layout = nested_layout(model, self.layers)
-            check_nested(model, layout, self.num_stages, int(self.microbatches or 1))
-            runs = split_blocks(model, layout, self.num_stages, self.split_points)
-            if layout.aliases and self.dp_strategy == "fsdp":
+        cut ``model``; a `ConfigError` for a model this pipeline cannot split: a forward the tracer
+        cannot take and whose other split is not proven equal to it on ``sample`` (see `route`),
+        fewer layers (blocks) than stages, ``split_points`` that do not name them in order, an
+        encoder-decoder model, BatchNorm with more than one micro-batch, weights tied across stages
+        under ``dp_strategy="fsdp"``. Pure."""
+        return self.route(model, sample).names
+
+    def check_sample(self, model: nn.Module, batch: Any, layout: Layout) -> None:
+        """Prove the split on one sample of the training data (in the parent, before launch): the
+        stages, run one after another on a float64 copy, equal the model's forward exactly. The
+        sample travels with the strategy to the workers, whose `apply` proves it again."""
+        self.route(model, batch)
+        object.__setattr__(self, "_sample", batch)  # not an option: the sample `apply` checks again
+
+    def route(self, model: nn.Module, sample: Any = None, *, check: bool = True) -> Route:
+        """How ``model`` is split (`Route`), checked; ``sample`` (a batch as the loader gives it)
+        proves a split the tracer did not give.
+
+        transformers' models (and models with a pipeline plan) are split by their block list, as
+        they always were. Every other model's forward is traced first (`traced`): a forward that is
+        its layers in order is the plain sequence; any other is cut as traced. A forward the tracer
+        cannot take keeps the block-list split (``layers=``, tied weights, a list of repeated
+        blocks) or the sequence of children only when the stages, run on ``sample`` in float64,
+        give the model's output exactly; without a sample, it is refused."""
+        if _is_transformers(model) or _plan_blocks(model) is not None:
+            return self._nested_route(model)
+        why = None
+        if not self.layers:
+            try:
+                gm = traced.trace(model)
+            except traced.TraceFailure as failure:
+                why = str(failure)
+            else:
+                return self._traced_route(model, gm, sample, check)
+        where = f"layers={self.layers!r}" if self.layers else "its block list" if is_nested(model, None) else "its top-level children in order"
+        reason = f"torch.fx cannot trace its forward ({why})" if why else f"layers={self.layers!r} asks for the block-list split"
+        try:
+            r = self._nested_route(model) if self.layers or is_nested(model, None) else self._sequence_route(model)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} ({reason})") from None
+        if not check:
+            return r
+        if sample is None:
+            raise ConfigError(
+                f"cannot split {type(model).__name__} into pipeline stages: {reason}, and splitting it by {where} "
+                "is only done once a sample batch proves the stages equal the model's forward; train through the "
+                "Trainer (which passes its first sample), call strategy.check_sample(model, batch, layout) before "
+                "Engine.setup, or make the forward traceable (no Python control flow on tensor values or sizes)"
+            )
+        _prove(model, r, sample, f"{where} ({reason})")
+        return r
+
+    def _nested_route(self, model: nn.Module) -> Route:
+        layout = nested_layout(model, self.layers)
+        check_nested(model, layout, self.num_stages, int(self.microbatches or 1))
+        runs = split_blocks(model, layout, self.num_stages, self.split_points)
+        if layout.aliases and self.dp_strategy == "fsdp":
+            raise ConfigError(
+                f"{type(model).__name__} ties {', '.join(f'{a} to {c}' for a, c in layout.aliases.items())}; with the "
+                "tied ends on different pipeline stages shardwise sums their gradients itself, which it does for "
+                "dp_strategy='ddp' but not under FSDP's sharded gradients; use dp_strategy='ddp'"
+            )
+        return Route("nested", [[f"{layout.blocks}.{k}" for k in run] for run in runs], layout=layout, block_runs=runs)
+
+    def _sequence_route(self, model: nn.Module) -> Route:
+        runs = split_layers(sequence_layers(model), self.num_stages, self.split_points)
+        return Route("sequence", [[n for n, _ in run] for run in runs])
+
+    def _traced_route(self, model: nn.Module, gm: Any, sample: Any, check: bool) -> Route:
+        if traced.is_chain(gm) and not any(True for _ in model.named_parameters(recurse=False)) and not any(True for _ in model.named_buffers(recurse=False)):
+            return self._sequence_route(model)  # the forward is its layers in order: nothing between them
+        if self.tp > 1:
+            raise ConfigError(
+                f"pipeline with tp={self.tp}: {type(model).__name__}'s forward has code between its layers, so its stages are "
+                "cut from the traced forward, and tensor parallelism inside such stages is not supported; use tp=1, or "
+                "a model whose forward applies its layers in order (or a transformers model)"
+            )
+        from shardwise.batches import model_args
+
+        if sample is not None:
+            args, kwargs = model_args(sample)
+            if kwargs:
                 raise ConfigError(
-                    f"{type(model).__name__} ties {', '.join(f'{a} to {c}' for a, c in layout.aliases.items())}; with the "
-                    "tied ends on different pipeline stages shardwise sums their gradients itself, which it does for "
-                    "dp_strategy='ddp' but not under FSDP's sharded gradients; use dp_strategy='ddp'"
+                    f"{type(model).__name__} is split by its traced forward, whose stages take positional inputs; the batch "
+                    f"is a dict ({sorted(kwargs)}): use a tuple batch (inputs..., target)"
                 )
-            return [[f"{layout.blocks}.{k}" for k in run] for run in runs]
-        return [[n for n, _ in run] for run in split_layers(sequence_layers(model), self.num_stages, self.split_points)]
+            model64 = traced.float64_copy(model)
+            gm64 = traced.trace(model64)
+            args64 = traced.to_float64(tuple(args))
+            plan = traced.plan_stages(gm64, self.num_stages, self.split_points, _types(gm64, args64, model64))
+        else:
+            plan = traced.plan_stages(gm, self.num_stages, self.split_points, traced.static_types(gm))
+        r = Route("traced", plan.runs, plan=plan)
+        ties = traced.cross_stage_ties(model, {s: traced.stage_module(gm, plan, s) for s in range(self.num_stages)}, self.pp)
+        if self.dp_strategy == "fsdp" and ties:
+            raise ConfigError(
+                f"{type(model).__name__} uses {', '.join(t.name for t in ties)} on stages of different "
+                "pipeline ranks; shardwise sums such a weight's gradients itself, which it does for dp_strategy='ddp' but not "
+                "under FSDP's sharded gradients; use dp_strategy='ddp'"
+            )
+        if sample is not None and check:
+            stages = [traced.stage_module(gm64, plan, s) for s in range(self.num_stages)]
+            order = [n for run in plan.runs for n in run]
+            stage_of = {n: s for s, run in enumerate(plan.runs) for n in run}
+            traced.check_composition(model64, args64, {}, stages, lambda: traced.run_in_turn(stages, args64, {}, False), order, stage_of, "its traced forward")
+        return r
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> PipelineRun:
         if not dist.is_initialized():
@@ -522,20 +695,31 @@ class PipelineRun(Parallel):
         self._timeline: str | None = None
         self._finished = False
         self._all_names = [n for n, _ in model.named_parameters()]
-        self._nested = is_nested(model, options.layers)
         self._aliases: dict[str, str] = {}
         self._tied: list[Tie] = []  # weights tied across pipeline ranks
-        self.stage_layers = options.split(model)  # the checks of plan(), again: an Engine may not have been given the model
+        # the checks of plan(), again (an Engine may not have been given the model), and the proof
+        # of a split the tracer did not give, on the sample the Trainer's check_sample left
+        route = options.route(model, options.__dict__.get("_sample"))
+        self._nested = route.kind == "nested"
+        self.stage_layers = route.names
         """The layer (block) names of each stage, over all ranks."""
-        if self._nested:
-            layout = nested_layout(model, options.layers)
-            block_runs = split_blocks(model, layout, self.num_stages, options.split_points)
+        if route.kind == "nested":
+            assert route.layout is not None and route.block_runs is not None
+            layout, block_runs = route.layout, route.block_runs
             self._aliases = layout.aliases
             make_stage: Any = lambda s: NestedStage(model, layout, block_runs[s], s == 0, s == self.num_stages - 1)  # noqa: E731
             self._tied = _cross_stage_ties(model, layout, block_runs, self.pp)
+        elif route.kind == "traced":
+            assert route.plan is not None
+            gm = traced.trace(model)
+            every = {s: traced.stage_module(gm, route.plan, s) for s in range(self.num_stages)}  # no copies: the model's own tensors
+            self._aliases = tied_aliases(model)
+            self._tied = traced.cross_stage_ties(model, every, self.pp)
+            make_stage = every.__getitem__
         else:
             runs = split_layers(sequence_layers(model), self.num_stages, options.split_points)
             make_stage = lambda s: StageModule(runs[s])  # noqa: E731
+        self._state_order = list(model.state_dict().keys())
         self._group = group = mesh.group("pp")
         me = mesh.coordinate("pp")
         stages: dict[int, nn.Module] = {}
@@ -652,7 +836,14 @@ class PipelineRun(Parallel):
         """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
         parameters), gathered from every pipeline rank to every rank of the group."""
         return gather_state(
-            self.model, self.optimizer if optimizer else None, self._group, self._all_names, self._aliases, device=self.mesh.device, recorder=self.recorder
+            self.model,
+            self.optimizer if optimizer else None,
+            self._group,
+            self._all_names,
+            self._aliases,
+            device=self.mesh.device,
+            recorder=self.recorder,
+            order=self._state_order,
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

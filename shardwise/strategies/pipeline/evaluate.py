@@ -37,6 +37,12 @@ class PipelineModule(nn.Module):
         for idx in sorted(stages):
             for name in stages[idx].layer_names:  # type: ignore[union-attr]
                 _register_path(self, name, stages[idx].get_submodule(name))
+            for name, t in getattr(stages[idx], "root_tensors", {}).items():  # a traced stage's bare parameters (a position table)
+                if name not in self._parameters and name not in self._buffers:
+                    if isinstance(t, nn.Parameter):
+                        self.register_parameter(name, t)
+                    else:
+                        self.register_buffer(name, t)
         self._stage_mods = dict(stages)
         self._runners = dict(runners)  # what runs each stage (the stage module, or its DDP/FSDP wrapper)
         self.num_stages, self._group, self._device = num_stages, group, device
@@ -67,11 +73,14 @@ class PipelineModule(nn.Module):
             if owner != me:
                 continue
             if s > 0 and self.owner(s - 1) != me:
-                x = (_recv_tensor(self._group, self.owner(s - 1), self._device, self._recorder),)
+                # a traced stage may take several tensors (a skip connection passed through): one message each
+                count = int(getattr(self._stage_mods[s], "n_inputs", 1))
+                x = tuple(_recv_tensor(self._group, self.owner(s - 1), self._device, self._recorder) for _ in range(count))
             out = self._runners[s](*x, **side)
             if s < self.num_stages - 1 and self.owner(s + 1) != me:
-                _send_tensor(out, self._group, self.owner(s + 1), self._recorder)
-            x = (out,)
+                for t in out if isinstance(out, tuple) else (out,):
+                    _send_tensor(t, self._group, self.owner(s + 1), self._recorder)
+            x = out if isinstance(out, tuple) and s < self.num_stages - 1 else (out,)
         last = self.owner(self.num_stages - 1)
         result = _broadcast_tensor(out, self._group, last, self._device, self._recorder)
         if not kwargs:

@@ -30,6 +30,7 @@ def gather_state(
     *,
     device: torch.device,
     recorder: Recorder | None = None,
+    order: list[str] | None = None,
 ) -> dict[str, Any]:
     """The whole model (and optimizer, numbered as the whole model's optimizer numbers its
     parameters), gathered from every pipeline rank to every rank of the group.
@@ -37,7 +38,9 @@ def gather_state(
     ``aliases``: tied names -> first name. A weight tied across stages is in the model state
     under every name (as ``single``'s state dict has it) and in the optimizer state once, under
     its first name (the first owner's copy; every copy took the same steps). ``device``: where the
-    exchange's tensors go on the wire (the group's backend's device)."""
+    exchange's tensors go on the wire (the group's backend's device). ``order``: the model's own
+    ``state_dict`` keys, in its order (a traced split's stages hold a root tensor such as a position
+    table apart from the layers, so stage order alone is not the model's)."""
     aliases = aliases or {}
     stage_mods = model._stage_mods if isinstance(model, PipelineModule) else {0: model}
     local_model = {s: {k: _full(v).detach().cpu() for k, v in m.state_dict().items()} for s, m in stage_mods.items()}
@@ -56,6 +59,8 @@ def gather_state(
     full_model: dict[str, Any] = {}
     for s in sorted(by_stage):  # stage order is the model's order: its state_dict order
         full_model.update(by_stage[s])
+    if order is not None:
+        full_model = {k: full_model[k] for k in order if k in full_model} | {k: v for k, v in full_model.items() if k not in set(order)}
     out: dict[str, Any] = {"model": full_model}
     if optimizer is not None:
         state: dict[str, Any] = {}
@@ -69,9 +74,9 @@ def gather_state(
                     groups[gi]["params"] = groups[gi]["params"] + [n for n in g["params"] if n not in have]
                 else:
                     groups.append(dict(g, params=list(g["params"])))
-        order = {n: i for i, n in enumerate(all_names)}
+        rank_of = {n: i for i, n in enumerate(all_names)}
         for g in groups:
-            g["params"] = sorted(g["params"], key=lambda n: order[n])
+            g["params"] = sorted(g["params"], key=lambda n: rank_of[n])
         names = [n for g in groups for n in g["params"]]
         out["optimizer"] = ckpt.optimizer_state_by_number({"state": state, "param_groups": groups}, names)
     return out
