@@ -2,7 +2,8 @@
 
 ::
 
-    shardwise train --recipe NAME [--strategy NAME] [--nproc N] [--max-steps N] [--out DIR]
+    shardwise train --recipe NAME | --model MODULE:FACTORY --data MODULE:FACTORY [--val-data ...] [--loss MODULE:FN] [--optimizer MODULE:FACTORY]
+                    [--strategy NAME] [--nproc N] [--max-steps N] [--out DIR]
                     [--resume auto|PATH] [--overwrite] [--config FILE.toml] [--set section.key=value ...]
                     [--STRATEGY-OPTION VALUE ...]   # one flag per strategy option (`shardwise train --help`)
     shardwise export CHECKPOINT_DIR OUT.safetensors      # consolidated weights, any strategy's checkpoint
@@ -57,10 +58,15 @@ _TRAINER_FLAGS = {
 
 
 def _train_parser(sub: Any, strategy_flags: bool = True) -> None:
-    train_arguments(sub.add_parser("train", help="train a built-in recipe", description=_TRAIN_DESCRIPTION), strategy_flags)
+    train_arguments(sub.add_parser("train", help="train a built-in recipe or your own model", description=_TRAIN_DESCRIPTION), strategy_flags)
 
 
-_TRAIN_DESCRIPTION = "Train a built-in recipe with any strategy."
+_TRAIN_DESCRIPTION = (
+    "Train a built-in recipe (--recipe) or your own model (--model and --data, functions of a module of yours: "
+    "--model mymodels:make_model for make_model in ./mymodels.py) with any strategy."
+)
+_OWN_KEYS = {"model": "--model", "data": "--data", "val_data": "--val-data", "loss": "--loss", "optimizer": "--optimizer"}
+"""Your own model's parts: flags of `shardwise train`, and keys of the config's [recipe] section (the flag wins)."""
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -72,7 +78,28 @@ def train_parser() -> argparse.ArgumentParser:
 
 def train_arguments(p: argparse.ArgumentParser, strategy_flags: bool) -> None:
     """The trainer's flags, then (``strategy_flags``) one per strategy option."""
-    p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
+    p.add_argument("--recipe", help="recipe name (see `shardwise recipes`); or your own model with --model and --data")
+    own = p.add_argument_group(
+        "your own model (instead of --recipe)",
+        "MODULE:NAME is imported as `python -m` would, from the current directory first (a module file here, or a package); "
+        'also keys of the config\'s [recipe] section (model = "mymodels:make_model").',
+    )
+    own.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="called with no arguments; returns the torch.nn.Module to train (or (module, example_input), as `shardwise plan` takes)",
+    )
+    own.add_argument(
+        "--data", metavar="MODULE:FACTORY", help="called with no arguments; returns the training data (a map-style Dataset, or a DataLoader over one)"
+    )
+    own.add_argument("--val-data", metavar="MODULE:FACTORY", help="as --data, for the validation data (evaluated every --val-every steps and at the end)")
+    own.add_argument(
+        "--loss",
+        metavar="MODULE:FN",
+        help="the loss itself, loss(output, batch) -> scalar tensor, output = model(x) for an (x, y) batch; "
+        "default: the model's own (training_step, or the loss a transformers model returns for a batch with labels)",
+    )
+    own.add_argument("--optimizer", metavar="MODULE:FACTORY", help="called with the parameters, returns the optimizer (default: AdamW, lr 1e-3)")
     p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
     p.add_argument(
         "--nproc", type=int, help="local worker processes (default 1); under torchrun/srun the job's processes are used, and a different N > 1 is an error"
@@ -166,14 +193,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.trainer.config import apply_overrides, from_mapping, load_toml
     from shardwise.trainer.loop import Trainer
 
-    recipe = get_recipe(args.recipe)
     sections = load_toml(args.config) if args.config else {}
     sections = apply_overrides(sections, args.set)
     unknown = sorted(set(sections) - {"trainer", "recipe"})
     if unknown:
         hint = " (strategy options go under [trainer.strategy_options])" if "strategy_options" in unknown else ""
         raise ShardwiseError(f"unknown config sections {unknown}; use [trainer] and [recipe]{hint}")
-    settings: dict[str, Any] = {**recipe.trainer_defaults, **sections.get("trainer", {})}
+    own = _own_model_specs(args, sections.get("recipe", {}))
+    recipe = get_recipe(args.recipe) if own is None else None
+    settings: dict[str, Any] = {**(recipe.trainer_defaults if recipe is not None else {}), **sections.get("trainer", {})}
     for dest, name in _TRAINER_FLAGS.items():
         value = getattr(args, dest)
         if value is not None:
@@ -182,13 +210,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = from_mapping(settings)  # validates before anything is built or started
     prestart(config.nproc, config.start_method, config.accelerator, even_one_off=True)  # the ranks' zygote imports torch while the recipe is built
     seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
-    parts = recipe.parts(sections.get("recipe"))
+    parts = recipe.parts(sections.get("recipe")) if recipe is not None else _own_parts(own or {})
     callbacks = []
     if args.straggler is not None:
         from shardwise.trainer.straggler import Straggler
 
         callbacks.append(Straggler.from_spec(args.straggler))
-    hparams = {"recipe": args.recipe, **{f"recipe.{k}": v for k, v in {**recipe.options, **sections.get("recipe", {})}.items()}}
+    if recipe is not None:
+        hparams = {"recipe": args.recipe, **{f"recipe.{k}": v for k, v in {**recipe.options, **sections.get("recipe", {})}.items()}}
+    else:
+        hparams = dict(own or {})
     trainer = Trainer(
         config=config,
         optimizer=parts.optimizer,
@@ -215,6 +246,84 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         return EXIT_PREEMPTED
     return 0
+
+
+def _own_model_specs(args: argparse.Namespace, section: dict[str, Any]) -> dict[str, str] | None:
+    """Your own model's ``module:name`` specs from the flags and the config's [recipe] section (flags win),
+    or None for a recipe; either a recipe or a model, checked before anything is imported."""
+    given = {key: getattr(args, key) for key in _OWN_KEYS if getattr(args, key) is not None}
+    from_config = {key: section[key] for key in _OWN_KEYS if key in section}
+    specs = {**from_config, **given}
+    if not specs:
+        if args.recipe is None:
+            raise ConfigError(
+                "shardwise train needs --recipe NAME (one of `shardwise recipes`) or your own model: --model MODULE:FACTORY --data MODULE:FACTORY"
+            )
+        return None
+    if args.recipe is not None:
+        raise ConfigError(f"--recipe {args.recipe} and {', '.join(_OWN_KEYS[k] for k in specs)} both name what to train; give a recipe or your own model")
+    extra = sorted(set(section) - set(_OWN_KEYS))
+    if extra:
+        raise ConfigError(f"[recipe] keys {extra} are options of built-in recipes; with your own model the section takes {sorted(_OWN_KEYS)}")
+    missing = [_OWN_KEYS[k] for k in ("model", "data") if k not in specs]
+    if missing:
+        raise ConfigError(f"your own model needs {' and '.join(missing)} as well (MODULE:FACTORY, e.g. --data mymodels:make_data)")
+    for key, spec in specs.items():
+        if not isinstance(spec, str):
+            raise ConfigError(f"{_OWN_KEYS[key]} takes MODULE:NAME (a string); got {spec!r}")
+    return specs
+
+
+def _own_parts(specs: dict[str, str]) -> Any:
+    """Build your own model's parts from its ``module:name`` specs (`advisor.models.import_object`, the
+    loader `shardwise plan --model` uses): each factory called here, its result checked, before launch."""
+    import inspect
+
+    from torch import nn
+    from torch.utils.data import DataLoader
+
+    from shardwise.advisor.models import import_object
+    from shardwise.recipes import RecipeParts
+
+    def call(key: str) -> Any:
+        factory = import_object(specs[key], _OWN_KEYS[key])
+        try:
+            inspect.signature(factory).bind()
+        except TypeError:
+            raise ConfigError(
+                f"{_OWN_KEYS[key]} {specs[key]} takes arguments {inspect.signature(factory)}, but is called with none; "
+                "give a function that builds and returns it"
+            ) from None
+        except ValueError:  # no signature to read (a builtin): call it and see
+            pass
+        return factory()
+
+    model = call("model")
+    if isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
+        model = model[0]  # (module, example_input), as `shardwise plan --model` takes: the example is the planner's
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {specs['model']} returned {_kind(model)}, not a torch.nn.Module; return the model (an nn.Module instance)")
+
+    def data(key: str) -> Any:
+        if key not in specs:
+            return None
+        value = call(key)
+        if not isinstance(value, DataLoader) and not (hasattr(value, "__getitem__") and hasattr(value, "__len__")):
+            raise ConfigError(
+                f"{_OWN_KEYS[key]} {specs[key]} returned {_kind(value)}, not a data set; return a map-style Dataset "
+                "(with __getitem__ and __len__, e.g. torch.utils.data.TensorDataset(x, y)) or a DataLoader over one"
+            )
+        return value
+
+    train, val = data("data"), data("val_data")
+    loss = import_object(specs["loss"], "--loss") if "loss" in specs else None
+    optimizer = import_object(specs["optimizer"], "--optimizer") if "optimizer" in specs else None
+    return RecipeParts(model=model, train=train, val=val, loss_fn=loss, optimizer=optimizer)  # type: ignore[arg-type]  # None: the Trainer's defaults
+
+
+def _kind(value: Any) -> str:
+    t = type(value)
+    return "None" if value is None else f"a {t.__name__}" + (f" ({t.__module__})" if t.__module__ not in ("builtins", "__main__") else "")
 
 
 def _resolve_strategy_options(settings: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:

@@ -172,15 +172,45 @@ TIMED_SAMPLES = 4096
 """Samples of the data set a factory's example is repeated into for timing."""
 
 
+def import_object(spec: str, flag: str) -> Callable[..., Any]:
+    """The callable ``module:name`` names (``pkg.module:name``, ``name`` may be dotted: ``module:Class.method``),
+    imported as ``python -m`` would, with the current directory first on ``sys.path`` (where ``shardwise`` put
+    it, so worker processes, which get this process's ``sys.path``, import the module the same way).
+
+    Anything that is not found is a one-line `ConfigError` naming ``flag``, what was missing and where it was
+    looked for; an error raised while the module itself runs keeps its traceback (it is the module's)."""
+    import os
+    import sys
+
+    mod_name, colon, attr = spec.partition(":")
+    if not colon or not mod_name or not attr:
+        raise ConfigError(f"{flag} {spec!r}: give module:name (e.g. {flag} mymodels:make_model, for make_model in mymodels.py here)")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
+            raise  # the module was found; something it imports was not: its own traceback says where
+        raise ConfigError(
+            f"{flag} {spec!r}: no module named {exc.name!r} in {here} or on sys.path (check the spelling, or run from the directory that holds it)"
+        ) from None
+    for i, part in enumerate(attr.split(".")):
+        if not hasattr(obj, part):
+            owner = mod_name if i == 0 else f"{mod_name}:{'.'.join(attr.split('.')[:i])}"
+            names = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
+            raise ConfigError(f"{flag} {spec!r}: {owner} ({getattr(obj, '__file__', None) or type(obj).__name__}) has no {part!r}; it has {names}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{flag} {spec!r} is a {type(obj).__name__}, not a function or class to call")
+    return obj  # type: ignore[no-any-return]
+
+
 def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
     """``module:callable`` returning an ``nn.Module`` or ``(module, example_input)``; without an
     example, the module's ``example_input`` attribute (a tensor with a batch dimension) is used."""
-    mod_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--model {spec!r}: cannot import {attr!r} from module {mod_name!r} ({exc}); give module:callable importable from here") from None
-    made = factory()
+    made = import_object(spec, "--model")()
     model, example = (made[0], made[1]) if isinstance(made, tuple) else (made, getattr(made, "example_input", None))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
