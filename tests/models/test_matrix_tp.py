@@ -13,6 +13,7 @@ GPT-2's fused q|k|v permuted in the run) exports to the original layout.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,7 +44,80 @@ def _tp_worker(models: tuple[str, ...], root: str) -> dict[Any, Any]:
             out[(name, sp)] = (summary.get("tp"), state)
         step3 = os.path.join(root, name, "checkpoints", "step-00000003")
         out[(name, "resumed")] = harness.train(name, "tp", _opts(RESUME_SP[name]), out=os.path.join(root, name + "-resumed"), resume=step3)[1]
+    _adamw_tp_worker(root)  # GPT-2 with AdamW, for test_gpt2_fused_optimizer_state_...
     return out
+
+
+# -- GPT-2's fused c_attn: its optimizer state saved in the original layout (AdamW's two moments) --------
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _adamw_fit(strategy: str, options: dict[str, Any] | None = None, **settings: Any) -> torch.nn.Module:
+    from shardwise import Trainer
+
+    model = zoo.build("gpt2")
+    t = Trainer(
+        optimizer=adamw,
+        loss_fn=zoo.parity_loss_fn("gpt2"),
+        strategy=strategy,
+        strategy_options=dict(options or {}),
+        global_batch_size=harness.GLOBAL_BATCH,
+        precision="64",
+        clip_grad_norm=harness.CLIP,
+        seed=0,
+        progress_bar=False,
+        **settings,
+    )
+    t._check(model, zoo.dataset("gpt2", harness.SAMPLES))
+    t._fit(model, zoo.dataset("gpt2", harness.SAMPLES), None, return_state=True)
+    return model
+
+
+def _adamw_tp_worker(root: str) -> None:
+    """GPT-2 under tp=2 with AdamW: 3 steps and a (sharded) checkpoint at step 3."""
+    _adamw_fit("tp", {"tp": 2}, max_steps=3, checkpoint_every=3, out=os.path.join(root, "gpt2-adamw-tp"))
+
+
+def _moments(step_dir: str) -> dict[str, dict[str, torch.Tensor]]:
+    """AdamW's state per parameter name, whole, from a checkpoint of any strategy."""
+    from shardwise.checkpoint import files, parameter_names
+    from shardwise.checkpoint.names import optimizer_state_by_name
+    from shardwise.checkpoint.sharded import read_sharded_full
+
+    path = Path(step_dir)
+    if (path / "dcp").is_dir():
+        osd = read_sharded_full(path)["optimizer"]
+    else:
+        model = zoo.build("gpt2")
+        osd = optimizer_state_by_name(files.read(path, 0)[0]["optimizer"], parameter_names(model, adamw(model.parameters())))
+    return {name: {k: v for k, v in entry.items() if k in ("exp_avg", "exp_avg_sq")} for name, entry in osd["state"].items()}
+
+
+def check_adamw_resume(root: str) -> None:
+    """The tp checkpoint holds single's moments at step 3, and resumed under single to step 5 they
+    equal an uninterrupted single run's. The moments of c_attn's k bias (its gradient is zero in
+    exact arithmetic: softmax ignores a constant added to a query's scores) are rounding noise,
+    below the absolute tolerances; a q|k|v block of another head swapped in differs by far more."""
+    single = os.path.join(root, "gpt2-adamw-single")
+    _adamw_fit("single", max_steps=5, checkpoint_every=3, keep_last=2, out=single)
+    tp3 = os.path.join(root, "gpt2-adamw-tp", "checkpoints", "step-00000003")
+    resumed = os.path.join(root, "gpt2-adamw-resumed")
+    _adamw_fit("single", max_steps=5, checkpoint_every=5, out=resumed, resume=tp3)
+    pairs = [
+        (tp3, os.path.join(single, "checkpoints", "step-00000003")),
+        (os.path.join(resumed, "checkpoints", "step-00000005"), os.path.join(single, "checkpoints", "step-00000005")),
+    ]
+    for got_dir, want_dir in pairs:
+        got, want = _moments(got_dir), _moments(want_dir)
+        assert sorted(got) == sorted(want)
+        fused = [n for n in got if ".attn.c_attn." in n]
+        assert len(fused) == 8 and sum(n.endswith(".bias") for n in fused) == 4  # every c_attn weight and bias, 4 layers
+        for name in want:
+            for key, atol in (("exp_avg", 1e-12), ("exp_avg_sq", 1e-18)):
+                torch.testing.assert_close(got[name][key], want[name][key], rtol=1e-7, atol=atol, msg=lambda m, n=name, k=key: f"{n} {k}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +159,12 @@ def test_what_each_model_split(tp_runs: tuple[dict[Any, Any], str]) -> None:
         f"model.layers.{i}.{n}.weight" for i in range(4) for n in ("input_layernorm", "post_attention_layernorm")
     )
     assert len(sections["nanogpt"]["grad_summed"]) == 16 and len(sections["bert"]["grad_summed"]) == 16
+
+
+def test_gpt2_fused_optimizer_state_is_saved_in_the_original_layout_and_resumes_under_single(tp_runs: tuple[dict[Any, Any], str]) -> None:
+    """GPT-2's c_attn (q|k|v stacked, permuted per rank in the run): AdamW's exp_avg and exp_avg_sq
+    of its weight and bias, in a tp checkpoint and after resuming it under single, equal single's."""
+    check_adamw_resume(tp_runs[1])
 
 
 @pytest.mark.parametrize("name", MODELS)

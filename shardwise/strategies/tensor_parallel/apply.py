@@ -17,6 +17,7 @@ gradients, partial sums over the sequence shards, are reduced by `reduce_partial
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,6 +78,10 @@ def parallelize(
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
+    # DTensor propagates shardings by running meta kernels on fake tensors; one that fails logs its
+    # whole traceback from every rank ("[rank1] fake_tensor ...", about 60 lines) before the error the
+    # launcher reports anyway, in one block. The rehearsal in the parent silences it the same way.
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL + 1)
     resolved, grad_sum, source = resolve(module, plan, tp)
     role = roles(module, resolved, grad_sum, sequence_parallel)
     blocks = _sequence_blocks(module, resolved) if sequence_parallel else []
