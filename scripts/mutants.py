@@ -41,6 +41,8 @@ CLAIMS = "tests/dist/test_readme_claims.py"
 RUN_TOOLS = "tests/dist/test_run_tools.py"
 RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
 DATA_DRAWS = "tests/unit/test_data_workers.py::test_augmentation_draws_anew_each_epoch_and_the_same_again_on_a_resume_or_in_a_worker"
+HANG_REPORT_UNIT = "tests/dist/test_hang_report.py::test_the_report_names_only_the_ranks_behind_the_collective"
+HANG_REPORT_3 = "tests/dist/test_hang_report.py::test_a_rank_that_returned_without_the_collective_is_named"
 PLAN_INTERLEAVED = "tests/unit/test_plan_cost.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
 
 # Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
@@ -203,6 +205,12 @@ MUTANTS = [
     Mutant("per-sample randomness in data-loading workers repeats epoch 0's", "shardwise/data/__init__.py",
            "return seeded_fetch(self.dataset, indices, self.collate, self.seed, epoch)",
            "return seeded_fetch(self.dataset, indices, self.collate, self.seed, 0)", (DATA_DRAWS,)),
+    Mutant("the hang report says 'never reached' of a rank inside the collective (<= for <)", "shardwise/comm/ledger.py",
+           "            if reached < mine.seq:", "            if reached <= mine.seq:", (HANG_REPORT_UNIT, HANG_REPORT_3)),
+    Mutant("the hang report counts a collective as reached only once left (a rank waiting in it 'never reached' it)", "shardwise/comm/ledger.py",
+           "            reached = pos.counts.get(mine.group, 0) if pos is not None else 0",
+           "            reached = pos.counts.get(mine.group, 0) - (pos.inside and pos.group == mine.group) if pos is not None else 0",
+           (HANG_REPORT_UNIT, HANG_REPORT_3)),
     # -- end of issue 36 item 8 (M)
 ]
 

@@ -25,7 +25,7 @@ def _skip(kind: str) -> int:
     engine = Engine(strategy="ddp", accelerator="cpu")
     t = torch.ones(1)
     engine.all_reduce(t)
-    if engine.rank == 0:
+    if engine.rank < engine.world_size - 1:  # every rank but the last reaches the second all_reduce
         engine.all_reduce(t)
     elif kind == "sleep":
         time.sleep(120)  # alive, outside any collective: the launcher dumps its stack
@@ -41,18 +41,22 @@ def _skipped_line() -> int:
 SKIPPED_AT = _skipped_line()
 
 
-def _report(kind: str) -> str:
+def _report(kind: str, nproc: int = 2) -> str:
     with pytest.raises(CommError) as failed:
-        launch(_skip, kind, nproc=2, collective_timeout_s=4, timeout=60)
+        launch(_skip, kind, nproc=nproc, collective_timeout_s=4, timeout=60)
     return failed.value.__cause__.tb
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_returned_without_the_collective_is_named():
-    text = _report("return")
-    named = f"rank 1 never reached world all_reduce #2 (test_hang_report.py:{SKIPPED_AT}): it had returned from the function after world all_reduce #1"
+    # Three ranks: whichever of ranks 0 and 1 times out first, the other is blocked inside the same
+    # all_reduce; it reached it, so only rank 2 is named as never reaching it.
+    text = _report("return", nproc=3)
+    named = f"rank 2 never reached world all_reduce #2 (test_hang_report.py:{SKIPPED_AT}): it had returned from the function after world all_reduce #1"
     assert named in text, text
-    assert f"rank 0: it was in world all_reduce #2 (test_hang_report.py:{SKIPPED_AT})" in text, text
+    for rank in (0, 1):
+        assert f"rank {rank}: it was in world all_reduce #2 (test_hang_report.py:{SKIPPED_AT})" in text, text
+        assert f"rank {rank} never reached" not in text, text
 
 
 @pytest.mark.timeout(120)
@@ -175,3 +179,28 @@ def test_a_killed_rank_is_reported_dead_within_seconds_not_as_a_hang(tmp_path):
     assert f"rank 0: it was in world all_reduce #2 ({waiting_in})" in text, text
     assert f"rank 1: its process died after world all_reduce #1 ({died_after})" in text, text
     assert took < 15, f"reported {took:.1f} s after the death"
+
+
+def test_the_report_names_only_the_ranks_behind_the_collective():
+    """`ledger.whereabouts` alone: a rank inside the collective the failed rank waits in reached it
+    (it waits there too); a rank whose count in that group is lower never did; a rank outside the
+    group is not asked about."""
+    from shardwise.comm.ledger import Position, whereabouts
+
+    def inside(group: str, seq: int, **counts: int) -> Position:
+        return Position(True, group, "all_reduce", seq, "train.py:9", {group: seq, **counts})
+
+    done = Position(False, "world", "all_reduce", 2, "train.py:8", {"world": 2})
+    positions = {0: inside("world", 3), 1: inside("world", 3), 2: done, 3: inside("world", 3)}
+    lines = whereabouts(positions, waiting=0, finished=set())
+    assert [x for x in lines if "never reached" in x] == [
+        "rank 2 never reached world all_reduce #3 (train.py:9): it had finished world all_reduce #2 (train.py:8) and was outside any shardwise collective "
+        "(its stack dump says where)"
+    ]
+    assert "  rank 1: it was in world all_reduce #3 (train.py:9)" in lines and "  rank 3: it was in world all_reduce #3 (train.py:9)" in lines
+
+    # A sub-group: rank 2 waits in dp0's second all_reduce; rank 0 is in it too, rank 3 (a member,
+    # one behind) never reached it, rank 1 is not a member (no dp0 in its ledger).
+    positions = {0: inside("dp0", 2, world=1), 1: inside("world", 1), 2: inside("dp0", 2, world=1), 3: Position(False, "dp0", "all_reduce", 1, "train.py:7", {"world": 1, "dp0": 1})}
+    lines = whereabouts(positions, waiting=2, finished={1})
+    assert [x.split(":")[0] for x in lines if "never reached" in x] == ["rank 3 never reached dp0 all_reduce #2 (train.py"]
