@@ -201,6 +201,7 @@ def test_the_report_names_only_the_ranks_behind_the_collective():
 
     # A sub-group: rank 2 waits in dp0's second all_reduce; rank 0 is in it too, rank 3 (a member,
     # one behind) never reached it, rank 1 is not a member (no dp0 in its ledger).
-    positions = {0: inside("dp0", 2, world=1), 1: inside("world", 1), 2: inside("dp0", 2, world=1), 3: Position(False, "dp0", "all_reduce", 1, "train.py:7", {"world": 1, "dp0": 1})}
+    behind = Position(False, "dp0", "all_reduce", 1, "train.py:7", {"world": 1, "dp0": 1})
+    positions = {0: inside("dp0", 2, world=1), 1: inside("world", 1), 2: inside("dp0", 2, world=1), 3: behind}
     lines = whereabouts(positions, waiting=2, finished={1})
     assert [x.split(":")[0] for x in lines if "never reached" in x] == ["rank 3 never reached dp0 all_reduce #2 (train.py"]
