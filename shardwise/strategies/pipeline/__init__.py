@@ -745,13 +745,17 @@ class PipelineRun(Parallel):
         self._clock.align(group, recorder, mesh.device)
         cls = _schedule_class(options.schedule)
         target = self.stages if options.schedule == "interleaved" else self.stages[0]
-        self.schedule = cls(target, n_microbatches=options.microbatches, loss_fn=self._loss, scale_grads=True)
+        # Gradients of the mean loss: divided by m once per parameter after the schedule (`forward_backward`), not by
+        # torch per stage (scale_grads), which divides a module held by two of this rank's stages twice (a traced
+        # model's module used twice, under interleaving), once partway through the other stage's backwards.
+        self.schedule = cls(target, n_microbatches=options.microbatches, loss_fn=self._loss, scale_grads=False)
         self._step_kwargs = {"return_outputs": False} if "return_outputs" in inspect.signature(self.schedule.step).parameters else {}
         self.holds_first = 0 in stages
         self.holds_last = (self.num_stages - 1) in stages
         self.model = PipelineModule(stages, runners, self.num_stages, group, mesh.device, recorder)
         params = list({id(p): p for s in sorted(stages) for p in stages[s].parameters()}.values())  # a tie on one rank: once
         self._last_stage = stages.get(self.num_stages - 1)
+        self._params = params
         self.optimizer = make_optimizer(params)
         self._chunks: list[Any] = []
         self._losses: dict[int, torch.Tensor] = {}
@@ -805,6 +809,10 @@ class PipelineRun(Parallel):
             self.schedule.step(*args, target=target, **kwargs, **self._step_kwargs)
         end = time.perf_counter()
         self._chunks = []
+        if m > 1:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.div_(m)
         sync_tied(self._tied, self._tie_params, self._group, self.mesh.coordinate("pp"), grads=True, device=self.mesh.device, recorder=self.recorder)
         average_grads(
             self.model, self.mesh, dp_strategy=self.options.dp_strategy, tp=self.tp, sequence_parallel=self.options.sequence_parallel, recorder=self.recorder
