@@ -276,3 +276,34 @@ def test_shardwise_train_starts_the_zygote_ahead_even_for_a_one_off_launch(monke
     with pytest.raises(Stop):
         cli.cmd_train(cli.train_parser().parse_args(["--recipe", "digits", "--nproc", "2"]))
     assert asked == [((2, "forkserver", "auto"), {"even_one_off": True})]
+
+
+class _RefusesAfter:
+    """The shared zygote, but it refuses (as one that ended or stopped answering does) from its
+    ``n``-th rank on: the launcher must start that rank and the rest as fresh interpreters."""
+
+    def __init__(self, real: zygote.Zygote, n: int) -> None:
+        self.real, self.n, self.process = real, n, real.process
+
+    def start(self, args, env):
+        if self.n == 0:
+            raise zygote.ZygoteUnavailable("the zygote ended or did not answer")
+        self.n -= 1
+        return self.real.start(args, env)
+
+
+def _lifeline() -> dict[str, object]:
+    return {"parent": os.getppid(), "follows": int(os.environ["SHARDWISE_PARENT_PID"])}
+
+
+def test_a_rank_started_fresh_after_the_zygote_refused_follows_the_launcher(monkeypatch):
+    # Rank 0 is forked; the zygote refuses rank 1, which starts as a fresh interpreter: a child of the
+    # launcher, so its lifeline must follow the launcher's pid (following the zygote's, it would exit
+    # at once, its parent not being that pid; or outlive the launcher, were the zygote its parent).
+    from shardwise.launcher import spawn
+
+    real = zygote.shared()
+    monkeypatch.setattr(spawn, "_zygote", lambda *args: _RefusesAfter(real, 1))
+    results = launch(_lifeline, nproc=2)
+    assert results[0] == {"parent": real.process.pid, "follows": real.process.pid}
+    assert results[1] == {"parent": os.getpid(), "follows": os.getpid()}
