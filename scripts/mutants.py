@@ -43,7 +43,6 @@ RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
 DATA_DRAWS = "tests/unit/test_data_workers.py::test_augmentation_draws_anew_each_epoch_and_the_same_again_on_a_resume_or_in_a_worker"
 HANG_REPORT_UNIT = "tests/dist/test_hang_report.py::test_the_report_names_only_the_ranks_behind_the_collective"
 HANG_REPORT_3 = "tests/dist/test_hang_report.py::test_a_rank_that_returned_without_the_collective_is_named"
-ZYGOTE_FALLBACK = "tests/dist/test_zygote.py::test_a_rank_started_fresh_after_the_zygote_refused_follows_the_launcher"
 PLAN_INTERLEAVED = "tests/unit/test_plan_cost.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
 HSDP_SHAPES = "tests/dist/test_sharding.py::test_hsdp_replicates_over_one_mesh_dimension_and_shards_over_the_other"
 
@@ -213,9 +212,6 @@ MUTANTS = [
            "            reached = pos.counts.get(mine.group, 0) if pos is not None else 0",
            "            reached = pos.counts.get(mine.group, 0) - (pos.inside and pos.group == mine.group) if pos is not None else 0",
            (HANG_REPORT_UNIT, HANG_REPORT_3)),
-    Mutant("a rank started fresh after the zygote refused still follows the zygote's pid", "shardwise/launcher/spawn.py",
-           '                    zygote = None\n                    child_env["SHARDWISE_PARENT_PID"] = str(os.getpid())\n',
-           "                    zygote = None\n", (ZYGOTE_FALLBACK,)),
     # -- end of issue 36 item 8 (M)
     # issue 36 item 8 (T): caught by the tests named in each entry
     Mutant("GPT-2's fused c_attn bias optimizer state saved in tp's per-rank head layout (a tp checkpoint resumed under single gets scrambled moments)",

@@ -77,6 +77,9 @@ def _memory(strategy: str, optimizer: str, **options: Any) -> tuple[dict[str, An
     return summary["memory_per_rank"], {"psi": psi, "fsdp": summary.get("fsdp"), "comm": summary["comm"]["by_op"]}
 
 
+HSDP_SHAPES = {"2x1": {"replicate": 2, "shard": 1}, "1x2": {"replicate": 1, "shard": 2}}
+
+
 def _world_of_two() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in ("zero1", "zero2", "zero3"):
@@ -89,6 +92,9 @@ def _world_of_two() -> dict[str, Any]:
         out[("offload", strategy)] = _fit(strategy, "adam", offload=True)
     trainer = Trainer(strategy="zero3", optimizer=adam, loss_fn=ce, sync_batchnorm=True, **{**COMMON, "max_steps": 2, "clip_grad_norm": None})
     out["syncbn"] = trainer.fit(normed(), classification())
+    for shape in HSDP_SHAPES:  # hsdp's two shapes at 2 ranks: swapping its mesh dimensions turns one into the other
+        out[("hsdp", shape)] = _fit("hsdp", "adam", **HSDP_SHAPES[shape])
+        out[("memory", "hsdp", shape)] = _memory("hsdp", "adam", **HSDP_SHAPES[shape])
     return out
 
 
@@ -176,6 +182,29 @@ def test_measured_bytes_equal_the_formula_at_world_size_two(strategy, two):
             for cat in ("params", "grads", "optimizer", "total"):
                 assert section[cat]["measured"] == expected[cat], (strategy, opt, rank, cat, section[cat], expected[cat])
                 assert section[cat]["ratio"] == 1.0
+
+
+@pytest.mark.parametrize("shape", list(HSDP_SHAPES))
+def test_hsdp_replicates_over_one_mesh_dimension_and_shards_over_the_other(shape, two, reference):
+    """At 2 ranks, replicate 2 x shard 1 keeps whole tensors and allreduces every gradient across
+    the replicas; 1 x 2 is zero3. Every other hsdp test runs 2 x 2, where swapped mesh dimensions
+    (or a swapped (replicate, shard) pair) change nothing."""
+    replicate, shard = HSDP_SHAPES[shape]["replicate"], HSDP_SHAPES[shape]["shard"]
+    for rank in range(2):
+        _check_parity(two[rank][("hsdp", shape)], reference["adam"])
+        section, info = two[rank][("memory", "hsdp", shape)]
+        assert (info["fsdp"]["replicate"], info["fsdp"]["shard"]) == (replicate, shard)
+        psi = info["psi"]
+        expected = model_state_bytes(3, psi, shard, plain(8, 2))  # each rank holds 1/shard of every tensor
+        for cat in ("params", "grads", "optimizer", "total"):
+            assert section[cat]["measured"] == expected[cat], (shape, rank, cat, section[cat], expected[cat])
+        comm = {op: v["payload_bytes"] for op, v in info["comm"].items() if op != "world/all_reduce"}  # world: the metrics' mean
+        steps = 2
+        if shape == "2x1":  # no gather, no reduce-scatter: every gradient allreduced whole across the 2 replicas
+            assert comm == {"replicate/all_reduce": steps * psi * 8}
+            assert info["fsdp"]["collectives_per_step"] == {"replicate/all_reduce": {"backward": 8.0}}
+        else:  # zero3 over 2: gathered in forward and backward, reduce-scattered once per unit
+            assert comm == {"dp/all_gather": steps * 2 * 2 * psi * 8, "dp/reduce_scatter": steps * psi * 8}
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3", "hsdp"])
