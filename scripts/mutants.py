@@ -225,6 +225,9 @@ MUTANTS = [
            (HSDP_SHAPES,)),
     Mutant("hsdp with its (replicate, shard) pair swapped", "shardwise/strategies/fsdp.py",
            "        replicate, shard = self.shape(mesh.size(\"dp\"))", "        shard, replicate = self.shape(mesh.size(\"dp\"))", (HSDP_SHAPES,)),
+    Mutant("the start-of-run broadcast of a weight tied across pipeline stages lands in a copy", "shardwise/strategies/pipeline/ties.py",
+           "            buf = p.data if p is not None else", "            buf = p.data.clone() if p is not None else",
+           ("tests/models/test_pipeline_own_models.py::test_a_weight_tied_across_stages_starts_from_the_first_owners_values",)),
 ]
 
 

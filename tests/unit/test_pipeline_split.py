@@ -512,3 +512,118 @@ def test_buffers_survive_the_shape_inference_of_older_torch() -> None:
     assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_mean, torch.zeros(3))
     bn(torch.randn(4, 3) + 5)  # a real forward still counts
     assert int(bn.num_batches_tracked) == 1
+
+
+# -- the traced forward (issue 36) -------------------------------------------------------------------
+
+
+class _Branchy(nn.Module):
+    """A forward fx cannot trace (a branch on a tensor's value) around code the children skip."""
+
+    def __init__(self, scale: float = 2.0) -> None:
+        super().__init__()
+        self.scale = scale
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if h.sum() > -1e9:  # always true; data-dependent all the same
+            h = torch.relu(h) * self.scale
+        return self.fc2(h)
+
+
+class _PlainBranchy(_Branchy):
+    """Untraceable, but its forward is its children in order: the sequence split is proven on a sample."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if h.sum() > 1e9:  # never true on the data
+            h = h * 0
+        return self.fc2(h)
+
+
+def _sample_of(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(1, 8, generator=g, dtype=torch.float64), torch.zeros(1, dtype=torch.int64)
+
+
+def test_traced_stages_run_the_code_between_layers_and_keep_the_names():
+    from tests.models.own_models import build_own, own_sample
+    from shardwise.strategies.pipeline import traced
+
+    for name, stages, crossing in (("skipnet", 4, [1, 1, 2, 1]), ("postransformer", 2, [1, 1]), ("cnn", 2, [1, 1])):
+        model = build_own(name)
+        x = own_sample(name, 0)[0].unsqueeze(0)
+        gm = traced.trace(model)
+        plan = traced.plan_stages(gm, stages, None, traced.node_types(gm, (x,)))
+        assert [len(i) for i in plan.inputs] == crossing  # skipnet's skip crosses stages 1 -> 2 beside the activation
+        mods = [traced.stage_module(gm, plan, s) for s in range(stages)]
+        assert torch.equal(traced.run_in_turn(mods, (x,), {}, False), model(x))
+        keys = [k for m in mods for k in m.state_dict()]
+        assert sorted(keys) == sorted(model.state_dict()), name  # original names, each once
+        assert all(m.state_dict()[k].data_ptr() == model.state_dict()[k].data_ptr() for m in mods for k in m.state_dict())  # no copies
+    assert list(mods[0].root_tensors) == [] and "pos" in traced.stage_module(*_pos_split()).root_tensors
+
+
+def _pos_split():
+    from tests.models.own_models import build_own
+    from shardwise.strategies.pipeline import traced
+
+    gm = traced.trace(build_own("postransformer"))
+    return gm, traced.plan_stages(gm, 2, None, traced.static_types(gm)), 0
+
+
+def test_a_module_used_on_two_stages_is_a_weight_tied_across_them():
+    from tests.models.own_models import build_own
+    from shardwise.strategies.pipeline import traced
+
+    model = build_own("sharednet")
+    gm = traced.trace(model)
+    plan = traced.plan_stages(gm, 4, None, traced.static_types(gm))
+    mods = {s: traced.stage_module(gm, plan, s) for s in range(4)}
+    assert plan.runs[1] == ["mix", "blocks.1"] and "mix" in mods[3].layer_names  # its second use, after blocks.3
+    ties = traced.cross_stage_ties(model, mods, pp=4)
+    assert sorted(t.name for t in ties) == ["mix.bias", "mix.weight"] and {t.owners for t in ties} == {(1, 3)}
+    assert traced.cross_stage_ties(model, mods, pp=2) == []  # stages 1 and 3 on one rank: one Parameter there
+
+
+def test_an_untraceable_forward_whose_children_skip_its_code_is_refused_naming_where():
+    with pytest.raises(ConfigError) as info:
+        Pipeline(pp=2).route(_Branchy(), _sample_of(_Branchy()))
+    message = str(info.value)
+    assert "torch.fx cannot trace its forward (TraceError: symbolically traced variables cannot be used as inputs to control flow" in message
+    assert "if h.sum() > -1e9" in message  # the line of the user's forward
+    assert "the first layer whose output differs is fc2 (stage 1)" in message
+    # a scale of 1 makes relu the only difference; nothing else is let through either
+    with pytest.raises(ConfigError, match="first layer whose output differs is fc2"):
+        Pipeline(pp=2).route(_Branchy(scale=1.0), _sample_of(_Branchy()))
+
+
+def test_an_untraceable_forward_equal_to_its_children_is_split_once_a_sample_proves_it():
+    model = _PlainBranchy()
+    assert Pipeline(pp=2).route(model, _sample_of(model)).kind == "sequence"
+    Pipeline(pp=2).plan(2, model=model)  # plan, with no sample, leaves the proof to check_sample
+    with pytest.raises(ConfigError, match="only done once a sample batch proves the stages equal the model's forward"):
+        Pipeline(pp=2).route(model)  # an Engine with no sample: refused, saying how to give one
+
+
+def test_the_trainer_refuses_an_unprovable_split_in_the_parent(monkeypatch):
+    import shardwise.trainer.loop as loop
+
+    monkeypatch.setattr(loop, "launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched before refusing")))
+    data = TensorDataset(torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 3, (8,)))
+    trainer = Trainer(strategy="pipeline", strategy_options=dict(pp=2), nproc=2, global_batch_size=8, max_steps=1, progress_bar=False, loss_fn=_ce)
+    with pytest.raises(ConfigError, match="cannot split _Branchy into pipeline stages by its top-level children in order"):
+        trainer.fit(_Branchy().double(), data)
+
+
+def _ce(out, batch):
+    return F.cross_entropy(out, batch[1])
+
+
+def test_pp_with_tp_refuses_a_traced_split_with_the_reason():
+    from tests.models.own_models import build_own
+
+    with pytest.raises(ConfigError, match="tensor parallelism inside such stages is not supported"):
+        Pipeline(pp=2, tp=2).plan(4, model=build_own("cnn"))

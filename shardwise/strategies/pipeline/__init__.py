@@ -603,8 +603,8 @@ class Pipeline(Strategy):
             raise ConfigError(
                 f"cannot split {type(model).__name__} into pipeline stages: {reason}, and splitting it by {where} "
                 "is only done once a sample batch proves the stages equal the model's forward; train through the "
-                "Trainer (which passes its first sample), call strategy.check_sample(model, batch, layout) before "
-                "Engine.setup, or make the forward traceable (no Python control flow on tensor values or sizes)"
+                "Trainer (which passes its first sample), build the strategy object, call its check_sample(model, batch, layout) "
+                "and give it to Engine(strategy=...), or make the forward traceable (no Python control flow on tensor values or sizes)"
             )
         _prove(model, r, sample, f"{where} ({reason})")
         return r
