@@ -549,8 +549,8 @@ def _sample_of(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_traced_stages_run_the_code_between_layers_and_keep_the_names():
-    from tests.models.own_models import build_own, own_sample
     from shardwise.strategies.pipeline import traced
+    from tests.models.own_models import build_own, own_sample
 
     for name, stages, crossing in (("skipnet", 4, [1, 1, 2, 1]), ("postransformer", 2, [1, 1]), ("cnn", 2, [1, 1])):
         model = build_own(name)
@@ -567,16 +567,16 @@ def test_traced_stages_run_the_code_between_layers_and_keep_the_names():
 
 
 def _pos_split():
-    from tests.models.own_models import build_own
     from shardwise.strategies.pipeline import traced
+    from tests.models.own_models import build_own
 
     gm = traced.trace(build_own("postransformer"))
     return gm, traced.plan_stages(gm, 2, None, traced.static_types(gm)), 0
 
 
 def test_a_module_used_on_two_stages_is_a_weight_tied_across_them():
-    from tests.models.own_models import build_own
     from shardwise.strategies.pipeline import traced
+    from tests.models.own_models import build_own
 
     model = build_own("sharednet")
     gm = traced.trace(model)
