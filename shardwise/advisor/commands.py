@@ -4,7 +4,7 @@
 
     shardwise plan --model charlm|digits|PATH.json|module:factory [--params 7.5e9] \\
                    --nproc 64 [--nodes 8] [--device cpu|h100-80gb|a100-40gb|custom.toml] \\
-                   [--global-batch 512] [--seq 2048] [--precision bf16-mixed] [--json out.json] [--png out.png]
+                   [--global-batch 512 (or --global-batch-size)] [--seq 2048] [--precision bf16-mixed] [--json out.json] [--png out.png]
     shardwise plan --calibrate [--out shardwise/plan/profiles/cpu.json]
     shardwise plan --validate --model digits --nproc 2 [--steps 20]
 
@@ -36,7 +36,14 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, help="processes in the job (all nodes)")
     p.add_argument("--nodes", type=int, default=1, help="nodes the processes are spread over (default 1)")
     p.add_argument("--device", default=None, help="cpu (this machine, measured), h100-80gb, a100-40gb, or a profile .toml/.json")
-    p.add_argument("--global-batch", type=int, default=None, help="samples per optimizer step over all ranks (default: the recipe's, else 512)")
+    p.add_argument(
+        "--global-batch",
+        "--global-batch-size",  # train's and tune's name, which the strategies' messages give
+        dest="global_batch",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all ranks (default: the recipe's, else 512)",
+    )
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches each rank accumulates per step (default 1)")
     p.add_argument("--seq", type=int, default=None, help="sequence length for --params or a config .json (default 2048 / the config's)")
     p.add_argument("--precision", default=None, choices=["32", "64", "bf16-mixed", "16-mixed"], help="default: bf16-mixed on GPU profiles, 32 on cpu")
@@ -97,12 +104,16 @@ def table(records: list[dict[str, Any]], show_all: bool, limit: int = 20) -> str
     if refused:
         lines.append(f"{len(refused)} candidate(s) do not fit or are refused:")
         seen: set[str] = set()
+        hidden = 0
         for r in refused:
             key = r["strategy"] + r["reason"][:40]
             if key in seen and not show_all:
+                hidden += 1  # the same strategy refused for the same reason: one line stands for them
                 continue
             seen.add(key)
-            lines.append(f"  {r['label'][:58]:58s} {r['reason']}")
+            lines.append(f"  {r['label']:58s} {r['reason']}")
+        if hidden:
+            lines.append(f"  ... and {hidden} more, each refused as a line above of its strategy (--all lists every one)")
     return "\n".join(lines)
 
 
@@ -175,6 +186,35 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return model, cluster, Settings(batch, precision, args.optimizer, args.accumulate)
 
 
+_ACCUMULATIONS_TRIED = 24
+
+
+def fits_with_accumulation(model: Any, cluster: Any, settings: Any) -> str:
+    """What to do when nothing fits, found by planning again: with each rank's batch split into 2, 4, 8, ...
+    micro-batches (activations are held for one at a time; each accumulation that divides the global batch), the first accumulation at which a candidate
+    fits, and the fastest candidate then; or, when none fits even at one sample per micro-batch, more
+    processes or a bigger device."""
+    from dataclasses import replace
+
+    from shardwise.advisor.candidates import plan_all
+
+    # Every accumulation that divides the global batch, smallest first (each plan is a few ms of formulas
+    # per candidate); a capped search says so rather than claim that nothing fits.
+    steps = [a for a in range(settings.accumulate + 1, settings.global_batch + 1) if settings.global_batch % a == 0]
+    for accumulate in steps[:_ACCUMULATIONS_TRIED]:
+        again = [r for r in plan_all(model.spec, cluster, replace(settings, accumulate=accumulate), model.module) if r["fits"]]
+        if again:
+            best = min(again, key=lambda r: r["step_time_s"])
+            return (
+                f"With --accumulate {accumulate} (micro-batches {accumulate / settings.accumulate:.3g}x smaller) {len(again)} candidate(s) fit, "
+                f"the fastest {best['label']} at {si(best['memory_per_rank_bytes'])} per rank: run plan again with --accumulate {accumulate}"
+            )
+    if len(steps) > _ACCUMULATIONS_TRIED:
+        last = steps[_ACCUMULATIONS_TRIED - 1]
+        return f"Nothing fits with --accumulate up to {last} either: more processes (--nproc), or a device with more memory (--device)"
+    return "Nothing fits at any accumulation either: more processes (--nproc) to shard the model state over, or a device with more memory (--device)"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``shardwise plan`` (or ``--calibrate`` / ``--validate``)."""
     if args.calibrate:
@@ -193,6 +233,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for r in records:
         r["device_memory_bytes"] = cluster.device.memory_bytes
     advice = recommend(records, model.spec, cluster, settings, unreliable=args.unreliable)
+    if advice["choice"] is None:
+        advice["why"] += ". " + fits_with_accumulation(model, cluster, settings)
     spec = model.spec
     print(
         f"model {spec.name}: {si(spec.params, '')} parameters, {spec.layers} layers, hidden {spec.hidden}, seq {spec.seq}, "
@@ -205,7 +247,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"global batch {settings.global_batch} (accumulate {settings.accumulate}), precision {settings.precision}, {settings.optimizer}"
     )
     print(table(records, args.all))
-    print(f"recommendation: {advice['choice']}  ({advice['why']})")
+    print(f"recommendation: {advice['choice'] or 'none fits'}  ({advice['why']})")
     rec = advice["choice_record"]
     if rec:
         m, t = rec["memory_breakdown"], rec["time_breakdown"]

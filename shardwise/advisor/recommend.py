@@ -100,9 +100,11 @@ def recommend(records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Clust
             why = f"many layers ({spec.layers}) and slow links: DDP's exposed communication is {t['exposed_comm_s']:.3g} s of its {t['step_s']:.3g} s step"
     choice = _fastest(records, FAMILIES[rule], need)
     fastest = _fastest(records, sorted({r["strategy"] for r in records}))
-    if choice is None:
+    if choice is None and fastest is not None:
         why += "; no candidate of that family fits here, so the fastest candidate that fits is named instead"
         choice = fastest
+    elif choice is None:
+        why = f"no candidate fits: {why}. {nothing_fits(records, mem)}"
     return {
         "rule": rule,
         "why": why,
@@ -111,3 +113,23 @@ def recommend(records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Clust
         "fastest": fastest["label"] if fastest else None,
         "numbers": numbers,
     }
+
+
+def nothing_fits(records: Sequence[dict[str, Any]], device_bytes: float) -> str:
+    """Why no candidate fits, told by the candidate that needs the least memory per rank: its model state
+    alone is too big (more processes to shard over, or a bigger device), or its activations are (smaller
+    micro-batches: ``shardwise plan`` then tries more accumulation steps, `commands.fits_with_accumulation`)."""
+    gb = 1e9
+    sized = [r for r in records if r.get("memory_per_rank_bytes") and r["memory_per_rank_bytes"] > 0 and r["world_size"] > 0]
+    if not sized:
+        return "Every candidate was refused by its strategy (the reasons are listed above)."
+    best = min(sized, key=lambda r: r["memory_per_rank_bytes"])
+    m = best["memory_breakdown"]
+    head = f"The least memory per rank is {best['label']}'s, {best['memory_per_rank_bytes'] / gb:.3g} GB of the device's {device_bytes / gb:.3g} GB"
+    rest = m["total"] - m["activations"]  # model state and buffers: what a smaller micro-batch does not shrink
+    if rest >= device_bytes:
+        return (
+            f"{head}, and its model state alone ({m['model_state'] / gb:.3g} GB) does not fit: more processes (--nproc) "
+            "to shard it over, or a device with more memory (--device)"
+        )
+    return f"{head}; its activations ({m['activations'] / gb:.3g} GB) are what does not fit (they shrink with the micro-batch)"

@@ -30,3 +30,49 @@ def test_plan_json_holds_zero_table_1_and_every_candidates_fields(tmp_path):
             assert key in rec
         assert rec["fits"] or rec["reason"]
     assert png.stat().st_size > 10_000
+
+
+# -- the rough edges of issue 36: in this process (shardwise.cli.main), a few ms of formulas each -------------
+def _plan_text(capsys: pytest.CaptureFixture[str], *flags: str) -> str:
+    from shardwise.cli import main
+
+    assert main(["plan", *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_when_nothing_fits_the_recommendation_says_why_and_what_fits_instead(capsys):
+    # 7e9 parameters, 8 H100s, a global batch of 512: every candidate's activations exceed 80 GB.
+    text = _plan_text(capsys, "--params", "7e9", "--nproc", "8")
+    rec = next(line for line in text.splitlines() if line.startswith("recommendation:"))
+    assert rec.startswith("recommendation: none fits  (no candidate fits: a data-parallel rank's activations alone")
+    assert "The least memory per rank is pipeline(pp=8,tp=1,schedule=1f1b,microbatches=32)'s, 542 GB of the device's 80 GB" in rec
+    label = rec.split("the fastest ")[1].split(" at ")[0]
+    assert "With --accumulate 16 (micro-batches 16x smaller) 10 candidate(s) fit" in rec and rec.endswith("run plan again with --accumulate 16)")
+    # ... and the advice holds: planned again as it says, that candidate is the recommendation.
+    again = _plan_text(capsys, "--params", "7e9", "--nproc", "8", "--accumulate", "16")
+    assert f"recommendation: {label}  (" in again
+    # The model state itself too big for any accumulation: more processes or a bigger device.
+    rec = _plan_text(capsys, "--params", "7e10", "--nproc", "2").splitlines()[-1]
+    assert "its model state alone (560 GB) does not fit" in rec and "Nothing fits at any accumulation either: more processes (--nproc)" in rec
+
+
+def test_the_refused_count_is_what_is_listed_or_said_to_be_more(capsys):
+    for flags in ((), ("--all",)):
+        lines = _plan_text(capsys, "--params", "7e9", "--nproc", "8", *flags).splitlines()
+        start = next(i for i, line in enumerate(lines) if "candidate(s) do not fit or are refused:" in line)
+        count = int(lines[start].split()[0])
+        listed = [line for line in lines[start + 1 :] if line.startswith("  ") and not line.startswith("  ...")]
+        more = [int(line.split()[2]) for line in lines[start + 1 :] if line.startswith("  ... and ")]
+        assert count == 48 and len(listed) + sum(more) == count, (flags, len(listed), more)
+        assert all("schedule=interleaved,microbatches=8,virtual_stages=2" in line for line in listed if "interleaved,microbatches=8" in line)  # whole labels
+        assert bool(more) is not bool(flags)
+
+
+def test_the_global_batch_hint_names_a_flag_plan_takes(capsys):
+    # ps on 8 processes trains on 7: 512 is refused with the strategy's own message, which names
+    # --global-batch-size (train's flag): plan takes it too, and the suggested batch is then planned.
+    text = _plan_text(capsys, "--params", "1e8", "--nproc", "8", "--seq", "512")
+    (reason,) = [line for line in text.splitlines() if line.strip().startswith("ps(servers=1,mode=sync)")]
+    assert "(e.g. 511 or 518): global_batch_size= in Python, --global-batch-size on the command line" in reason
+    text = _plan_text(capsys, "--params", "1e8", "--nproc", "8", "--seq", "512", "--global-batch-size", "518")
+    assert "global batch 518 (accumulate 1)" in text and "is not divisible by world size 7" not in text
