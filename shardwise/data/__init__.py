@@ -20,7 +20,13 @@ step `s` takes `perm[s*B:(s+1)*B]`; rank `r` takes the `r`-th contiguous slice o
 and splits it into `accumulate` micro-batches. The global batch is therefore the same at any
 world size (tested), and the loader's whole state is `(epoch, steps taken in the epoch)`:
 a resume continues with exactly the next samples, even at another world size. The last
-partial global batch of an epoch is dropped. Tensor datasets are indexed in one call (no
+partial global batch of an epoch is dropped (the Trainer says how many samples that leaves out),
+unless ``drop_last=False``: then its `r = n % B` samples are one more, smaller step, split into the
+`world x accumulate` parts as evenly as they go (contiguous, sizes differing by at most one; a part
+left empty gets a copy of the step's first sample), and `step_weights` gives each micro-batch's weight
+`size x parts / r` (0 for a copy). The strategies divide each micro-batch's mean loss by `accumulate` and
+average over the ranks, so the weighted losses add up to the mean over the `r` samples: the step is the
+one a loop over the whole data set takes on its last, smaller batch (tested against one by hand). Tensor datasets are indexed in one call (no
 per-sample collation); other datasets go sample by sample (`seeded_fetch`): before each sample,
 torch's CPU generator, Python's `random` and NumPy's global generator are seeded from
 `(seed, epoch, index)`, inside a saved-and-restored generator state, so augmentation is a
@@ -221,9 +227,11 @@ class ShardedLoader:
         collate_fn: Collate | None = None,
         num_workers: int = 0,
         limit: int | float | None = None,
+        drop_last: bool = True,
     ) -> None:
         """``limit``: steps per epoch, a whole number or a fraction of the epoch (the first steps of
-        each epoch's order; ``limit_train_batches``)."""
+        each epoch's order; ``limit_train_batches``). ``drop_last=False``: the epoch's last, smaller
+        global batch is a step too (`step_weights`)."""
         self.dataset = dataset
         self.n = len(dataset)  # type: ignore[arg-type]
         self.global_batch = global_batch
@@ -238,6 +246,9 @@ class ShardedLoader:
         self.collate_fn = collate_fn
         self.num_workers = num_workers
         self.limit = limit
+        self.drop_last = drop_last
+        self.last_weights: list[float] | None = None
+        """The weights of the step just handed out (`step_weights`; None for a full global batch)."""
         self.epoch = 0
         self.step_in_epoch = 0
         self._stream: Any = None
@@ -245,17 +256,56 @@ class ShardedLoader:
 
     @property
     def steps_per_epoch(self) -> int:
-        full = self.n // self.global_batch  # the last partial global batch is dropped
+        full = self.n // self.global_batch if self.drop_last else -(-self.n // self.global_batch)  # the last partial global batch is dropped
         if self.limit is None:
             return full
         if isinstance(self.limit, float):
             return max(1, min(full, int(full * self.limit)))
         return min(full, self.limit)
 
+    @property
+    def left_out(self) -> int:
+        """Samples of each epoch no step takes (``n % global batch`` under ``drop_last``, else 0)."""
+        return self.n % self.global_batch if self.drop_last else 0
+
+    def _parts(self, step: int) -> tuple[int, list[int]] | None:
+        """(samples, every part's size) of a smaller last step; None for a full global batch."""
+        size = min(self.global_batch, self.n - step * self.global_batch)
+        if size >= self.global_batch:
+            return None
+        parts = self.world_size * self.accumulate
+        return size, [size // parts + (k < size % parts) for k in range(parts)]
+
     def _step_indices(self, perm: torch.Tensor, step: int) -> list[list[int]]:
-        start = step * self.global_batch + self.rank * self.micro * self.accumulate
-        mine = perm[start : start + self.micro * self.accumulate].tolist()
-        return [mine[i * self.micro : (i + 1) * self.micro] for i in range(self.accumulate)]
+        last = self._parts(step)
+        if last is None:
+            start = step * self.global_batch + self.rank * self.micro * self.accumulate
+            mine = perm[start : start + self.micro * self.accumulate].tolist()
+            return [mine[i * self.micro : (i + 1) * self.micro] for i in range(self.accumulate)]
+        _, sizes = last
+        base = step * self.global_batch
+        out = []
+        for k in range(self.rank * self.accumulate, (self.rank + 1) * self.accumulate):
+            at = base + sum(sizes[:k])
+            idx = perm[at : at + sizes[k]].tolist()
+            out.append(idx or [int(perm[base])])  # an empty part: a copy, weighted 0 (a forward needs a sample)
+        return out
+
+    @property
+    def last_step_samples(self) -> int:
+        """Samples in the global batch of the step just handed out."""
+        return min(self.global_batch, self.n - (self.step_in_epoch - 1) * self.global_batch) if self.step_in_epoch else self.global_batch
+
+    def step_weights(self, step: int) -> list[float] | None:
+        """This rank's micro-batch loss weights at ``step`` of an epoch: None for a full global batch; for
+        the smaller last one ``size x parts / samples`` each (0 for a padding copy), so that the strategy's
+        mean over micro-batches and ranks is the mean over the step's samples."""
+        last = self._parts(step)
+        if last is None:
+            return None
+        size, sizes = last
+        parts = len(sizes)
+        return [sizes[k] * parts / size for k in range(self.rank * self.accumulate, (self.rank + 1) * self.accumulate)]
 
     def index_plan(self) -> Iterator[list[list[int]]]:
         """Indices of the remaining steps of the current epoch (no data touched)."""
@@ -269,12 +319,14 @@ class ShardedLoader:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
         if self.num_workers == 0:
             for step in list(self.index_plan()):
+                self.last_weights = None if self.drop_last else self.step_weights(self.step_in_epoch)
                 self.step_in_epoch += 1
                 yield [self._fetch(self.epoch, idx) for idx in step]
         else:
             stream = self._worker_stream()
             for _ in range(self.step_in_epoch, self.steps_per_epoch):
                 micro = [next(stream) for _ in range(self.accumulate)]
+                self.last_weights = None if self.drop_last else self.step_weights(self.step_in_epoch)
                 self.step_in_epoch += 1
                 yield micro
         self.epoch, self.step_in_epoch = self.epoch + 1, 0

@@ -172,6 +172,8 @@ class Trainer:
         self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
         strategy.check_precision(cfg.precision, self._layout)
         check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
+        if not cfg.drop_last:
+            _check_drop_last(self._layout)
         self._check_tools(val_data, model)
         if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
             check_out(cfg.out, cfg.resume, cfg.overwrite)
@@ -223,6 +225,22 @@ class Trainer:
 
     def _global_batch(self, dl_batch: int | None) -> int:
         return self.config.global_batch_size or dl_batch or 32
+
+    def _batch_notes(self, global_batch: int, dl_batch: int | None, loader: ShardedLoader) -> dict[str, Any]:
+        """What the run's first lines say about the batch (rank 0 prints them): a global batch nobody set,
+        and the samples each epoch leaves out."""
+        lines = []
+        source = "global_batch_size" if self.config.global_batch_size else "dataloader" if dl_batch else "default"
+        if source == "default":
+            lines.append(f"global batch {global_batch} (the default; set global_batch_size=... or --global-batch-size)")
+        elif source == "dataloader":
+            lines.append(f"global batch {global_batch} (the DataLoader's batch size; global_batch_size=... sets another)")
+        if loader.left_out and loader.limit is None:
+            lines.append(
+                f"{loader.left_out} samples of {loader.n} are left out of each epoch ({loader.n} % global batch {global_batch}); "
+                "drop_last=False keeps them (one more, smaller step an epoch, exact)"
+            )
+        return {"lines": lines, "from": source}
 
     # -- fit ------------------------------------------------------------------------------
     tune_lr = lr_find
@@ -404,6 +422,7 @@ class Trainer:
             collate_fn=collate,
             num_workers=max(workers, cfg.num_workers),
             limit=cfg.limit_train_batches,
+            drop_last=cfg.drop_last,
         )
         total = cfg.max_steps or (cfg.max_epochs or 1) * loader.steps_per_epoch
         if cfg.fast_dev_run:
@@ -419,6 +438,10 @@ class Trainer:
             engine.print(f"shardwise: fast_dev_run: {total} step(s) and {total} validation batch(es) per rank; nothing is saved or logged")
         elif cfg.announce_outputs:
             engine.print(describe_outputs(cfg.out, cfg.checkpoint_every, cfg.keep_last))
+        batch_notes = self._batch_notes(global_batch, dl_batch, loader)
+        if cfg.announce_outputs and not cfg.fast_dev_run:
+            for note in batch_notes["lines"]:
+                engine.print(f"shardwise: {note}")
         if getattr(self, "_run_id", None) is None:
             self._run_id = new_run_id()
         resumed_from = self._resume(engine, state)
@@ -439,15 +462,18 @@ class Trainer:
         loggers = Loggers.build(cfg.loggers, self.logger_objects, run_info if engine.is_rank_zero and not cfg.fast_dev_run else None)
         loggers.log_hyperparams(self.hyperparameters())
         self._loggers = loggers
-        progress = Progress(enabled=engine.is_rank_zero, total=total, initial=start_step, bar=cfg.progress_bar)
-        if resumed_from is not None:
-            progress.write(f"resumed from {resumed_from} at step {start_step}")
         model_summary = None
-        if table is not None:
+        if table is not None:  # the whole table before the bar starts: a bar drawn first breaks into it
             per_rank = evaluate.per_rank_counts(engine, engine.unwrap(wrapped))
             model_summary = {"modules": table, "parameters_per_rank": per_rank}
             engine.print(evaluate.format_summary(table, per_rank))
+        progress = Progress(enabled=engine.is_rank_zero, total=total, initial=start_step, bar=cfg.progress_bar)
+        if resumed_from is not None:
+            progress.write(f"resumed from {resumed_from} at step {start_step}")
         step_fn = make_step_fn(self.loss_fn, engine.unwrap(wrapped))
+        weights = _Weights()
+        if not cfg.drop_last:
+            step_fn = weights.wrap(step_fn)  # the epoch's smaller last batch: each micro-batch's share (`ShardedLoader.step_weights`)
         # The grad scaler checks fp16 gradients itself and skips what overflows: not ours to stop (the loss still is).
         nonfinite = NonFiniteCheck(engine.unwrap(wrapped), engine.group, engine.recorder, check_grads=engine.precision.scaler is None)
         val = unpack_data(val_data)
@@ -524,6 +550,7 @@ class Trainer:
                         profiler.step_abort()
                     break
                 self._callback("on_train_step_start", engine, self.step + 1)
+                weights.start(loader.last_weights)
                 with phase("forward_backward"):
                     loss = engine.forward_backward(wrapped, micro, step_fn)
                 with phase("optimizer"):
@@ -539,7 +566,7 @@ class Trainer:
                         scheduler.step()  # as after a grad scaler's skip: a skipped step moves no schedule
                 self.step += 1
                 counters["step"] = self.step
-                counters["samples"] = counters["samples"] + global_batch
+                counters["samples"] = counters["samples"] + (global_batch if loader.last_weights is None else loader.last_step_samples)
                 if verdict is None:
                     counters["weights_finite"] = True
                 self._last_loss = loss
@@ -584,6 +611,9 @@ class Trainer:
             "mesh": dict(engine.layout.degrees),  # dp x pp x tp of the training ranks, as the strategy planned it
             "precision": cfg.precision,
             "global_batch_size": global_batch,
+            "global_batch_size_from": batch_notes["from"],
+            "drop_last": cfg.drop_last,
+            "samples_left_out_per_epoch": loader.left_out,
             "accumulate": cfg.accumulate,
             "steps": self.step,
             "steps_this_run": steps_run,
@@ -768,6 +798,44 @@ class Trainer:
     def _callback(self, hook: str, *args: Any) -> None:
         first = [self._lightning] if self._lightning is not None and self._lightning.bound else []  # the module's hooks run first
         callbacks.dispatch([*first, *self.callbacks], hook, self, *args)
+
+
+# Strategies that take one step's micro-batches in order through the step function and average every
+# data-parallel rank's gradient: a weighted smaller last batch is then exact.
+_EXACT_SMALLER_BATCH = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp")
+
+
+def _check_drop_last(layout: Layout) -> None:
+    """``drop_last=False`` where it is exact, refused before launch elsewhere."""
+    if layout.strategy not in _EXACT_SMALLER_BATCH or layout.degrees.get("pp", 1) > 1:
+        raise ConfigError(
+            f"drop_last=False: strategy {layout.strategy!r} cannot take the epoch's smaller last batch exactly "
+            "(a pipeline splits each batch into a fixed number of micro-batches; parameter servers and replicas do not average "
+            f"every rank's gradient of a step); it works with {', '.join(_EXACT_SMALLER_BATCH)}. Leave drop_last=True "
+            "(the remainder is left out) or choose a global batch that divides the data set"
+        )
+
+
+class _Weights:
+    """The per-micro-batch loss weights of the step running now (`ShardedLoader.step_weights`)."""
+
+    def __init__(self) -> None:
+        self.now: list[float] | None = None
+        self.i = 0
+
+    def start(self, weights: list[float] | None) -> None:
+        self.now, self.i = weights, 0
+
+    def wrap(self, step_fn: StepFn) -> StepFn:
+        def weighted(model: nn.Module, batch: Any) -> torch.Tensor:
+            loss = step_fn(model, batch)
+            if self.now is None:
+                return loss
+            w = self.now[self.i]
+            self.i += 1
+            return loss * w
+
+        return weighted
 
 
 def _fit_worker(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any) -> tuple[dict[str, Any], Any]:

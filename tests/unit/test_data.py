@@ -107,3 +107,86 @@ def test_dataloaders_and_datasets_are_accepted_others_refused():
     assert unpack_data(ds)[0] is ds
     with pytest.raises(ConfigError, match="map-style Dataset"):
         unpack_data(iter([1, 2]))
+
+
+# -- the epoch's remainder: said, and kept exactly with drop_last=False ----------------------------------
+
+
+def test_drop_last_false_splits_the_last_batch_evenly_with_weights_and_pads_empty_parts():
+    # 70 samples, global batch 16: 4 full steps and one of 6 samples, over 2 ranks x 2 micro-batches: 2, 2, 1, 1
+    seen, weights = [], []
+    for rank in range(2):
+        loader = ShardedLoader(_dataset(70), global_batch=16, world_size=2, rank=rank, accumulate=2, shuffle=False, drop_last=False)
+        assert loader.steps_per_epoch == 5 and loader.left_out == 0
+        steps = list(loader)
+        seen += [x[0].squeeze(1).long().tolist() for x in steps[-1]]
+        weights += loader.step_weights(4)
+        assert loader.step_weights(3) is None
+    assert seen == [[64, 65], [66, 67], [68], [69]] and weights == [4 / 3, 4 / 3, 2 / 3, 2 / 3]  # size x 4 parts / 6, mean 1
+    # 66 samples: the last step has 2, so two of the four parts are a weight-0 copy of its first sample
+    loader = ShardedLoader(_dataset(66), global_batch=16, world_size=2, rank=1, accumulate=2, shuffle=False, drop_last=False)
+    assert [x[0].squeeze(1).long().tolist() for x in list(loader)[-1]] == [[64], [64]] and loader.step_weights(4) == [0.0, 0.0]
+    assert ShardedLoader(_dataset(66), global_batch=16).left_out == 2
+
+
+def _lin() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 2).double()
+
+
+def _mse(out, batch):
+    return (out - batch[1]).pow(2).mean()
+
+
+def _regression(n: int = 70) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    return TensorDataset(x, x @ torch.tensor([[1.0, -1.0], [0.5, 2.0], [0.0, 1.0]], dtype=torch.float64))
+
+
+def test_drop_last_false_equals_a_loop_over_the_whole_data_set_and_the_first_lines_say_the_batch(tmp_path, capsys, monkeypatch):
+    import json
+    import sys
+
+    from shardwise import Trainer
+    from shardwise.data import epoch_permutation
+
+    model = _lin()
+    opt = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    summary = Trainer(
+        optimizer=opt, loss_fn=_mse, global_batch_size=16, accumulate=4, max_epochs=2, drop_last=False, out=str(tmp_path), progress_bar=False
+    ).fit(model, _regression())
+    # by hand: every epoch's order, batches of 16 and a last one of 6, the mean loss of each
+    ref = _lin()
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _regression().tensors
+    for epoch in range(2):
+        perm = epoch_permutation(70, 0, epoch)
+        for start in range(0, 70, 16):
+            idx = perm[start : start + 16]
+            _mse(ref(x[idx]), (None, y[idx])).backward()
+            sgd.step()
+            sgd.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+    assert summary["steps"] == 10 and summary["samples"] == 140 and summary["samples_left_out_per_epoch"] == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["drop_last"] is False
+    # the default (drop_last=True), the global batch left unset: both said in the first lines, in summary.json
+    # (the bar written where the lines go, to see the order: the whole model table, then the bar)
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stderr", sys.stdout)
+    summary = Trainer(optimizer=opt, loss_fn=_mse, max_steps=1, progress_bar=True).fit(_lin(), _regression())
+    out = capsys.readouterr().out
+    assert "shardwise: global batch 32 (the default; set global_batch_size=... or --global-batch-size)" in out
+    assert "shardwise: 6 samples of 70 are left out of each epoch (70 % global batch 32); drop_last=False keeps them" in out
+    assert out.index("global batch 32") < out.index("module  type") < out.index("parameters per rank after sharding") < out.index("train:")
+    assert summary["global_batch_size_from"] == "default" and summary["samples_left_out_per_epoch"] == 6
+
+
+def test_drop_last_false_is_refused_before_launch_where_it_cannot_be_exact():
+    from shardwise import Trainer
+
+    with pytest.raises(ConfigError, match=r"drop_last=False: strategy 'pipeline' cannot take the epoch's smaller last batch exactly"):
+        Trainer(strategy="pipeline", nproc=2, loss_fn=_mse, global_batch_size=16, drop_last=False).fit(
+            torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2)).double(), _regression()
+        )
