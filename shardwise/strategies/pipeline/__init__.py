@@ -417,6 +417,15 @@ def _types(gm: Any, args: tuple[Any, ...], model64: nn.Module) -> dict[str, bool
             model64.train()
 
 
+def _needs_sample(model: nn.Module, why: str, where: str) -> ConfigError:
+    return ConfigError(
+        f"cannot split {type(model).__name__} into pipeline stages: {why}, and splitting it by {where} "
+        "is only done once a sample batch proves the stages equal the model's forward; train through the "
+        "Trainer (which passes its first sample), build the strategy object, call its check_sample(model, batch, layout) "
+        "and give it to Engine(strategy=...), or make the forward traceable (no Python control flow on tensor values or sizes)"
+    )
+
+
 def _prove(model: nn.Module, r: Route, sample: Any, where: str) -> None:
     """The stages of ``r``, on a float64 copy of ``model`` run one after another on ``sample``, give
     the model's own output exactly (`traced.check_composition`), or a `ConfigError` naming where not."""
@@ -573,40 +582,50 @@ class Pipeline(Strategy):
 
     def route(self, model: nn.Module, sample: Any = None, *, check: bool = True) -> Route:
         """How ``model`` is split (`Route`), checked; ``sample`` (a batch as the loader gives it)
-        proves a split the tracer did not give.
+        proves a split the tracer did not give. ``check=False`` (``plan``, which has no sample) leaves
+        that proof to `check_sample`.
 
         transformers' models (and models with a pipeline plan) are split by their block list, as
-        they always were. Every other model's forward is traced first (`traced`): a forward that is
-        its layers in order is the plain sequence; any other is cut as traced. A forward the tracer
-        cannot take keeps the block-list split (``layers=``, tied weights, a list of repeated
-        blocks) or the sequence of children only when the stages, run on ``sample`` in float64,
-        give the model's output exactly; without a sample, it is refused."""
+        they always were. A model the block-list split would take (``layers=``, tied weights, a
+        list of repeated blocks) keeps it where the stages, run on ``sample`` in float64, give the
+        model's output exactly. Otherwise the forward is traced (`traced`): a forward that is its
+        layers in order is the plain sequence, any other is cut as traced. A forward the tracer
+        cannot take is split by its top-level children only when ``sample`` proves it; without a
+        sample (an `Engine` given none), or when the proof fails, it is refused, naming why."""
         if _is_transformers(model) or _plan_blocks(model) is not None:
             return self._nested_route(model)
-        why = None
-        if not self.layers:
-            try:
-                gm = traced.trace(model)
-            except traced.TraceFailure as failure:
-                why = str(failure)
-            else:
-                return self._traced_route(model, gm, sample, check)
-        where = f"layers={self.layers!r}" if self.layers else "its block list" if is_nested(model, None) else "its top-level children in order"
-        reason = f"torch.fx cannot trace its forward ({why})" if why else f"layers={self.layers!r} asks for the block-list split"
+        gm: Any = None
+        why = ""
         try:
-            r = self._nested_route(model) if self.layers or is_nested(model, None) else self._sequence_route(model)
+            gm = traced.trace(model)
+        except traced.TraceFailure as failure:
+            why = f"torch.fx cannot trace its forward ({failure})"
+        if self.layers or is_nested(model, None):
+            where = f"layers={self.layers!r}" if self.layers else "its block list"
+            try:
+                r = self._nested_route(model)
+                if not check:
+                    return r
+                if sample is not None:
+                    _prove(model, r, sample, where + (f" ({why})" if why else ""))
+                    return r
+            except ConfigError as exc:
+                if gm is None:
+                    raise ConfigError(f"{exc} ({why})") from None
+            if gm is None:
+                raise _needs_sample(model, why, where)
+        if gm is not None:
+            return self._traced_route(model, gm, sample, check)
+        where = "its top-level children in order"
+        try:
+            r = self._sequence_route(model)
         except ConfigError as exc:
-            raise ConfigError(f"{exc} ({reason})") from None
+            raise ConfigError(f"{exc} ({why})") from None
         if not check:
             return r
         if sample is None:
-            raise ConfigError(
-                f"cannot split {type(model).__name__} into pipeline stages: {reason}, and splitting it by {where} "
-                "is only done once a sample batch proves the stages equal the model's forward; train through the "
-                "Trainer (which passes its first sample), build the strategy object, call its check_sample(model, batch, layout) "
-                "and give it to Engine(strategy=...), or make the forward traceable (no Python control flow on tensor values or sizes)"
-            )
-        _prove(model, r, sample, f"{where} ({reason})")
+            raise _needs_sample(model, why, where)
+        _prove(model, r, sample, f"{where} ({why})")
         return r
 
     def _nested_route(self, model: nn.Module) -> Route:
