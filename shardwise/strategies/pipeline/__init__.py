@@ -1,15 +1,14 @@
 """``pipeline``: split the model by layers into stages, one group of stages per rank, and run
 micro-batches through them on a schedule (GPipe, 1F1B, interleaved 1F1B).
 
-Built on ``torch.distributed.pipelining`` (``PipelineStage`` and its schedules). What a model
-must satisfy to be split automatically: it is a **sequence of layers**, either an
-``nn.Sequential`` or a module whose ``forward`` applies its top-level children in
-registration order, each child's output the next one's only input, with ``nn.ModuleList``
-children expanded into their items (charlm's ``CharGPT``: ``embed, blocks.0 .. blocks.N-1,
-head``). No parameters or buffers directly on the root module, no weights shared between
-layers (tied embeddings), no skip connection across layers, and every layer boundary carries
-one tensor. shardwise cannot see ``forward``, so this is the user's promise; parity with the
-unsplit model is what the tests check for charlm.
+Built on ``torch.distributed.pipelining`` (``PipelineStage`` and its schedules). How a model
+is cut (`Pipeline.route`): transformers' models by their block list (``nested``); any other model
+by its **traced forward** (``traced``: ``torch.fx`` with the top-level children and their list
+items as the layers), so the code in ``forward`` between and around the layers runs on its
+stage; a forward that is just its layers in order by the plain sequence of children (``split``).
+A forward the tracer cannot take is split by its block list or its children only where the
+stages, run one after another on a float64 copy on the Trainer's first sample, give the model's
+output exactly (`check_sample`, in the parent, and again in ``apply``); otherwise it is refused.
 
 Stages are contiguous runs of layers, balanced by parameter count (the split that minimises
 the largest stage), or starting at the layers named in ``split_points``. A stage module keeps
@@ -61,13 +60,31 @@ forward over point-to-point), `compose.py` (tensor and data parallel around the 
 gradient norm), `state.py` (whole-model checkpoints), `observe.py` (action timing, the bubble,
 the timeline), and `__init__.py` (the `Pipeline` strategy, re-exporting the public names).
 
-**What a model must be.** A sequence of layers: an `nn.Sequential`, or a module whose
-`forward` applies its top-level children in registration order, each child's output the next
-one's only input, with `nn.ModuleList` children expanded into their items (charlm's
-`CharGPT`: `embed, blocks.0 .. blocks.N-1, head`). No parameters or buffers on the root
-module, no weights tied between layers, no skip connection that crosses a layer, one tensor at
-each boundary. shardwise cannot read `forward`, so this is the user's promise; a root tensor,
-a `ModuleDict` child, or no children is a `ConfigError`, and the parity tests hold charlm to it.
+**What a model must be.** Anything whose forward `torch.fx` traces with the layers (top-level
+children, `nn.ModuleList`/`nn.ModuleDict` items) as leaves (`traced.py`): functional ops, pooling,
+reshapes, residual adds, a bare `nn.Parameter` read in `forward`, a skip across several layers
+(each stage in between passes it on: a stage takes and sends a tuple of tensors in graph order;
+integer tensors and tensors without gradient cross too), a module called twice. Layers are
+ordered by their first call and cut by the same balance; a layer's call runs on its stage (or
+later, where its input is), other nodes on the latest stage among their tensor inputs; values
+that are not tensors (sizes from `x.shape`) and nodes without tensor inputs (`get_attr`,
+`torch.arange`) are recomputed on each stage that uses them, never sent. Which node is a tensor
+comes from one run of the graph on the sample (without one, from the ops). A module or parameter
+held by stages of two ranks is a weight tied across stages (`ties.py`, below); on one rank it is
+one `Parameter`, and gradients are divided by the micro-batch count once per parameter after the
+schedule (torch's per-stage `scale_grads` divided a module held by two local stages twice). A
+forward that is exactly its layers in registration order, each output the next one's only input
+(charlm's `CharGPT`, an `nn.Sequential`), runs as a `StageModule`, as before. Untraceable forwards
+(nanoGPT's `assert t <= block_size`, a branch on a tensor's value): the block-list or sequence split,
+proven on the sample in float64 (`traced.check_composition`); the refusal names the line the
+tracer stopped at and the first layer whose output differs between the model and the stages (or
+the stage that raised). A model the block-list split takes (`layers=`, tied weights, a block list)
+keeps it where the sample proves it, and is traced otherwise. An `Engine` given no sample gets
+the traced split or that refusal (`check_sample` on the strategy object gives it one).
+Tested: `tests/models/test_pipeline_own_models.py` (one 2-process launch, about 15 s): seven
+hand-written models at 2 stages and at 4 (pp 2 x 2 interleaved chunks) within 1e-9 of `single`
+(about 1e-16), the zero-scaled MLP at ln 2, tied weights started from the first owner's values
+when rank 1 builds them differently, checkpoints resumed under `single`.
 
 **Nested models** (`nested.py`, `ties.py`): transformers' models, a nanoGPT-style GPT (a
 `ModuleDict`), any model whose forward runs a list of repeated blocks somewhere inside it, are
@@ -303,8 +320,13 @@ no overlap. Without two GPUs `plan` says so and suggests `pipeline`. The placeme
 tested on `["cpu", "cpu"]`.
 
 **Limits.** Every rank builds the whole model before the split (the layers a rank does not
-keep stay in the caller's object; building on the meta device is not supported yet). Stage
-boundaries carry one tensor. A nested model whose forward uses a prelude module through a
+keep stay in the caller's object; building on the meta device is not supported yet). A traced
+split: takes positional inputs (a tuple batch), not a dict; evaluation through `PipelineModule`
+carries several tensors across a boundary but needs one tensor as the model's output; fx fixes
+Python-side values at trace time (`self.training` read in `forward`, a random op outside a layer
+is recomputed on each stage that uses it); pp x tp is refused for it (tp inside stages works on
+the plain sequence and the block-list split); the float64 check costs a copy of the model in the
+parent and on every rank. A nested model whose forward uses a prelude module through a
 helper method the source reading does not see falls back to declaration order (a wrong guess
 raises when the stand-in runs, it does not train wrong); encoder-decoder models (T5, BART: two
 block lists) and models whose blocks need another block's output (cross-layer caches) are not
