@@ -204,7 +204,7 @@ def import_object(spec: str, flag: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{flag} {spec!r} is a {type(obj).__name__}, not a function or class to call")
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:

@@ -13,13 +13,17 @@ Design notes: Processes
   "__main__":` guard (with one, the guarded block is skipped as usual); the code above the
   call runs once per worker, nothing below it does. Multiprocessing's spawn instead re-ran the
   unguarded call in the child, which died while bootstrapping and left the parent blocked
-  forever. `python -m pkg`, `python -c`, notebooks and REPLs have no script to import: a
-  function (or class) from such a `__main__` is a `ConfigError` in the parent (found by a
-  pickler that notes references to `__main__`); functions from modules work everywhere.
-  `fn` and its arguments are pickled **by value** with plain `pickle` in the parent:
-  multiprocessing's own pickler carries torch's reducers, which would put every tensor in
-  shared memory, and then every rank steps the same parameters (this bug was found by the DDP
-  parity test). Payload, results and errors travel through files in a temporary directory, never
+  forever. `fn` and its arguments are pickled **by value** with plain `pickle` in the parent
+  (`launcher.payload`): multiprocessing's own pickler carries torch's reducers, which would put
+  every tensor in shared memory, and then every rank steps the same parameters (this bug was
+  found by the DDP parity test). What plain pickle refuses (a lambda, a closure, a function a
+  library defines inside another, such as the hook transformers' `gradient_checkpointing_enable()`
+  registers) and, where there is no script for a worker to run (`python -m pkg`, `python -c`,
+  notebooks, REPLs), whatever `__main__` defines, goes again through cloudpickle: by value, except
+  what has an importable name. A lambda of the user's script reads the worker's `__main__` globals
+  (as a `def` there would), the parent's filling in only names the worker lacks. What neither can
+  send is a `LaunchError` naming its path in the arguments (`trainer.loss_fn.<closure>.lock`,
+  `model.layers.0._forward_hooks[3]`) and a fix for its kind. Payload, results and errors travel through files in a temporary directory, never
   pipes, so a large result cannot block a child on a pipe the parent is not reading. Each child
   gets `threads_per_proc` intra-op threads (cores / nproc by default).
 - **Zygote** (`launcher.zygote`, the default `start_method="forkserver"` on Linux, ranks on the
