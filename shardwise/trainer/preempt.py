@@ -15,10 +15,18 @@ A signal only one rank receives is enough: the reduction carries it to the other
 (`shardwise.launch`, ``Trainer(nproc=N)``) passes the signals it receives on to its workers;
 torchrun does so for SIGTERM itself, and ``shardwise run`` turns a SIGUSR1 to torchrun's agent into
 that SIGTERM (torchrun alone would die on SIGUSR1 and leave its workers running) and exits 75.
+
+Ctrl-C is not a preemption: the terminal sends SIGINT to the launcher and its ranks alike (one
+process group), and each rank stops at once with ``KeyboardInterrupt``, as Python does. While
+``fit`` runs, the first signal a process gets is the one it names, once, on rank 0 only (every rank
+gets the same signal; two ranks writing the same line at once printed it twice on one line): so the
+SIGTERM the launcher sends its ranks as it stops them after a Ctrl-C is not announced as a
+preemption ("SIGTERM received" was what a Ctrl-C printed, twice, before).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -37,7 +45,16 @@ class Preemption:
     def note(self, signum: int, frame: Any) -> None:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
-            print(f"shardwise: {self.signal} received: stopping at the next log step with a checkpoint", flush=True)
+            _say(f"shardwise: {self.signal} received: stopping at the next log step with a checkpoint")
+
+    def interrupt(self, signum: int, frame: Any) -> None:
+        """Ctrl-C: stop now (``KeyboardInterrupt``), said once; a later signal (the launcher's SIGTERM
+        to its ranks as it stops them) is not announced."""
+        first = self.signal is None
+        self.signal = self.signal or "SIGINT"
+        if first:
+            _say("shardwise: SIGINT received (Ctrl-C): stopping now, without a checkpoint")
+        raise KeyboardInterrupt
 
     @contextmanager
     def installed(self, names: tuple[str, ...] = SIGNALS) -> Iterator[Preemption]:
@@ -51,6 +68,8 @@ class Preemption:
         for name in names:
             sig = signal.Signals[name]
             before[sig] = signal.signal(sig, self.note)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the user chose otherwise
+            before[signal.SIGINT] = signal.signal(signal.SIGINT, self.interrupt)
         try:
             yield self
         finally:
@@ -65,5 +84,11 @@ class Preemption:
 
     @property
     def flag(self) -> float:
-        """1.0 once a signal came (the number the log step's reduction carries), else 0.0."""
-        return 0.0 if self.signal is None else 1.0
+        """1.0 once a preemption signal came (the number the log step's reduction carries), else 0.0."""
+        return 0.0 if self.signal is None or self.signal == "SIGINT" else 1.0
+
+
+def _say(text: str) -> None:
+    # Every rank of a job gets the same signal (a terminal's process group, the launcher's relay): rank 0 says it.
+    if os.environ.get("RANK", "0") == "0":
+        print(text, flush=True)

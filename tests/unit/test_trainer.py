@@ -95,3 +95,24 @@ def test_a_progress_bar_on_a_terminal(capsys):
     silent = io.StringIO()
     Progress(enabled=False, total=10, bar=True, stream=silent).update(5, {"train_loss": 1.0})
     assert silent.getvalue() == ""
+
+
+def test_ctrl_c_is_named_once_as_sigint_and_a_later_sigterm_is_not_announced(capsys, monkeypatch):
+    import os
+    import signal
+
+    from shardwise.trainer.preempt import Preemption
+
+    monkeypatch.setenv("RANK", "0")
+    p = Preemption()
+    with pytest.raises(KeyboardInterrupt), p.installed(("SIGTERM",)):
+        os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C (Python runs the handler at once, in this thread)
+    with p.installed(("SIGTERM",)):
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher stopping its ranks after the Ctrl-C
+    assert capsys.readouterr().out == "shardwise: SIGINT received (Ctrl-C): stopping now, without a checkpoint\n"
+    assert p.signal == "SIGINT" and p.flag == 0.0  # not a preemption: no checkpoint at the next log step
+    monkeypatch.setenv("RANK", "1")
+    q = Preemption()
+    with q.installed(("SIGTERM",)):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert capsys.readouterr().out == "" and q.signal == "SIGTERM" and q.flag == 1.0  # rank 1 notes it, rank 0 says it
