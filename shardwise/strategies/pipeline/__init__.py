@@ -618,6 +618,7 @@ class Pipeline(Strategy):
             return self._nested_route(model)
         gm: Any = None
         why = ""
+        refused: ConfigError | None = None
         try:
             gm = traced.trace(model)
         except traced.TraceFailure as failure:
@@ -634,10 +635,16 @@ class Pipeline(Strategy):
             except ConfigError as exc:
                 if gm is None:
                     raise ConfigError(f"{exc} ({why})") from None
+                refused = exc
             if gm is None:
                 raise _needs_sample(model, why, where)
         if gm is not None:
-            return self._traced_route(model, gm, sample, check)
+            try:
+                return self._traced_route(model, gm, sample, check)
+            except ConfigError:
+                if refused is not None:
+                    raise refused from None  # neither split: the block list's reason is the one to read
+                raise
         where = "its top-level children in order"
         try:
             r = self._sequence_route(model)
