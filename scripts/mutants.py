@@ -43,6 +43,7 @@ RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
 DATA_DRAWS = "tests/unit/test_data_workers.py::test_augmentation_draws_anew_each_epoch_and_the_same_again_on_a_resume_or_in_a_worker"
 HANG_REPORT_UNIT = "tests/dist/test_hang_report.py::test_the_report_names_only_the_ranks_behind_the_collective"
 HANG_REPORT_3 = "tests/dist/test_hang_report.py::test_a_rank_that_returned_without_the_collective_is_named"
+ZYGOTE_FALLBACK = "tests/dist/test_zygote.py::test_a_rank_started_fresh_after_the_zygote_refused_follows_the_launcher"
 PLAN_INTERLEAVED = "tests/unit/test_plan_cost.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
 HSDP_SHAPES = "tests/dist/test_sharding.py::test_hsdp_replicates_over_one_mesh_dimension_and_shards_over_the_other"
 
@@ -212,6 +213,19 @@ MUTANTS = [
            "            reached = pos.counts.get(mine.group, 0) if pos is not None else 0",
            "            reached = pos.counts.get(mine.group, 0) - (pos.inside and pos.group == mine.group) if pos is not None else 0",
            (HANG_REPORT_UNIT, HANG_REPORT_3)),
+    Mutant("a rank started fresh after the zygote refused still follows the zygote's pid", "shardwise/launcher/spawn.py",
+           '                    zygote = None\n                    child_env["SHARDWISE_PARENT_PID"] = str(os.getpid())\n',
+           "                    zygote = None\n", (ZYGOTE_FALLBACK,)),
+    Mutant("PowerSGD without error feedback", "shardwise/comm/hooks.py",
+           "            use_error_feedback=True,", "            use_error_feedback=False,", ("tests/dist/test_ddp_comm.py",)),
+    Mutant("a parameter-server resume at more servers loses the later servers' optimizer state", "shardwise/strategies/param_server/server.py",
+           'self.optimizer.load_state_dict({"state": state, "param_groups": [group]})',
+           'self.optimizer.load_state_dict({"state": state if self.index < int(first["servers"]) else {}, "param_groups": [group]})',
+           ("tests/dist/test_ps_resume.py",)),
+    Mutant("a parameter-server resume at another count restores the first server's optimizer state only", "shardwise/strategies/param_server/server.py",
+           'for j, g in enumerate(self.param_ids) if where[g][1] in where[g][0]["optimizer"]["state"]',
+           'for j, g in enumerate(self.param_ids) if where[g][0] is first and where[g][1] in where[g][0]["optimizer"]["state"]',
+           ("tests/dist/test_ps_resume.py",)),
     # -- end of issue 36 item 8 (M)
     # issue 36 item 8 (T): caught by the tests named in each entry
     Mutant("GPT-2's fused c_attn bias optimizer state saved in tp's per-rank head layout (a tp checkpoint resumed under single gets scrambled moments)",
@@ -228,6 +242,17 @@ MUTANTS = [
     Mutant("the start-of-run broadcast of a weight tied across pipeline stages lands in a copy", "shardwise/strategies/pipeline/ties.py",
            "            buf = p.data if p is not None else", "            buf = p.data.clone() if p is not None else",
            ("tests/models/test_pipeline_own_models.py::test_a_weight_tied_across_stages_starts_from_the_first_owners_values",)),
+    Mutant("launch sends only what plain pickle can (no cloudpickle for lambdas and closures)", "shardwise/launcher/payload.py",
+           "    try:\n        return _dumps((fn, args, kwargs), pickler)", "    try:\n        raise pickle.PicklingError(\"mutant\")",
+           ("tests/unit/test_payload.py",)),
+    Mutant("a script's lambda sent with copies of the parent's globals (not the worker's __main__)", "shardwise/launcher/payload.py",
+           "                reduced = _in_workers_main(reduced, self)", "                pass", ("tests/unit/test_payload.py",)),
+    Mutant("an unpicklable object named by its argument only, not its path inside", "shardwise/launcher/payload.py",
+           "    for _ in range(_MAX_DEPTH):", "    for _ in range(0):", ("tests/unit/test_payload.py",)),
+    Mutant("shardwise train --model takes what the factory returns without checking it is a module", "shardwise/cli.py",
+           "    if not isinstance(model, nn.Module):\n        raise", "    if False:\n        raise", ("tests/e2e/test_train_own_model.py",)),
+    Mutant("plan prints a bare recommendation when nothing fits", "shardwise/advisor/commands.py",
+           "        advice[\"why\"] += \". \" + fits_with_accumulation(model, cluster, settings)", "        pass", ("tests/e2e/test_plan_cli.py",)),
 ]
 
 

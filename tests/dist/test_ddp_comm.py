@@ -146,6 +146,51 @@ def _powersgd_is_exact_on_low_rank_gradients() -> list[str]:
     return fails
 
 
+def _powersgd_feeds_back_what_it_left_out() -> list[str]:
+    """Error feedback held to the maths (Vogels et al. 2019, algorithm 2), in float64, at rank 1 on a
+    full-rank gradient. Each rank's gradient G_r is the same every step (lr 0). Step t compresses
+    M_r = G_r + e_r (e_r: what this rank's earlier steps left out); the P allreduce, its
+    orthonormalization and the Q allreduce make the averaged result a projection of the mean M
+    onto one unit vector u: sent = u u^T M, and e_r becomes M_r - sent. u comes from the power
+    iteration's random start, so it is read off sent (its left singular vector); the rest is
+    checked: without error feedback sent is u u^T mean(G) instead, which differs from step 2 on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Trace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(16, 16, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return ((y @ self.w) * x).sum(1)  # the gradient of its sum is y^T x: full rank for 24 rows
+
+    g = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(world, 24, 16, generator=g, dtype=torch.float64), torch.randn(world, 24, 16, generator=g, dtype=torch.float64)
+    mean_g = sum(ys[j].T @ xs[j] for j in range(world)) / world
+    model = Trace()
+    ddp = DDP(compression="powersgd:1").apply(model, lambda ps: torch.optim.SGD(ps, lr=0.0), Mesh.build(world_size=world, rank=rank), Recorder()).model
+    fails: list[str] = []
+    left_out = torch.zeros_like(mean_g)  # the ranks' residuals, averaged: what the hook owes so far
+    scale = mean_g.abs().max().item()
+    for step in range(6):
+        model.w.grad = None
+        ddp(xs[rank], ys[rank]).sum().backward()
+        sent = model.w.grad
+        if step < 2:  # start_powerSGD_iter: plain allreduce, nothing left out
+            if not torch.allclose(sent, mean_g, rtol=0, atol=1e-12 * scale):
+                fails.append(f"powersgd error feedback, step {step}: a plain step sent {sent} instead of the mean gradient")
+            continue
+        u = torch.linalg.svd(sent).U[:, :1]
+        want = u @ (u.T @ (mean_g + left_out))
+        err = (sent - want).abs().max().item()
+        if err > 1e-9 * scale:
+            fails.append(f"powersgd error feedback, step {step}: sent is {err:.3g} off the projection of gradient + residual (scale {scale:.3g})")
+        left_out = mean_g + left_out - sent
+        if left_out.abs().max().item() < 1e-3 * scale:
+            fails.append(f"powersgd error feedback, step {step}: rank 1 left nothing out of a full-rank gradient; the check is empty")
+    return fails
+
+
 def _digits_accuracy(compression: str | None, train: Any, val: Any, steps: int = 300) -> tuple[float, int]:
     """Validation accuracy (%) of the digits MLP after ``steps`` AdamW steps, and the bytes this rank sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -191,7 +236,7 @@ def _digits_with_each_codec() -> list[str]:
 
 
 def _all_checks() -> list[str]:
-    return _algorithms_and_codecs() + _powersgd_is_exact_on_low_rank_gradients() + _digits_with_each_codec()
+    return _algorithms_and_codecs() + _powersgd_is_exact_on_low_rank_gradients() + _powersgd_feeds_back_what_it_left_out() + _digits_with_each_codec()
 
 
 @pytest.mark.timeout(420)  # ~100 s on a loaded 2-core machine

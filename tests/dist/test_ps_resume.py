@@ -3,8 +3,9 @@
 Parameter servers: the servers' shards, optimizer state and versions are in the checkpoint (each
 server writes ``server-NNN.pt`` into the checkpoint's temporary directory before the manifest),
 and a run resumed in new processes goes on from them. Sync equals an uninterrupted run bit for
-bit (one and two servers); two servers' checkpoint resumes under one server too. Async cannot: which worker's gradient reaches a server first is
-timing, so the test checks that it resumes from the servers' saved state and trains on.
+bit (one and two servers); two servers' checkpoint resumes under one server too, and one
+server's under two. Async cannot: which worker's gradient reaches a server first is timing,
+so the test checks that it resumes from the servers' saved state and trains on.
 
 Local SGD, DiLoCo, gossip: each rank's replica (model, optimizer, DiLoCo's outer state) is in the
 checkpoint (``replica-RRRRR.pt``) and the round clock too, so a resume mid-round equals an
@@ -101,6 +102,9 @@ def _resumed(root: Path) -> dict[str, Any]:
     # Two servers' checkpoint resumed by one server: the shards are found by tensor. No steps (three
     # workers would draw other dropout masks than two): the final save shows what was restored.
     out["two_to_one"] = _fit(root / "two_to_one", N, str(root / "two_servers" / step), SYNC["one_server"])
+    # And one server's checkpoint resumed by two: the second server's tensors and Adam state come
+    # from a file it did not write (its index is past the saved count).
+    out["one_to_two"] = _fit(root / "one_to_two", N, str(root / "one_server" / step), SYNC["two_servers"])
     out["async"] = _fit(root / "async", 2 * N, "auto", ASYNC)
     step = f"checkpoints/step-{R:08d}"
     out.update({name: _fit_replicas(name, root / f"{name}-resumed", 2 * R, str(root / name / step)) for name in REPLICAS})
@@ -148,6 +152,18 @@ def test_servers_and_replicas_checkpoint_their_state_and_a_resume_goes_on_from_i
             assert old.keys() == new.keys() and all(torch.equal(old[key], new[key]) for key in old)
     model = ckpt.load_file(tmp_path / f"two_servers/checkpoints/step-{N:08d}/state.pt")["model"]
     assert all(torch.equal(model[key], two_to_one["params"][key]) for key in model)
+    # More servers than saved: each of the two holds exactly the one server's tensors and Adam state
+    # for the tensors it now owns, and between them every tensor.
+    assert resumed["one_to_two"]["summary"]["steps_this_run"] == 0
+    saved = ckpt.load_file(tmp_path / f"one_server/checkpoints/step-{N:08d}/server-000.pt")
+    split = [ckpt.load_file(tmp_path / f"one_to_two/checkpoints/step-{N:08d}/server-00{s}.pt") for s in range(2)]
+    assert sorted(gid for st in split for gid in st["param_ids"]) == saved["param_ids"] == [0, 1, 2, 3]
+    for st in split:
+        assert st["servers"] == 2 and st["version"] == N and st["param_ids"]
+        for k, gid in enumerate(st["param_ids"]):
+            assert torch.equal(st["params"][k], saved["params"][gid])
+            old, new = saved["optimizer"]["state"][gid], st["optimizer"]["state"].get(k, {})
+            assert old.keys() == new.keys() and all(torch.equal(old[key], new[key]) for key in old), f"server {st['index']}: tensor {gid}'s Adam state"
     # Async: resumed from the servers' saved state (not from scratch) and trained on.
     got = resumed["async"]
     assert got["summary"]["resumed_from"].endswith(f"step-{N:08d}") and got["summary"]["steps"] == 2 * N
