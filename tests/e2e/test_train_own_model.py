@@ -16,7 +16,7 @@ from shardwise.cli import main
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-MODULE = '''
+MODULE = """
 import torch
 from torch import nn
 
@@ -59,7 +59,7 @@ def not_a_model():
 
 def a_generator():
     yield 1
-'''
+"""
 
 
 @pytest.fixture
