@@ -229,8 +229,34 @@ def _count_or_fraction(text: str) -> int | float:
             raise argparse.ArgumentTypeError(f"expected a whole number of batches or a fraction in (0, 1]; got {text!r}") from None
 
 
+class _TrainerSetting(argparse.Action):
+    """A flag that sets one [trainer] key as ``--set trainer.KEY=VALUE`` would (so it needs no entry in the
+    command's own flag table, and a later ``--set`` of the same key wins as flags in order do)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        value = values if self.const is None else self.const
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        namespace.set = [*(getattr(namespace, "set", None) or []), f"trainer.{self.dest}={text}"]
+
+
 def add_run_tool_flags(p: argparse.ArgumentParser) -> None:
     """``shardwise train``'s flags for loggers, quick runs and the profiler (TrainerConfig fields)."""
+    p.add_argument(
+        "--on-nonfinite",
+        dest="on_nonfinite",
+        action=_TrainerSetting,
+        choices=["stop", "skip", "warn"],
+        help="a step whose loss or gradients are NaN/inf: stop (default; error naming the step, ranks and tensor), "
+        "skip (no optimizer step, counted), warn (train on)",
+    )
+    p.add_argument(
+        "--keep-last-batch",
+        dest="drop_last",
+        action=_TrainerSetting,
+        nargs=0,
+        const=False,
+        help="train on the epoch's last, smaller global batch too (drop_last=False; exact, data-parallel strategies)",
+    )
     p.add_argument("--logger", metavar="NAMES", help="experiment loggers on rank 0, comma-separated: csv, tensorboard, mlflow, wandb")
     p.add_argument(
         "--debug-collectives",

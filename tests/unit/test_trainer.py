@@ -116,3 +116,15 @@ def test_ctrl_c_is_named_once_as_sigint_and_a_later_sigterm_is_not_announced(cap
     with q.installed(("SIGTERM",)):
         os.kill(os.getpid(), signal.SIGTERM)
     assert capsys.readouterr().out == "" and q.signal == "SIGTERM" and q.flag == 1.0  # rank 1 notes it, rank 0 says it
+
+
+def test_on_nonfinite_and_drop_last_are_flags_of_shardwise_train_and_toml_keys():
+    from shardwise.cli import train_parser
+    from shardwise.trainer.config import apply_overrides, from_mapping
+
+    args = train_parser().parse_args(["--recipe", "digits", "--on-nonfinite", "skip", "--keep-last-batch"])
+    config = from_mapping(apply_overrides({}, args.set)["trainer"])
+    assert (config.on_nonfinite, config.drop_last) == ("skip", False)
+    later = train_parser().parse_args(["--recipe", "digits", "--on-nonfinite", "skip", "--set", "trainer.on_nonfinite=warn"])
+    assert from_mapping(apply_overrides({}, later.set)["trainer"]).on_nonfinite == "warn"  # in order: the later wins
+    assert "--on-nonfinite {stop,skip,warn}" in train_parser().format_help()
