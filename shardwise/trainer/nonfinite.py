@@ -90,7 +90,7 @@ def _ranks(ranks: tuple[int, ...]) -> str:
 def _local(t: torch.Tensor) -> torch.Tensor:
     # A DTensor's norm would run a collective; this rank's shard is what it can vouch for.
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t  # type: ignore[no-any-return]
+    return to_local() if callable(to_local) else t
 
 
 class NonFiniteCheck:
