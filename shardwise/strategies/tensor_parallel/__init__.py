@@ -23,10 +23,12 @@ The package, by concern:
 - ``apply``: `parallelize`, the sequence-parallel region, `synchronize_dropout`.
 - ``grads``: `reduce_partial_grads`, `replicate_grads`, `shard_data_parallel`, `clip_grad_norm_`.
 - ``counting``: `count_collectives` and the dispatch mode behind it.
+- ``rehearse``: the split rehearsed in the parent on one sample batch (meta tensors, a fake process group).
 - here: the `TensorParallel` strategy. ``plan`` (in the parent, no process group) settles the tp
   degree, refuses a world size it does not divide and a model the plan does not fit (plan,
   widths and heads, key/value heads included, divisible by tp; blocks for sequence parallelism;
-  every module covered by a role). ``apply`` (per process) calls the blocks below in a fixed order
+  every module covered by a role). ``check_sample`` (in the parent, given one sample batch by the
+  Trainer) rehearses the split on it. ``apply`` (per process) calls the blocks below in a fixed order
   (tensor first, then data parallel) and returns a `TensorParallelRun`.
 
 Building blocks, for compositions with pipeline parallelism (stable signatures):
@@ -121,6 +123,30 @@ constructor, before launch). Checks against `tp` (in the parent before launch, t
 strategy's `plan(model=...)`, and again in `apply`): every split width divides by `tp`, and attention
 splits whole heads, for q and for grouped-query k/v alike (Llama's `num_key_value_heads`: "k_proj
 has 2 attention heads, which do not split across tp=4 ranks ...").
+
+**The rehearsal before launch** (`rehearse.rehearse`, through `Strategy.check_sample`, which the Trainer
+calls in the parent with one sample of the training data after `plan`). The rules above read module
+names; whether a model takes the split is decided by the code in its ``forward``. So the parent runs
+it: a copy of the model on meta tensors (no memory, no arithmetic), torch's ``fake`` process group of
+``tp`` ranks in the parent (collectives that do nothing: shapes and placements are rank 0's, exact),
+the same `parallelize` the workers call, one forward of the sample and a backward of its loss. Any
+error is a `ConfigError` naming the innermost module running when it was raised (module forward
+hooks keep the stack), with the first line of torch's message and what to do: a CNN under the
+automatic plan splits ``fc1``/``fc2`` at the root, so the root's input becomes a DTensor and
+``conv1 (Conv2d)`` fails with "got mixed torch.Tensor and DTensor"; an attention that reshapes with a
+width read from its whole input (``view(b, t, heads, d // heads)``, tests/models/own_models.py's
+``PosTransformer``) fails on its 1/tp heads with a shape error, with and without sequence
+parallelism; a block that adds its own whole ``(T, d)`` position table to the residual stream fails
+only under sequence parallelism (each rank holds T/tp positions). A failure under sequence
+parallelism is rehearsed again without it, so the reason given is the one true for the model; and
+up to four other linear pairs (consecutive, same parent, widths matching, outside the failing
+module) are rehearsed and the first that runs is shown as a ``tp_plan`` to use. Not judged: a model
+whose forward does not run on meta tensors even unsplit (``.item()``, a data-dependent branch:
+BERT's here), a model with ``training_step``, and a process already in a process group (each rank
+checks in ``apply``); the static checks still run. Not seen: wrong values with the right shapes
+(a slice of a position table taken with ``x.shape[1]`` inside a sequence-sharded block). torch's
+loggers are silenced meanwhile (and the fake-tensor logger in the workers, whose tracebacks repeat
+the error the launcher reports). Cost: about 0.1-0.3 s per model here once DTensor is imported.
 
 **Roles and the backstop** (`roles.roles`, run by `plan(model=...)` in the parent). Every module that
 owns parameters or buffers gets a rule by its place, not its class: split linears are DTensor
@@ -285,7 +311,7 @@ linears), ResNet (convolutions).
 
 **Limits.** Batch-first activations (`(B, T, ...)`; the sequence is dim 1). A block that flattens
 batch and sequence (OPT's decoder layer reshapes to `(B*T, d)`) cannot run sequence parallel: a
-clear error at the first forward, in the workers. Dropout called as a function inside a forward
+clear error at the first forward, in the parent's rehearsal when the Trainer has a sample (else in the workers). Dropout called as a function inside a forward
 (`F.dropout`, OPT's) is not synchronized across tp ranks (`synchronize_dropout` hooks `nn.Dropout`
 modules only): with such dropout on, replicated parameters drift apart, which `check_replicas`
 reports. The sequence-sharded
