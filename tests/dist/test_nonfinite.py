@@ -43,6 +43,18 @@ class NanOnRank(nn.Module):
         return out  # type: ignore[no-any-return]
 
 
+class LossOnlyNan(NanOnRank):
+    """A NaN loss on rank 1 at step 3 whose gradients stay finite (zero: the loss replaced by a NaN constant): the
+    gradients' all-reduce cannot carry it to rank 0; only the check's own agreement does."""
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        self.calls += 1
+        loss = _ce(self.net(batch[0]), batch)
+        if self.calls in self.steps and dist.get_rank() == self.rank:
+            loss = loss + torch.tensor(float("nan"), dtype=loss.dtype)  # d/d(loss) is still 1: finite gradients
+        return loss
+
+
 def _data(n: int = 64) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 4, generator=g, dtype=torch.float64)
@@ -95,7 +107,10 @@ def _in_workers(out: str) -> dict[str, Any]:
         _ce(ref(x[idx]), (None, y[idx])).backward()
         opt.step()
         opt.zero_grad()
+    loss_only = LossOnlyNan(steps=(3,))
+    only = Trainer(strategy="ddp", global_batch_size=8, max_steps=4, log_every=4, progress_bar=False, model_summary=False, on_nonfinite="skip", optimizer=_sgd)
     return {
+        "loss_only_skipped": only.fit(loss_only, _data())["nonfinite_skipped"],
         "drop_last_diff": max((a - b).abs().max().item() for a, b in zip(kept.parameters(), ref.parameters(), strict=True)),
         "skipped": summary["nonfinite_skipped"],
         "train_loss": summary["train_loss"],
@@ -110,9 +125,11 @@ def test_skip_and_warn_agree_across_ranks(tmp_path: Path, capfd: pytest.CaptureF
     for r in results:
         assert r["skipped"] == 2 and r["equal"] and math.isfinite(r["train_loss"])
         assert r["drop_last_diff"] < 1e-14
+        assert r["loss_only_skipped"] == 1  # rank 0's loss and gradients were finite: it skipped because rank 1 said so
         assert r["warned"] == 4 and not r["warn_finite"]  # steps 5-8 trained on NaN, on both ranks
     record = [json.loads(line) for line in (tmp_path / "skip/metrics.jsonl").read_text().splitlines()][-1]
     assert record["nonfinite_skipped"] == 2 and record["step"] == 8
     err = capfd.readouterr().err
-    assert err.count("on_nonfinite='skip': step skipped") == 2  # rank 0 says it, once a step
+    assert err.count("on_nonfinite='skip': step skipped") == 3  # rank 0 says it, once a step (2 + the loss-only run's 1)
+    assert "step 3: non-finite loss on rank 1; first non-finite tensor: the loss (nan) on rank 1; on_nonfinite='skip'" in err
     assert "step 5: non-finite loss on rank 1 and gradients on ranks 0, 1; first non-finite tensor: the loss (nan) on rank 1; on_nonfinite='warn'" in err
