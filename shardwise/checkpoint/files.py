@@ -250,8 +250,7 @@ def latest_valid(root: Path, *, finite: bool = False) -> Path | None:
     for path in reversed(list_checkpoints(root)):
         if finite and not is_finite(path):
             warnings.warn(
-                f"skipping checkpoint {path}: it was saved after a non-finite step (its manifest says finite: false); "
-                "resume=<its path> takes it anyway",
+                f"skipping checkpoint {path}: it was saved after a non-finite step (its manifest says finite: false); resume=<its path> takes it anyway",
                 stacklevel=2,
             )
             continue
