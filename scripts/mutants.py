@@ -147,7 +147,8 @@ MUTANTS = [
     Mutant("the parameter server ignores the worker's learning rate", "shardwise/strategies/param_server/server.py",
            'group["lr"] = lr  # the worker', "pass  # the worker", (REPLICAS,)),
     Mutant("a ps worker keeps its stale parameters (the pull is ignored)", "shardwise/strategies/param_server/client.py",
-           "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])\n            self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))",
+           "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])\n"
+           "            self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))",
            "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])", ("tests/dist/test_ps.py",)),
     Mutant("a zero1 checkpoint drops the optimizer state", "shardwise/strategies/zero.py",
            'state["optimizer"] = self.optimizer.state_dict() if dist.get_rank() == 0 else {}',
@@ -165,7 +166,7 @@ MUTANTS = [
            'all_reduce(flat, "sum", group=group, recorder=recorder)',
            ("tests/dist/test_tensor_parallel.py",)),
     Mutant("the pipeline schedule sums micro-batch gradients (a wrong scale)", "shardwise/strategies/pipeline/__init__.py",
-           "loss_fn=self._loss, scale_grads=True)", "loss_fn=self._loss, scale_grads=False)", ("tests/dist/test_pipeline.py",)),
+           "                    p.grad.div_(m)", "                    pass", ("tests/dist/test_pipeline.py",)),
     # -- tune and plot --------------------------------------------------------------------------------
     Mutant("the range test suggests the lowest loss's rate, not the steepest descent", "shardwise/trainer/lr_find.py",
            "    return min(range(start, lowest + 1), key=lambda i: grads[i])", "    return lowest", ("tests/unit/test_lr_find.py",)),
@@ -253,6 +254,19 @@ MUTANTS = [
            "    if not isinstance(model, nn.Module):\n        raise", "    if False:\n        raise", ("tests/e2e/test_train_own_model.py",)),
     Mutant("plan prints a bare recommendation when nothing fits", "shardwise/advisor/commands.py",
            "        advice[\"why\"] += \". \" + fits_with_accumulation(model, cluster, settings)", "        pass", ("tests/e2e/test_plan_cli.py",)),
+    Mutant("the non-finite check accumulates gradient norms in float32 (a diverging but finite run is stopped)", "shardwise/trainer/nonfinite.py",
+           "torch._foreach_norm(grads, 2, dtype=torch.float64)", "torch._foreach_norm(grads)", ("tests/unit/test_nonfinite.py",)),
+    Mutant("the non-finite verdict is not agreed across ranks", "shardwise/trainer/nonfinite.py",
+           "        if self.size > 1:\n            total = all_reduce(", "        if False:\n            total = all_reduce(",
+           ("tests/dist/test_nonfinite.py",)),
+    Mutant("local SGD's replicas agree on a non-finite verdict every step (a collective inside every step)", "shardwise/trainer/loop.py",
+           "agree=engine.steps_together", "agree=True",
+           ("tests/dist/test_hang_report.py::test_the_step_barrier_of_debug_collectives_names_the_rank_that_did_not_come",)),
+    Mutant("pruning deletes the newest finite checkpoint", "shardwise/checkpoint/files.py",
+           "    keep = next((p for p in reversed(ours) if is_finite(p)), None)", "    keep = None", ("tests/unit/test_nonfinite.py",)),
+    Mutant("resume='auto' takes a checkpoint saved after non-finite steps", "shardwise/trainer/loop.py",
+           "latest_valid(Path(cfg.out) / \"checkpoints\", finite=True)", "latest_valid(Path(cfg.out) / \"checkpoints\", finite=False)",
+           ("tests/unit/test_nonfinite.py",)),
 ]
 
 

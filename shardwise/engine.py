@@ -122,6 +122,11 @@ class Engine:
         return self.parallel.placement.group if self.parallel is not None else WORLD
 
     @property
+    def steps_together(self) -> bool:
+        """Whether the loop's ranks take every step together (`Placement.steps_together`): per-step verdicts are agreed over ``group``."""
+        return self.parallel.placement.steps_together if self.parallel is not None else True
+
+    @property
     def trains(self) -> bool:
         """False on a rank that only serves (a parameter server): it served in ``setup``; skip the loop."""
         return self.parallel.placement.trains if self.parallel is not None else True

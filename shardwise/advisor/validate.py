@@ -148,6 +148,7 @@ def timed_fit(
             out=out,
             progress_bar=False,
             model_summary=False,
+            on_nonfinite="warn",  # timing, not training: a step that diverges takes as long (a user's lr may be too high for long runs)
             optimizer=optimizer,
             loss_fn=loss_fn,
         )
@@ -216,6 +217,7 @@ def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Setting
         out=str(out),
         progress_bar=False,
         model_summary=False,
+        on_nonfinite="warn",  # a validation measures time and memory; a diverging step costs the same
         optimizer=optimizer,
         loss_fn=loss_fn,
         callbacks=[MemoryProbe(str(out))],

@@ -159,6 +159,11 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    smaller_last_batch: ClassVar[bool] = False
+    """Whether a step may hold fewer samples than the global batch exactly (``drop_last=False``: an
+    epoch's smaller last batch, its micro-batch losses weighted by their share): true where the
+    step's micro-batches go through the step function in order and every data-parallel rank's
+    gradient is averaged (not pipelines' fixed micro-batches, parameter servers or replicas)."""
 
     @abstractmethod
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
@@ -195,6 +200,10 @@ class Placement:
     """The training ranks' mesh, for evaluation, logging and checkpoints (None: the engine's mesh)."""
     group: Group = field(default_factory=lambda: WORLD)
     """The group the loop's own collectives (logged loss, evaluation, checkpoints) run over."""
+    steps_together: bool = True
+    """Whether the loop's ranks take every optimizer step together (data, tensor and pipeline parallel,
+    synchronous parameter servers), so a per-step verdict (the non-finite check) is agreed over
+    ``group``; False where each rank steps alone between rounds (local SGD, DiLoCo, gossip)."""
     data_mesh: Mesh | None = None
     """The mesh each global batch is split over, when it differs from the loop's (asynchronous
     parameter-server workers loop alone yet each takes its slice of every batch). None: the loop's."""

@@ -62,6 +62,7 @@ class DataParallel(Strategy):
     """Single-process, multi-GPU data parallelism."""
 
     name: ClassVar[str] = "dp"
+    smaller_last_batch: ClassVar[bool] = True
 
     device_ids: tuple[int, ...] | None = None
     """CUDA device indices to split each batch over (default: every visible GPU)."""

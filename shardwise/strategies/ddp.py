@@ -139,6 +139,7 @@ class DDP(Strategy):
     """Distributed data parallel: whole model per rank, gradients averaged each step."""
 
     name: ClassVar[str] = "ddp"
+    smaller_last_batch: ClassVar[bool] = True
 
     bucket_cap_mb: float = 25.0
     """Size of each gradient bucket DDP reduces while backward runs (MiB)."""

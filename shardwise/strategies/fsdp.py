@@ -621,6 +621,7 @@ class ShardedDataParallel(Strategy):
     """What zero2, zero3 and hsdp share: the options of FSDP2 and the plan over data-parallel ranks."""
 
     name: ClassVar[str] = "zero3"
+    smaller_last_batch: ClassVar[bool] = True
     reshard_after_forward: ClassVar[bool] = True
     """Free each unit's gathered parameters after its forward (zero3, hsdp) or keep them (zero2)."""
 

@@ -303,6 +303,7 @@ class Zero1(Strategy):
     """ZeRO stage 1: optimizer state sharded; parameters and gradients replicated."""
 
     name: ClassVar[str] = "zero1"
+    smaller_last_batch: ClassVar[bool] = True
 
     offload: bool = False
     """Refused: zero1 keeps parameters and gradients whole on the device (zero2, zero3 and hsdp offload to CPU)."""

@@ -215,6 +215,7 @@ class TrainerConfig:
             fast_dev_run=0,
             model_summary=False,
             announce_outputs=False,
+            on_nonfinite="warn",  # a probe measures: the range test sweeps the rate until the loss diverges, on purpose
         )
         return self.replace(**{**quiet, **changes})
 

@@ -173,7 +173,7 @@ class Trainer:
         strategy.check_precision(cfg.precision, self._layout)
         check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
         if not cfg.drop_last:
-            _check_drop_last(self._layout)
+            _check_drop_last(strategy, self._layout)
         self._check_tools(val_data, model)
         if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
             check_out(cfg.out, cfg.resume, cfg.overwrite)
@@ -475,7 +475,9 @@ class Trainer:
         if not cfg.drop_last:
             step_fn = weights.wrap(step_fn)  # the epoch's smaller last batch: each micro-batch's share (`ShardedLoader.step_weights`)
         # The grad scaler checks fp16 gradients itself and skips what overflows: not ours to stop (the loss still is).
-        nonfinite = NonFiniteCheck(engine.unwrap(wrapped), engine.group, engine.recorder, check_grads=engine.precision.scaler is None)
+        nonfinite = NonFiniteCheck(
+            engine.unwrap(wrapped), engine.group, engine.recorder, check_grads=engine.precision.scaler is None, agree=engine.steps_together
+        )
         val = unpack_data(val_data)
         val_batch = cfg.val_batch_size or max(1, loader.micro)
         ckpt_root = Path(out) / "checkpoints" if out else None
@@ -800,18 +802,17 @@ class Trainer:
         callbacks.dispatch([*first, *self.callbacks], hook, self, *args)
 
 
-# Strategies that take one step's micro-batches in order through the step function and average every
-# data-parallel rank's gradient: a weighted smaller last batch is then exact.
-_EXACT_SMALLER_BATCH = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp")
+def _check_drop_last(strategy: Strategy, layout: Layout) -> None:
+    """``drop_last=False`` where the strategy takes a smaller batch exactly (`Strategy.smaller_last_batch`),
+    refused before launch elsewhere."""
+    if not strategy.smaller_last_batch or layout.degrees.get("pp", 1) > 1:
+        from shardwise.strategies import available
 
-
-def _check_drop_last(layout: Layout) -> None:
-    """``drop_last=False`` where it is exact, refused before launch elsewhere."""
-    if layout.strategy not in _EXACT_SMALLER_BATCH or layout.degrees.get("pp", 1) > 1:
+        able = [n for n in available() if get_strategy(n).smaller_last_batch]
         raise ConfigError(
             f"drop_last=False: strategy {layout.strategy!r} cannot take the epoch's smaller last batch exactly "
             "(a pipeline splits each batch into a fixed number of micro-batches; parameter servers and replicas do not average "
-            f"every rank's gradient of a step); it works with {', '.join(_EXACT_SMALLER_BATCH)}. Leave drop_last=True "
+            f"every rank's gradient of a step); it works with {', '.join(able)} (without a pipeline dimension). Leave drop_last=True "
             "(the remainder is left out) or choose a global batch that divides the data set"
         )
 

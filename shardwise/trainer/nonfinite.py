@@ -4,14 +4,20 @@ Each training step, after backward and before the optimizer, every training rank
 loss and its own gradients (the local shard of a sharded one) with ``isfinite``: the gradients
 through one ``torch._foreach_norm(grads)`` (one norm per tensor, a fused kernel; a NaN or an infinity
 propagates), taken before clipping so that the first bad tensor can be named (clipping multiplies
-every gradient by a NaN norm). The max-magnitude norm would never overflow but costs 7-20 times as
-much on CPU (measured: 270 against 36 us for six 64 x 64 tensors, 77 against 3.7 ms for six 1000 x
-1000); the 2-norm of a float32 gradient overflows only past magnitudes of about 1e19, a run that has
-diverged anyway, and then the error says a value went beyond float32's range rather than naming a
-tensor. The loss plus the sum of those norms is one number, finite exactly when each of them is;
-when the loop runs on more than one rank, one all-reduce (sum, float64) of that number makes the
-verdict the same everywhere (a NaN on one rank makes the sum NaN on all): the only collective
-added, and the single-process path syncs only to read it. When the flag is up (the failure path) each rank finds its first non-finite tensor and one
+every gradient by a NaN norm). The norms accumulate in float64 (``dtype=torch.float64``), so a
+finite float32 or bf16 gradient has a finite norm at any magnitude (3e38 squares to 1e77): a run
+that diverged to huge but finite values is not stopped by the check (a first version accumulated in
+float32 and stopped the planner's timing runs at lr 1.0). The max-magnitude norm would never
+overflow either but costs 7-20 times as much on CPU (measured: 270 against 36 us for six 64 x 64
+tensors, 77 against 3.7 ms for six 1000 x 1000). The loss plus the sum of those norms is one number,
+finite exactly when each of them is. Where the training ranks take every step together
+(`Placement.steps_together`: data, tensor and pipeline parallelism, synchronous parameter servers)
+one all-reduce (sum, float64) of that number over the loop's group makes the verdict the same
+everywhere (a NaN on one rank makes the sum NaN on all): the only collective added, and the
+single-process path syncs only to read it. Where each rank steps alone between rounds (local SGD,
+DiLoCo, gossip; asynchronous parameter-server workers loop in a group of one) the verdict is the
+rank's own and adds no collective: a replica that stops fails its run as any failing rank does,
+and one that skips skips its own step. When the flag is up (the failure path) each rank finds its first non-finite tensor and one
 more small reduction tells every rank what every rank found, so all of them say the same. ``benchmarks/nonfinite.py``
 measures the per-step cost side by side.
 
@@ -96,9 +102,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class NonFiniteCheck:
     """The per-step check of one fit: ``verdict(step, loss)`` before the optimizer steps."""
 
-    def __init__(self, module: nn.Module, group: Group, recorder: Recorder | None, *, check_grads: bool) -> None:
+    def __init__(self, module: nn.Module, group: Group, recorder: Recorder | None, *, check_grads: bool, agree: bool = True) -> None:
         self.named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.group, self.recorder, self.check_grads = group, recorder, check_grads
+        self.size = group.size if agree else 1
+        """The ranks that agree on a verdict: the loop's group, or this rank alone where ranks step alone."""
         self._names_hash = int.from_bytes(hashlib.sha256("\n".join(n for n, _ in self.named).encode()).digest()[:6], "big")
 
     def verdict(self, step: int, loss: torch.Tensor) -> Verdict | None:
@@ -110,8 +118,10 @@ class NonFiniteCheck:
         total = loss.reshape(-1)[0] if loss.numel() else torch.zeros((), device=loss.device)
         grads = self._grads() if self.check_grads else []
         if grads:
-            total = total + torch.stack(torch._foreach_norm(grads)).sum().to(total.device)
-        if self.group.size > 1:
+            # float64 accumulation: a finite float32 gradient's norm is then finite too (magnitudes up to 3e38
+            # square to 1e77), so only a NaN or an infinity raises the flag
+            total = total + torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).sum().to(total.device)
+        if self.size > 1:
             total = all_reduce(total.reshape(1).to(torch.float64), "sum", group=self.group, recorder=self.recorder)
         if math.isfinite(total.item()):
             return None
@@ -135,7 +145,7 @@ class NonFiniteCheck:
     def _explain(self, step: int, row: list[float]) -> Verdict:
         # Failure path only: each rank's findings and whether it names its parameters as this one
         # does (every data-parallel strategy; pipeline and tp stages do not), in one more reduction.
-        size = self.group.size
+        size = self.size
         rows = [[*row, float(self._names_hash)]]
         if size > 1:
             table = torch.zeros(size, 4, dtype=torch.float64)
@@ -155,8 +165,8 @@ class NonFiniteCheck:
                 first = f"the gradient of {self.named[index][0]} on rank {grad_ranks[0]}"
             else:
                 first = f"the gradient of rank {grad_ranks[0]}'s parameter #{index} (its own module's named_parameters order)"
-        else:  # every tensor finite on its own: a value that did not survive the check's float32 (a loss beyond 3e38)
-            first = "a value beyond float32's range (the loss or a gradient's largest magnitude)"
+        else:  # every tensor finite on its own: a sum past float64's range (1.8e308), which no finite float32 run reaches
+            first = "a value beyond float64's range (the sum of the loss and the gradients' norms)"
         return Verdict(step, loss_ranks, grad_ranks, first)
 
     def _device(self) -> torch.device:

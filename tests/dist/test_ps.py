@@ -95,8 +95,9 @@ def test_sync_through_the_trainer_equals_the_single_process_reference():
     push, pull = summary["comm"]["by_op"]["ps/push"], summary["comm"]["by_op"]["ps/pull"]
     assert push["count"] == 10 and push["payload_bytes"] == 10 * N_BYTES and push["sent_bytes"] == 10 * (N_BYTES + HEADER)
     assert pull["count"] == 10 and pull["received_bytes"] == 10 * (N_BYTES + HEADER) and pull["sent_bytes"] == 0
-    # over the workers only: the two loss logs and the model summary's parameters per rank (the server shows "(serves)")
-    assert summary["comm"]["by_op"]["workers/all_reduce"]["count"] == 3
+    # over the workers only: the two loss logs, the model summary's parameters per rank (the server shows "(serves)"),
+    # and the non-finite check's verdict once a step (sync workers step together: a skip must be agreed, or the server waits)
+    assert summary["comm"]["by_op"]["workers/all_reduce"]["count"] == 3 + 10
     assert summary["world_size"] == 3 and summary["samples"] == 160
 
 

@@ -154,8 +154,29 @@ def test_warn_trains_on_and_pruning_keeps_the_newest_finite_checkpoint(tmp_path:
         assert ckpt.latest_valid(tmp_path / "run/checkpoints", finite=True).name == "step-00000004"
     assert sum("saved after a non-finite step" in str(w.message) for w in caught) == 3
     assert ckpt.latest_valid(tmp_path / "run/checkpoints").name == "step-00000010"  # without finite=: the newest, as before
+    # the Trainer's resume='auto' goes back to the finite step 4, not onto step 10's NaN weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = _fit(NanAt(bad=()), tmp_path / "run", on_nonfinite="warn", max_steps=6, resume="auto")
+    assert again["resumed_from"].endswith("step-00000004") and math.isfinite(again["train_loss"])
 
 
 def test_bad_setting_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"on_nonfinite must be 'stop', 'skip' or 'warn'; got 'ignore'"):
         Trainer(on_nonfinite="ignore")
+
+
+def test_huge_but_finite_float32_gradients_and_losses_are_not_stopped() -> None:
+    # A diverging run (the planner's timing at lr 1.0) reaches finite values whose float32 squares overflow:
+    # the check must judge finiteness, not the range of its own arithmetic.
+    from shardwise.comm.collectives import WORLD
+    from shardwise.trainer.nonfinite import NonFiniteCheck
+
+    model = nn.Linear(4, 4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e30)
+    check = NonFiniteCheck(model, WORLD, None, check_grads=True, agree=False)
+    assert check.verdict(1, torch.tensor(3e38)) is None
+    model.bias.grad[1] = float("inf")
+    verdict = check.verdict(2, torch.tensor(1.0))
+    assert verdict is not None and verdict.first == "the gradient of bias on rank 0"

@@ -74,11 +74,12 @@ def test_an_open_file_held_by_a_hook_deep_in_the_model_is_named_with_the_hook():
     model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
     model[1][0].register_forward_hook(lambda m, i, o: None)  # picklable by value: not the culprit
     with open(__file__) as f:  # noqa: PTH123
-        model[1][1].register_forward_hook(lambda m, i, o: f.read(0) and None)
+        handle = model[1][1].register_forward_hook(lambda m, i, o: f.read(0) and None)
         with pytest.raises(LaunchError) as info:
             payload.dumps(_train, (model,), {}, None)
     message = str(info.value)
-    assert "could not send model.1.1._forward_hooks[1].<closure>.f " in message, message
+    # the hook's key in the module's dict (its handle's id, which counts every hook this process registered)
+    assert f"could not send model.1.1._forward_hooks[{handle.id}].<closure>.f " in message, message
     assert "it is a _io.TextIOWrapper" in message
     assert "open it inside the function" in message and "hook registered on model.1.1 (_forward_hooks)" in message and "handle.remove()" in message
 

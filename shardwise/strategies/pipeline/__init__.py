@@ -194,8 +194,9 @@ model (`_Replay`) that returns that micro-batch's pipeline output, so the user's
 unchanged on `(output, micro-batch)`; the stand-in checks it was called with the
 micro-batch's inputs, so a `training_step` that calls the whole model is a `ConfigError`
 (pass `loss_fn=`). Losses are kept by micro-batch index (torch's shape inference runs
-micro-batch 0 an extra time on the first step). The schedule divides gradients by `m`
-(`scale_grads=True`), so they are the gradient of the mean loss over the step's batch. Under
+micro-batch 0 an extra time on the first step). Gradients are divided by `m` once per parameter
+after the schedule (not by torch's per-stage `scale_grads`, which divides a module two local stages
+hold twice), so they are the gradient of the mean loss over the step's batch. Under
 fp16 the loss handed to the schedule is the grad scaler's scaled loss. One `all_gather` of
 five float64 numbers over the pp group per step carries the mean loss (and its dtype) from the
 last stage to every rank, with every stage's timing; the returned loss is detached.
@@ -363,6 +364,7 @@ from shardwise.strategies.pipeline.nested import (
     NestedStage,
     _plan_blocks,
     batch_kwargs,
+    check_layers,
     check_nested,
     is_nested,
     nested_layout,
@@ -616,6 +618,8 @@ class Pipeline(Strategy):
         sample (an `Engine` given none), or when the proof fails, it is refused, naming why."""
         if _is_transformers(model) or _plan_blocks(model) is not None:
             return self._nested_route(model)
+        if self.layers:
+            check_layers(model, self.layers)  # a wrong path is the user's mistake, said as such, never traced around
         gm: Any = None
         why = ""
         refused: ConfigError | None = None

@@ -110,19 +110,24 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def check_layers(model: nn.Module, layers: str) -> None:
+    """A ``layers=`` path that names no module list of ``model`` is a `ConfigError` naming the lists it has."""
+    try:
+        found = model.get_submodule(layers)
+    except AttributeError:
+        raise ConfigError(
+            f"layers={layers!r} is not a module of {type(model).__name__}; its module lists are "
+            f"{[n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)] or 'none'}"
+        ) from None
+    if not isinstance(found, nn.ModuleList):
+        raise ConfigError(f"layers={layers!r} in {type(model).__name__} is a {type(found).__name__}, not an nn.ModuleList of blocks")
+
+
 def nested_layout(model: nn.Module, layers: str | None = None) -> NestedLayout:
     """Find the block list, the prelude and the postlude of ``model`` (no process group)."""
     blocks: str | None
     if layers:
-        try:
-            found = model.get_submodule(layers)
-        except AttributeError:
-            raise ConfigError(
-                f"layers={layers!r} is not a module of {type(model).__name__}; its module lists are "
-                f"{[n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)] or 'none'}"
-            ) from None
-        if not isinstance(found, nn.ModuleList):
-            raise ConfigError(f"layers={layers!r} in {type(model).__name__} is a {type(found).__name__}, not an nn.ModuleList of blocks")
+        check_layers(model, layers)
         blocks, source = layers, "layers option"
     else:
         planned = _plan_blocks(model)

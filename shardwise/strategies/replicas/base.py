@@ -40,7 +40,7 @@ from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import DIM_ORDER, Mesh
 from shardwise.strategies.common import LocalParallel
-from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Strategy, plan_layout
+from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Placement, Strategy, plan_layout
 
 REPLICA_FILE = "replica-{rank:05d}.pt"
 """Each rank's own replica in a checkpoint directory: model, optimizer, the round's state, counters."""
@@ -147,7 +147,7 @@ class ReplicaRun(LocalParallel):
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, *, strategy: str, section: str, sync_every: int, group: Group, recorder: Recorder
     ) -> None:
-        super().__init__(model, optimizer)
+        super().__init__(model, optimizer, Placement(steps_together=False))  # replicas meet every H steps, not every step
         self.strategy_name, self.section = strategy, section
         self.sync_every = check_sync_every(strategy, sync_every)
         self.group, self.recorder = group, recorder

@@ -437,6 +437,7 @@ class TensorParallel(Strategy):
     """
 
     name: ClassVar[str] = "tp"
+    smaller_last_batch: ClassVar[bool] = True
 
     tp: int | None = None
     """Tensor-parallel degree: how many ranks split each linear pair (default: the mesh's tp, else the world size)."""
