@@ -28,6 +28,7 @@ _EXPORTS = {
     "CheckpointError": "shardwise.errors",
     "LaunchError": "shardwise.errors",
     "CommError": "shardwise.errors",
+    "NonFiniteError": "shardwise.trainer.nonfinite",
 }
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from shardwise.strategies import get_strategy, register_strategy
     from shardwise.trainer.config import TrainerConfig
     from shardwise.trainer.loop import Trainer
+    from shardwise.trainer.nonfinite import NonFiniteError
 
 
 def __getattr__(name: str) -> Any:
@@ -65,6 +67,7 @@ __all__ = [
     "Engine",
     "LaunchError",
     "Mesh",
+    "NonFiniteError",
     "Recorder",
     "ShardedLoader",
     "ShardwiseError",

@@ -498,7 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _guard(fn: Any) -> int:
-    """User errors print one clear line and exit 2; anything else keeps its traceback."""
+    """User errors print one clear line and exit 2; a worker's failure, its short report (the rank, the
+    exception, the user's frame, where the full traceback is) and exit 1; anything else keeps its traceback."""
+    from shardwise.launcher.spawn import RemoteTraceback
+
     try:
         return int(fn())
     except ShardwiseError as exc:
@@ -507,6 +510,11 @@ def _guard(fn: Any) -> int:
     except KeyboardInterrupt:
         print("shardwise: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if isinstance(exc.__cause__, RemoteTraceback):  # the parent's frames (cli, loop, spawn) say nothing about the user's bug
+            print(f"shardwise: a worker failed:\n{exc.__cause__}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -184,7 +184,8 @@ def import_object(spec: str, flag: str) -> Callable[..., Any]:
 
     mod_name, colon, attr = spec.partition(":")
     if not colon or not mod_name or not attr:
-        raise ConfigError(f"{flag} {spec!r}: give module:name (e.g. {flag} mymodels:make_model, for make_model in mymodels.py here)")
+        example = {"--loss": "loss", "--optimizer": "make_optimizer", "--data": "make_data", "--val-data": "make_val"}.get(flag, "make_model")
+        raise ConfigError(f"{flag} {spec!r}: give module:name (e.g. {flag} mymodels:{example}, for {example} in mymodels.py here)")
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)

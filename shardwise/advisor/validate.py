@@ -152,7 +152,11 @@ def timed_fit(
             optimizer=optimizer,
             loss_fn=loss_fn,
         )
-        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        # quiet: the log lines go to stderr (shardwise plan printed 256 of them before its table)
+        with (
+            contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext(),
+            contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext(),
+        ):
             trainer.fit(model, data)
         rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return measured_step_s(rows, batch)

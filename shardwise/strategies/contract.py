@@ -159,11 +159,12 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    # Whether a step may hold fewer samples than the global batch exactly (drop_last=False: an epoch's
+    # smaller last batch, its micro-batch losses weighted by their share): true where the step's
+    # micro-batches go through the step function in order and every data-parallel rank's gradient is
+    # averaged (not pipelines' fixed micro-batches, parameter servers or replicas). A comment, not a
+    # docstring: docstrings under a strategy's attributes are its options' CLI help.
     smaller_last_batch: ClassVar[bool] = False
-    """Whether a step may hold fewer samples than the global batch exactly (``drop_last=False``: an
-    epoch's smaller last batch, its micro-batch losses weighted by their share): true where the
-    step's micro-batches go through the step function in order and every data-parallel rank's
-    gradient is averaged (not pipelines' fixed micro-batches, parameter servers or replicas)."""
 
     @abstractmethod
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:

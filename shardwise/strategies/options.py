@@ -27,6 +27,7 @@ import difflib
 import functools
 import inspect
 import itertools
+import json
 import sys
 import textwrap
 import types
@@ -178,7 +179,7 @@ def _describe(tp: Any) -> str:
     if item is not None:
         return f"a comma-separated list (each {_describe(item)})"
     if _is_mapping(tp):
-        return 'a TOML table such as {key = "value"}'
+        return 'a TOML table such as {key = "value"} (or its JSON text)'
     args = _union_args(tp)
     if args is not None:
         return " or ".join(_describe(a) for a in args)
@@ -272,7 +273,10 @@ def _convert_inner(value: Any, tp: Any) -> Any:
             try:
                 value = tomllib.loads(f"v = {value}")["v"]
             except tomllib.TOMLDecodeError:
-                raise _Bad from None
+                try:  # its JSON text, as the help of a table option says ({"fc1": "colwise"})
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    raise _Bad from None
         if not isinstance(value, dict):
             raise _Bad
         key_t, val_t = typing.get_args(tp) or (Any, Any)

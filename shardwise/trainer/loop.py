@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -681,7 +682,11 @@ class Trainer:
             return None
         if cfg.resume == "auto":
             assert cfg.out is not None
-            path = ckpt.latest_valid(Path(cfg.out) / "checkpoints", finite=True)  # never back onto NaN weights
+            with warnings.catch_warnings(record=True) as skipped:  # said as the run's own lines, not as Python warnings
+                warnings.simplefilter("always")
+                path = ckpt.latest_valid(Path(cfg.out) / "checkpoints", finite=True)  # never back onto NaN weights
+            for w in skipped:
+                engine.print(f"shardwise: resume='auto': {w.message}")
             if path is None:
                 engine.print("resume='auto': no checkpoint yet, starting fresh")
                 return None
@@ -813,7 +818,7 @@ def _check_drop_last(strategy: Strategy, layout: Layout) -> None:
             f"drop_last=False: strategy {layout.strategy!r} cannot take the epoch's smaller last batch exactly "
             "(a pipeline splits each batch into a fixed number of micro-batches; parameter servers and replicas do not average "
             f"every rank's gradient of a step); it works with {', '.join(able)} (without a pipeline dimension). Leave drop_last=True "
-            "(the remainder is left out) or choose a global batch that divides the data set"
+            "(on the command line, leave out --keep-last-batch: the remainder is left out) or choose a global batch that divides the data set"
         )
 
 

@@ -124,3 +124,25 @@ def test_your_own_module_trains_under_ddp_on_two_processes_as_single_does(here):
     torch.manual_seed(3)
     single = reference.fit(ownmod_cli.make_model(), ownmod_cli.make_data(), ownmod_cli.make_val())
     assert abs(summary["train_loss"] - single["train_loss"]) < 1e-12 and abs(summary["val_loss"] - single["val_loss"]) < 1e-12
+
+
+def test_a_workers_failure_is_its_short_report_and_exit_1_without_the_parents_traceback(capsys):
+    # launch raises the rank's own exception from a RemoteTraceback holding the short report (spawn.py);
+    # the command prints that report, not the frames of cli, loop and spawn under it (a new user's report)
+    from shardwise.cli import _guard
+    from shardwise.launcher.spawn import RemoteTraceback
+
+    report = "ranks 0, 1 failed: IndexError: tuple index out of range\n  at ownmod.py:8 in loss\n  full traceback: /tmp/x/rank-0.txt"
+
+    def fit() -> int:
+        raise IndexError("tuple index out of range") from RemoteTraceback(report)
+
+    assert _guard(fit) == 1
+    err = capsys.readouterr().err
+    assert err == f"shardwise: a worker failed:\n{report}\n" and "Traceback" not in err
+
+    def bug() -> int:
+        raise IndexError("shardwise's own bug")  # not from a worker: the traceback stays
+
+    with pytest.raises(IndexError):
+        _guard(bug)

@@ -155,10 +155,14 @@ def test_warn_trains_on_and_pruning_keeps_the_newest_finite_checkpoint(tmp_path:
     assert sum("saved after a non-finite step" in str(w.message) for w in caught) == 3
     assert ckpt.latest_valid(tmp_path / "run/checkpoints").name == "step-00000010"  # without finite=: the newest, as before
     # the Trainer's resume='auto' goes back to the finite step 4, not onto step 10's NaN weights
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
         again = _fit(NanAt(bad=()), tmp_path / "run", on_nonfinite="warn", max_steps=6, resume="auto")
     assert again["resumed_from"].endswith("step-00000004") and math.isfinite(again["train_loss"])
+    # each skipped checkpoint is a line of the run's own, not a Python warning pointing into shardwise's source
+    out = capsys.readouterr().out
+    assert out.count("shardwise: resume='auto': skipping checkpoint") == 3 and not [w for w in raised if "non-finite" in str(w.message)]
 
 
 def test_bad_setting_is_refused() -> None:

@@ -367,7 +367,7 @@ def test_strings_stay_strings_and_unions_keep_the_member_the_value_fits():
         ("chatty", 2, r"must be true or false; got 2"),
         ("flavour", "spicey", r"option flavour \(--flavour\) must be one of: plain, spicy; got 'spicey' \(did you mean 'spicy'\?\)"),
         ("slots", "0,x", r"option slots \(--slots\) must be a comma-separated list \(each a whole number\) or none; got '0,x'"),
-        ("lookup", "fc1=colwise", r"option lookup \(--lookup\) must be a TOML table such as \{key = \"value\"\}; got 'fc1=colwise'"),
+        ("lookup", "fc1=colwise", r"option lookup \(--lookup\) must be a TOML table such as \{key = \"value\"\} \(or its JSON text\); got 'fc1=colwise'"),
         ("names", 3, r"option names \(--names\) must be a comma-separated list \(each a string\); got 3"),
     ],
 )
@@ -448,3 +448,10 @@ def test_every_registered_strategy_class_has_documented_options_with_flags(name)
             assert option.default in option.choices or option.default is None, where
         if not isinstance(option.default, dict):
             assert option.convert(format_value(option.default), name) == option.default or option.default in ((), None), where
+
+
+def test_a_table_option_takes_a_toml_inline_table_or_its_json_text():
+    # the help of tp_plan says "or its JSON text": the command line must take what the help says
+    lookup = {o.name: o for o in options_of(Knobs)}["lookup"]
+    assert lookup.convert('{"fc1": "colwise", "fc2": "rowwise"}', "knobs") == lookup.convert('{fc1 = "colwise", fc2 = "rowwise"}', "knobs")
+    assert lookup.convert('{"fc1": "colwise"}', "knobs") == {"fc1": "colwise"}

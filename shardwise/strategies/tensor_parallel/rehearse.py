@@ -226,12 +226,25 @@ def _message(model: nn.Module, split: nn.Module, tp: int, sp: bool, where: _Wher
         f"applied{plan}, fails {place}: {text}."
     )
     if "mixed torch.Tensor and DTensor" in text:
+        from shardwise.strategies.tensor_parallel.plan import _sublayers
+
+        # tp lays out the input of each module that holds split linears (Megatron's f) as a DTensor, so
+        # everything that module's forward runs sees one, before the linears as well as between them
+        holders = [h for h in _sublayers(applied) if not what or h == "" or what == h or what.startswith(h + ".")]
+        holder = max(holders, key=len) if holders else None
+        held = "the model itself (the split linears are its own children)" if holder == "" else holder
         fix = (
-            f" {what or 'A module'} would receive the split's distributed tensor (DTensor): tensor parallelism splits linear layers, "
-            "and whatever runs between a split linear's input and the row-split linear that ends its pair must be a split linear or "
-            "hold no parameters (a convolution cannot run on it). Train this model with a data-parallel strategy (ddp, zero1/2/3) or "
-            "pass a tp_plan naming only linear pairs whose input is an activation between blocks"
+            f" {what or 'A module'} receives a distributed tensor (DTensor): tensor parallelism lays out the input of the module that "
+            f"holds the split linears, here {held}, as one, so every layer that module's forward runs sees it, before the split "
+            f"linears as well as between them, and a {type(found[1]).__name__ if found else 'layer'} cannot run on it."
         )
+        if holder == "":
+            fix += " No tp_plan changes that for this model: train it with a data-parallel strategy (ddp, zero1/2/3) or a pipeline"
+        else:
+            fix += (
+                " Train this model with a data-parallel strategy (ddp, zero1/2/3), or pass a tp_plan naming linears held by "
+                f"modules whose forward runs only linears and parameter-free operations (not {held})"
+            )
     elif sp and what:
         fix = (
             f" Sequence parallelism shards dim 1 (the sequence) inside the blocks, so {what} sees 1/tp of the positions; "
