@@ -254,6 +254,8 @@ MUTANTS = [
            "    if not isinstance(model, nn.Module):\n        raise", "    if False:\n        raise", ("tests/e2e/test_train_own_model.py",)),
     Mutant("plan prints a bare recommendation when nothing fits", "shardwise/advisor/commands.py",
            "        advice[\"why\"] += \". \" + fits_with_accumulation(model, cluster, settings)", "        pass", ("tests/e2e/test_plan_cli.py",)),
+    Mutant("naive-mp runs the top-level children of a forward that does more (the pipeline's silent skip, again)",
+           "shardwise/strategies/naive_mp.py", "    check_forward_is_its_layers(model)\n    runs", "    runs", ("tests/unit/test_pipeline_split.py",)),
     Mutant("the non-finite check accumulates gradient norms in float32 (a diverging but finite run is stopped)", "shardwise/trainer/nonfinite.py",
            "torch._foreach_norm(grads, 2, dtype=torch.float64)", "torch._foreach_norm(grads)", ("tests/unit/test_nonfinite.py",)),
     Mutant("the non-finite verdict is not agreed across ranks", "shardwise/trainer/nonfinite.py",

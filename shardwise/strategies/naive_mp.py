@@ -57,6 +57,28 @@ class NaiveMP(nn.Module):
         return move(out, self.output_device)
 
 
+def check_forward_is_its_layers(model: nn.Module) -> None:
+    """naive-mp runs the top-level children one after another: a forward that does anything else
+    (functional code between them, a skip, a module used twice) would train another network, so it
+    is refused, as is a forward ``torch.fx`` cannot read to check. The pipeline splits such models."""
+    from shardwise.strategies.pipeline import traced
+
+    name = type(model).__name__
+    try:
+        gm = traced.trace(model)
+    except traced.TraceFailure as failure:
+        raise ConfigError(
+            f"naive-mp runs {name}'s top-level children one after another, and torch.fx cannot read its forward to check that "
+            f"this is all it does ({failure}); use strategy 'pipeline', which proves or splits the forward itself"
+        ) from None
+    if not traced.is_chain(gm):
+        raise ConfigError(
+            f"naive-mp runs {name}'s top-level children one after another, but its forward does more than that (code between "
+            "them, a skip connection or a module used twice), which naive-mp would leave out and train another network; use "
+            "strategy 'pipeline', which splits the traced forward so that code runs on its stage"
+        )
+
+
 def apply_naive_mp(
     model: nn.Module, devices: Sequence[str | torch.device], split_points: Sequence[str] | None = None, output_device: str | torch.device | None = None
 ) -> NaiveMP:
@@ -64,6 +86,7 @@ def apply_naive_mp(
     devs = [torch.device(d) for d in devices]
     if len(devs) < 2:
         raise ConfigError(f"naive model parallelism needs at least 2 devices; got {[str(d) for d in devs]}")
+    check_forward_is_its_layers(model)
     runs = split_layers(sequence_layers(model), len(devs), split_points)
     stages = [StageModule(run).to(dev) for run, dev in zip(runs, devs, strict=True)]
     return NaiveMP(stages, devs, torch.device(output_device) if output_device is not None else devs[0])
@@ -131,6 +154,7 @@ class NaiveModelParallel(Strategy):
                 "which splits the model the same way across processes and also runs on CPUs"
             )
         if model is not None:
+            check_forward_is_its_layers(model)
             split_layers(sequence_layers(model), len(devices), self.split_points)
         return plan_layout(self.name, world_size, batch=batch, mesh=mesh)
 

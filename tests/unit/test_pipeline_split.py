@@ -367,6 +367,17 @@ def test_naive_placement_on_fake_devices_equals_the_model():
     assert mp2.stage_layers == [["embed", "blocks.0", "blocks.1", "blocks.2"], ["blocks.3", "head"]]
 
 
+def test_naive_placement_refuses_a_forward_that_is_more_than_its_layers_in_order():
+    # it runs the top-level children one after another: mlp_zero's "* 0" would be left out and another network trained
+    from tests.models.own_models import build_own
+
+    for name in ("mlp_zero", "cnn", "skipnet"):
+        with pytest.raises(ConfigError, match=r"naive-mp runs \w+'s top-level children one after another, but its forward does more"):
+            apply_naive_mp(build_own(name), ["cpu", "cpu"])
+    with pytest.raises(ConfigError, match=r"torch.fx cannot read its forward"):
+        apply_naive_mp(build_own("gpt"), ["cpu", "cpu"])
+
+
 def test_naive_placement_trains_like_single():
     torch.manual_seed(1)
     trainer_args = dict(precision="64", global_batch_size=8, max_steps=3, progress_bar=False, loss_fn=_lm, accelerator="cpu")

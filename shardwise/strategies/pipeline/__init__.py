@@ -317,7 +317,9 @@ ran while other work held a core.
 **Naive placement** (`naive-mp`, `shardwise.strategies.naive_mp`): one process, the same split
 over the visible CUDA devices (`devices=` to choose), activations moved from device to device
 and the output back to the first (where the loader puts labels): the lectures' `ToyMpModel`,
-no overlap. Without two GPUs `plan` says so and suggests `pipeline`. The placement is
+no overlap. It runs the top-level children in order, so a forward that does more (checked on its
+`torch.fx` trace: `naive_mp.check_forward_is_its_layers`) or that fx cannot read is refused, pointing
+to `pipeline`. Without two GPUs `plan` says so and suggests `pipeline`. The placement is
 tested on `["cpu", "cpu"]`.
 
 **Limits.** Every rank builds the whole model before the split (the layers a rank does not
