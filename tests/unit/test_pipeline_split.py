@@ -638,3 +638,31 @@ def test_pp_with_tp_refuses_a_traced_split_with_the_reason():
 
     with pytest.raises(ConfigError, match="tensor parallelism inside such stages is not supported"):
         Pipeline(pp=2, tp=2).plan(4, model=build_own("cnn"))
+
+
+class _LayersNamedLayers(nn.Module):
+    """A block list named ``layers`` (the commonest name), a norm shared by every block and the end, a
+    residual and a bare scale: a new user's model, split by its trace (it failed in fx's copy of
+    ``layers`` when the traced graph kept its own metadata under that very name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.scale = nn.Parameter(torch.ones(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.embed(x))
+        for lin in self.layers:
+            h = h + torch.tanh(lin(self.norm(h)))
+        return self.head(self.norm(h) * self.scale)
+
+
+def test_a_block_list_named_layers_is_split_by_its_trace_and_proven_on_a_sample():
+    torch.manual_seed(0)
+    model = _LayersNamedLayers()
+    sample = (torch.randn(2, 6), torch.zeros(2, dtype=torch.long))
+    route = Pipeline(pp=2).route(model, sample)
+    assert route.kind == "traced" and [n for run in route.names for n in run] == ["embed", "norm", "layers.0", "layers.1", "layers.2", "head"]

@@ -55,6 +55,8 @@ from shardwise.errors import ConfigError
 from shardwise.strategies.pipeline.split import split_layers
 from shardwise.strategies.pipeline.ties import Tie
 
+_LAYERS = "_shardwise_layers"
+"""The key under which a traced GraphModule keeps the model's layers (name, module), in ``__dict__``."""
 _SIZE_METHODS = {"size", "dim", "numel", "nelement", "stride", "element_size", "get_device", "ndimension", "is_contiguous", "is_floating_point"}
 _SIZE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"}
 
@@ -90,7 +92,9 @@ def trace(model: nn.Module) -> fx.GraphModule:
     except Exception as exc:  # fx raises TraceError, TypeError, AttributeError... from the user's forward
         raise TraceFailure(_why(exc, model)) from exc
     gm = fx.GraphModule(model, graph, type(model).__name__)
-    gm.__dict__["layers"] = traced_layers(model)  # by name, the unused ones too (gm holds only what the graph calls)
+    # by name, the unused ones too (gm holds only what the graph calls); kept under a private key: a plain
+    # "layers" attribute would shadow a submodule of that name (model.layers, the commonest block list)
+    gm.__dict__[_LAYERS] = traced_layers(model)
     return gm
 
 
@@ -177,7 +181,7 @@ class TracedPlan:
 def plan_stages(gm: fx.GraphModule, stages: int, split_points: Sequence[str] | None, is_tensor: dict[str, bool]) -> TracedPlan:
     """Cut the traced graph into ``stages`` (see the module docstring); a `ConfigError` for a split
     the pipeline cannot run (too few layers, a value that cannot cross)."""
-    model_layers: list[tuple[str, nn.Module]] = gm.__dict__["layers"]
+    model_layers: list[tuple[str, nn.Module]] = gm.__dict__[_LAYERS]
     names = [n for n, _ in model_layers]
     nodes = list(gm.graph.nodes)
     order: list[str] = []
@@ -299,7 +303,7 @@ class TracedStage(fx.GraphModule):
 
     def __init__(self, gm: fx.GraphModule, graph: fx.Graph, owned: Sequence[str]) -> None:
         super().__init__(gm, graph, f"Stage_{type(gm).__name__}")
-        layers: list[tuple[str, nn.Module]] = gm.__dict__["layers"]
+        layers: list[tuple[str, nn.Module]] = gm.__dict__[_LAYERS]
         layer_names = [n for n, _ in layers]
         held = []
         for n in graph.nodes:
@@ -331,7 +335,7 @@ def is_chain(gm: fx.GraphModule) -> bool:
     """The graph is the model's layers in registration order, each output the next one's only input:
     a plain sequence, which the sequence split (`split.StageModule`) runs as it is."""
     nodes = list(gm.graph.nodes)
-    layers = [n for n, _ in gm.__dict__["layers"]]
+    layers = [n for n, _ in gm.__dict__[_LAYERS]]
     if [n.op for n in nodes] != ["placeholder"] + ["call_module"] * len(layers) + ["output"]:
         return False
     calls = nodes[1:-1]
