@@ -247,8 +247,6 @@ class ShardedLoader:
         self.num_workers = num_workers
         self.limit = limit
         self.drop_last = drop_last
-        self.last_weights: list[float] | None = None
-        """The weights of the step just handed out (`step_weights`; None for a full global batch)."""
         self.epoch = 0
         self.step_in_epoch = 0
         self._stream: Any = None
@@ -296,6 +294,11 @@ class ShardedLoader:
         """Samples in the global batch of the step just handed out."""
         return min(self.global_batch, self.n - (self.step_in_epoch - 1) * self.global_batch) if self.step_in_epoch else self.global_batch
 
+    @property
+    def last_weights(self) -> list[float] | None:
+        """The weights of the step just handed out (`step_weights`; None for a full global batch)."""
+        return None if self.drop_last or not self.step_in_epoch else self.step_weights(self.step_in_epoch - 1)
+
     def step_weights(self, step: int) -> list[float] | None:
         """This rank's micro-batch loss weights at ``step`` of an epoch: None for a full global batch; for
         the smaller last one ``size x parts / samples`` each (0 for a padding copy), so that the strategy's
@@ -319,14 +322,12 @@ class ShardedLoader:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
         if self.num_workers == 0:
             for step in list(self.index_plan()):
-                self.last_weights = None if self.drop_last else self.step_weights(self.step_in_epoch)
                 self.step_in_epoch += 1
                 yield [self._fetch(self.epoch, idx) for idx in step]
         else:
             stream = self._worker_stream()
             for _ in range(self.step_in_epoch, self.steps_per_epoch):
                 micro = [next(stream) for _ in range(self.accumulate)]
-                self.last_weights = None if self.drop_last else self.step_weights(self.step_in_epoch)
                 self.step_in_epoch += 1
                 yield micro
         self.epoch, self.step_in_epoch = self.epoch + 1, 0

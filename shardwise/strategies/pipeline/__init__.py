@@ -421,6 +421,10 @@ class Route:
     layout: NestedLayout | None = None
     block_runs: list[list[str]] | None = None
     plan: traced.TracedPlan | None = None
+    stage_mods: dict[int, nn.Module] | None = None
+    """A traced split's stage modules (over the model's own tensors), built once here and used by ``apply``."""
+    ties: list[Tie] | None = None
+    """A traced split's weights held by stages of two pipeline ranks."""
 
 
 def _is_transformers(model: nn.Module) -> bool:
@@ -703,8 +707,9 @@ class Pipeline(Strategy):
             plan = traced.plan_stages(gm64, self.num_stages, self.split_points, _types(gm64, args64, model64))
         else:
             plan = traced.plan_stages(gm, self.num_stages, self.split_points, traced.static_types(gm))
-        r = Route("traced", plan.runs, plan=plan)
-        ties = traced.cross_stage_ties(model, {s: traced.stage_module(gm, plan, s) for s in range(self.num_stages)}, self.pp)
+        mods: dict[int, nn.Module] = {s: traced.stage_module(gm, plan, s) for s in range(self.num_stages)}  # no copies: the model's own tensors
+        ties = traced.cross_stage_ties(model, mods, self.pp)
+        r = Route("traced", plan.runs, plan=plan, stage_mods=mods, ties=ties)
         if self.dp_strategy == "fsdp" and ties:
             raise ConfigError(
                 f"{type(model).__name__} uses {', '.join(t.name for t in ties)} on stages of different "
@@ -764,12 +769,10 @@ class PipelineRun(Parallel):
             make_stage: Any = lambda s: NestedStage(model, layout, block_runs[s], s == 0, s == self.num_stages - 1)  # noqa: E731
             self._tied = _cross_stage_ties(model, layout, block_runs, self.pp)
         elif route.kind == "traced":
-            assert route.plan is not None
-            gm = traced.trace(model)
-            every = {s: traced.stage_module(gm, route.plan, s) for s in range(self.num_stages)}  # no copies: the model's own tensors
+            assert route.stage_mods is not None and route.ties is not None
             self._aliases = tied_aliases(model)
-            self._tied = traced.cross_stage_ties(model, every, self.pp)
-            make_stage = every.__getitem__
+            self._tied = route.ties
+            make_stage = route.stage_mods.__getitem__
         else:
             runs = split_layers(sequence_layers(model), self.num_stages, options.split_points)
             make_stage = lambda s: StageModule(runs[s])  # noqa: E731

@@ -60,7 +60,8 @@ def gather_state(
     for s in sorted(by_stage):  # stage order is the model's order: its state_dict order
         full_model.update(by_stage[s])
     if order is not None:
-        full_model = {k: full_model[k] for k in order if k in full_model} | {k: v for k, v in full_model.items() if k not in set(order)}
+        known = set(order)
+        full_model = {k: full_model[k] for k in order if k in full_model} | {k: v for k, v in full_model.items() if k not in known}
     out: dict[str, Any] = {"model": full_model}
     if optimizer is not None:
         state: dict[str, Any] = {}
