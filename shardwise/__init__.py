@@ -29,9 +29,11 @@ _EXPORTS = {
     "LaunchError": "shardwise.errors",
     "CommError": "shardwise.errors",
     "NonFiniteError": "shardwise.trainer.nonfinite",
+    "init_from": "shardwise.checkpoint.pretrained",
 }
 
 if TYPE_CHECKING:
+    from shardwise.checkpoint.pretrained import init_from
     from shardwise.comm.recorder import Recorder
     from shardwise.data import ShardedLoader
     from shardwise.engine import Engine, seed_everything
@@ -75,6 +77,7 @@ __all__ = [
     "TrainerConfig",
     "available_strategies",
     "get_strategy",
+    "init_from",
     "launch",
     "register_strategy",
     "seed_everything",
