@@ -39,7 +39,7 @@ from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, co
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.precision import normalize as normalize_precision
-from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, get_strategy
+from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, checkpointing, get_strategy
 from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, check_sync_batchnorm, convert_sync_batchnorm, unsynced_batchnorm_warning
 
 
@@ -70,6 +70,7 @@ class Engine:
         out: str | os.PathLike[str] | None = None,
         loggers: Sequence[Any] | str | None = None,
         callbacks: Sequence[Any] = (),
+        activation_checkpointing: str = "off",
     ) -> None:
         self.out = Path(out) if out is not None else None
         """Where the loggers write (``loggers=`` by name need it)."""
@@ -85,6 +86,8 @@ class Engine:
         check_sync_batchnorm(self.strategy.name, sync_batchnorm)
         self.sync_batchnorm = sync_batchnorm
         """BatchNorm layers become SyncBatchNorm over the data-parallel group in ``setup``."""
+        self.activation_checkpointing = checkpointing.parse(activation_checkpointing)
+        """Which blocks ``setup`` makes recompute their forward in backward (`shardwise.strategies.checkpointing`)."""
         self.device = choose_device(accelerator, self.env)
         self._owns_group = connect(self.env, self.device, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         if timeout_s is not None and not self._owns_group and dist.is_initialized():
@@ -174,6 +177,7 @@ class Engine:
             raise ConfigError(f"the model {type(model).__name__} has no parameters; there is nothing to train")
         model = self.precision.convert_module(model)
         self._batchnorm(model)
+        checkpointing.apply(model, self.activation_checkpointing)
         self.parallel = self.strategy.apply(model, make_optimizer, self.world_mesh, self.recorder)
         self._runs.append(self.parallel)
         self.writes_checkpoints = self.group.contains(0)

@@ -93,6 +93,11 @@ class TrainerConfig:
     """Parallel degrees other than data parallel, e.g. ``{"tp": 2}``."""
     sync_batchnorm: bool = False
     """BatchNorm statistics over the global batch under data parallelism (SyncBatchNorm, CPU and GPU)."""
+    activation_checkpointing: str = "off"
+    """Recompute blocks' activations in backward instead of keeping them (every strategy): 'off', 'blocks' (every block
+    of the model's block list keeps only its inputs: about one more forward a step), 'blocks:K' (every K-th block),
+    'ops' (every block keeps its matrix products' outputs, recomputes norms, activations and element-wise work) or
+    'ops:K'. Gradients equal the run without it; parameter names do not change (`shardwise.strategies.checkpointing`)."""
     loggers: tuple[str, ...] = ()
     """Experiment loggers on rank 0 besides metrics.jsonl: 'csv', 'tensorboard', 'mlflow', 'wandb' (a list, or one comma-separated string)."""
     experiment_name: str = "shardwise"
@@ -257,6 +262,14 @@ def add_run_tool_flags(p: argparse.ArgumentParser) -> None:
         nargs=0,
         const=False,
         help="train on the epoch's last, smaller global batch too (drop_last=False; exact, data-parallel strategies)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        dest="activation_checkpointing",
+        action=_TrainerSetting,
+        metavar="off|blocks[:K]|ops[:K]",
+        help="recompute blocks in backward instead of keeping their activations: blocks (every block), blocks:K (every K-th), "
+        "ops (keep matrix products, recompute the rest); gradients unchanged, about one more forward a step",
     )
     p.add_argument("--logger", metavar="NAMES", help="experiment loggers on rank 0, comma-separated: csv, tensorboard, mlflow, wandb")
     p.add_argument(

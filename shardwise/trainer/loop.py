@@ -24,7 +24,7 @@ from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size, launch, prestart, stop_if_bootstrapping
 from shardwise.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
-from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, get_strategy
+from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, checkpointing, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
 from shardwise.trainer import callbacks, evaluate
 from shardwise.trainer.config import TrainerConfig, from_mapping
@@ -173,6 +173,7 @@ class Trainer:
         self._layout = strategy.plan(self._world_size(), model=model, batch=Batch(self._global_batch(dl_batch), cfg.accumulate), mesh=cfg.mesh)
         strategy.check_precision(cfg.precision, self._layout)
         check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
+        checkpointing.check(model, cfg.activation_checkpointing)  # a bad value, or a model with no block list to checkpoint
         if not cfg.drop_last:
             _check_drop_last(strategy, self._layout)
         self._check_tools(val_data, model)
@@ -304,6 +305,7 @@ class Trainer:
             timeout_s=cfg.timeout_s,
             sync_batchnorm=cfg.sync_batchnorm,
             layout=layout,
+            activation_checkpointing=cfg.activation_checkpointing,
         )
 
     def _fit(self, model: nn.Module, train_data: Any, val_data: Any, *, return_state: bool) -> tuple[dict[str, Any], Any]:

@@ -98,6 +98,12 @@ def _heuristic_blocks(model: nn.Module) -> str | None:
     return best[2] if best else None
 
 
+def find_blocks(model: nn.Module) -> str | None:
+    """The dotted path of the model's block list as `nested_layout` finds it without a ``layers`` option
+    (its pipeline plan, else the heuristic), or None; activation checkpointing picks its blocks here too."""
+    return _plan_blocks(model) or _heuristic_blocks(model)
+
+
 def tied_aliases(model: nn.Module) -> dict[str, str]:
     """Every other name of a parameter shared by identity -> its first name (``named_parameters`` order)."""
     first: dict[int, str] = {}
