@@ -17,6 +17,9 @@ Three measurements, each fitted and its error reported in the profile file:
    machine; the median is the profile's ``flops["32"]`` with ``efficiency`` 1.0.
 3. **Step overhead**: the seconds one training step of the `Trainer` costs beyond its FLOPs
    (a one-parameter model on ``single``): launch, Python, the loader, the optimizer's call.
+4. **Runtime baseline**: the peak resident memory of a fresh interpreter that imported torch,
+   transformers and shardwise (``runtime_baseline_bytes``), the floor of each process's predicted
+   peak (`shardwise.plan.peak`); ``--calibrate --only baseline`` measures it alone.
 
 The result is a JSON `DeviceProfile` (`shardwise.plan.cluster`) that ``--device PATH`` reads.
 """
@@ -183,6 +186,26 @@ def measure_step_overhead(steps: int = 60) -> float:
     return statistics.median(8 / r for r in rates)
 
 
+BASELINE_IMPORTS = "import torch, shardwise, shardwise.trainer, shardwise.memory\ntry:\n    from transformers import PreTrainedModel\nexcept ImportError:\n    pass\n"
+"""What the baseline process imports: torch, shardwise's trainer, and transformers' modeling machinery
+(``PreTrainedModel``: what any of its models loads, 120 MB beyond ``import transformers``, which is lazy)."""
+
+
+def measure_runtime_baseline(repeats: int = 3) -> dict[str, Any]:
+    """Peak resident memory of a fresh interpreter that imported torch, transformers (when installed) and
+    shardwise's trainer: the floor every process of a run stands on (`shardwise.plan.peak`). The median
+    of ``repeats`` fresh processes, each reading its own high-water mark (`shardwise.memory`)."""
+    import subprocess
+    import sys
+
+    code = BASELINE_IMPORTS + "import json\nprint(json.dumps(shardwise.memory.host_memory()))\n"
+    peaks = []
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        peaks.append(json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"])
+    return {"bytes": statistics.median(peaks), "runs": peaks, "imports": "torch, shardwise.trainer, transformers.PreTrainedModel"}
+
+
 def calibrate(sizes: list[int] | None = None) -> dict[str, Any]:
     """Measure and fit; returns the profile as a JSON-ready mapping (with the raw rows and fit errors)."""
     from shardwise import launch
@@ -190,6 +213,9 @@ def calibrate(sizes: list[int] | None = None) -> dict[str, Any]:
 
     rows = launch(_measure_collectives, sizes or SIZES, nproc=2, threads_per_proc=1)[0]
     profile = fit_profile(rows, measure_matmul_flops(), measure_step_overhead())
+    baseline = measure_runtime_baseline()
+    profile["runtime_baseline_bytes"] = baseline["bytes"]
+    profile["calibration"]["runtime_baseline"] = baseline
     fits = calibrate_framework(profile_from_mapping(profile))
     profile["framework"] = {k: {n: f[n] for n in ("step_s", "per_unit_s", "per_param_s", "per_compute")} for k, f in fits.items()}
     profile["calibration"]["framework"] = fits
@@ -243,9 +269,17 @@ def recalibrate(profile: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     the calibration's record says which keys were refitted when."""
     from shardwise.advisor.calibrate_framework import POINTS, calibrate_framework
 
+    if "baseline" in keys:  # the runtime's own memory, not a strategy cost (`measure_runtime_baseline`)
+        out = json.loads(json.dumps(profile))
+        baseline = measure_runtime_baseline()
+        out["runtime_baseline_bytes"] = baseline["bytes"]
+        out.setdefault("calibration", {})["runtime_baseline"] = baseline
+        rest = [k for k in keys if k != "baseline"]
+        return recalibrate(out, rest) if rest else out
     unknown = [k for k in keys if k not in POINTS]
     if unknown or not keys:
-        raise ConfigError(f"--calibrate --only takes strategy cost keys separated by ; (one of {', '.join(POINTS)}); got {';'.join(keys) or 'none'}")
+        known = ", ".join([*POINTS, "baseline"])
+        raise ConfigError(f"--calibrate --only takes strategy cost keys separated by ; (one of {known}); got {';'.join(keys) or 'none'}")
     if "framework" not in profile or "calibration" not in profile:
         raise ConfigError("--calibrate --only measures some strategy costs again in a profile measured here; this one has none: run --calibrate alone first")
     fits = calibrate_framework(profile_from_mapping(profile), keys)

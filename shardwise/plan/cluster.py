@@ -115,6 +115,10 @@ class DeviceProfile:
     on one node share them: `shardwise.plan.cost.estimate` stretches the step by ``per_node / cores``."""
     framework: Mapping[str, Framework] = field(default_factory=dict)
     """Per-step cost of each strategy beyond compute and collectives (keys as `shardwise.plan.cost.framework_key`)."""
+    runtime_baseline_bytes: float = 0.0
+    """Resident memory of an interpreter that imported torch, transformers and shardwise (``--calibrate``
+    measures it in a fresh process): every process's floor, the first part of `shardwise.plan.peak`'s
+    per-rank prediction. 0 where not measured (and on a GPU, whose memory the runtime does not use)."""
 
     def flops_for(self, precision: str) -> float:
         if precision in self.flops:
@@ -195,7 +199,7 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
     flops = raw["flops"]
     if not isinstance(flops, Mapping) or not flops or any(float(v) <= 0 for v in flops.values()):
         raise ConfigError(f'{where}: flops must map precisions to positive FLOP/s (e.g. flops = {{"32" = 1e11}}); got {flops!r}')
-    extra = {k: raw[k] for k in ("overlap", "step_overhead_s", "source", "local", "cores") if k in raw}
+    extra = {k: raw[k] for k in ("overlap", "step_overhead_s", "source", "local", "cores", "runtime_baseline_bytes") if k in raw}
     framework = {}
     for key, value in dict(raw.get("framework", {})).items():
         if not isinstance(value, Mapping) or "step_s" not in value:

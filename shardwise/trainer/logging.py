@@ -120,3 +120,144 @@ def _clean(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
     return obj
+
+
+# -- memory: every process's peak beside the plan's (issue 37) ---------------------------------
+
+
+def optimizer_slots(optimizer: Any) -> int:
+    """Parameter-shaped tensors the optimizer keeps per parameter, read from its settings: Adam's two
+    moments (three with AMSGrad), SGD's momentum buffer, none for plain SGD."""
+    group = optimizer.param_groups[0] if getattr(optimizer, "param_groups", None) else {}
+    if "betas" in group:
+        return 2 + int(bool(group.get("amsgrad", False)))
+    return 1 if float(group.get("momentum", 0.0) or 0.0) > 0 else 0
+
+
+def sample_seq(dataset: Any) -> int:
+    """Tokens per sample: the length of the first integer tensor of ``dataset[0]`` (``input_ids``); 0 when none."""
+    import torch
+
+    try:
+        sample = dataset[0]
+    except Exception:  # an iterable dataset, a lazy one that fails out of order: no sequence to read
+        return 0
+    items = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, (list, tuple)) else [sample]
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.dim() >= 1 and not item.is_floating_point():
+            return int(item.shape[-1])
+    return 0
+
+
+def runtime_baseline(device: Any) -> float:
+    """The calibrated runtime baseline for ``device`` (`shardwise.plan.cluster.DeviceProfile.runtime_baseline_bytes`):
+    the measured cpu profile's on CPU, 0 on a GPU (device memory holds no interpreter) or without a profile."""
+    if getattr(device, "type", "cpu") != "cpu":
+        return 0.0
+    from shardwise.errors import ConfigError
+    from shardwise.plan.cluster import load_profile
+
+    try:
+        return float(load_profile("cpu").runtime_baseline_bytes)
+    except ConfigError:
+        return 0.0
+
+
+def memory_section(
+    engine: Any, start: dict[str, Any], end: dict[str, Any], tensors: Any, *, micro_batch: int, seq: int, optimizer: Any, built_whole: bool
+) -> dict[str, Any]:
+    """summary.json's ``memory``: each rank's peak at fit start and at the end (one all-reduce of
+    world-size rows over the training ranks, through the engine's recorder; a rank outside the loop
+    is None), each beside `shardwise.plan.peak.predict_rank` for it. Every training rank calls it."""
+    import torch
+
+    from shardwise.memory import FIELDS, as_row, from_row
+    from shardwise.plan.peak import predict_rank, role
+
+    width = 1 + 2 * len(FIELDS)
+    rows = torch.zeros(engine.world_size, width, dtype=torch.float64, device=engine.device)
+    rows[engine.rank] = torch.tensor([1.0, *as_row(start), *as_row(end)], dtype=torch.float64)  # column 0: this rank reported
+    engine.all_reduce(rows, "sum")
+    layout = engine.layout
+    degrees = dict(layout.degrees)
+    baseline = runtime_baseline(engine.device)
+    slots = optimizer_slots(optimizer)
+    ranks = []
+    for r, row in enumerate(rows.tolist()):
+        if row[0] == 0:
+            ranks.append(None)
+            continue
+        n = len(FIELDS)
+        pred = predict_rank(
+            tensors,
+            layout.strategy,
+            r,
+            degrees,
+            units=layout.units or (),
+            micro_batch=micro_batch,
+            seq=seq,
+            optimizer_slots=slots,
+            built_whole=built_whole,
+            baseline=baseline,
+        )
+        ranks.append({"rank": r, "role": role(r, degrees), "start": from_row(row[1 : 1 + n]), "end": from_row(row[1 + n :]), "predicted": pred})
+    return {
+        "source": start.get("source"),
+        "runtime_baseline_bytes": baseline,
+        "model_built": "whole (eager)" if built_whole else "meta (each rank its share)",
+        "ranks": ranks,
+    }
+
+
+def add_launcher_memory(summary: dict[str, Any], out: str | None, model: Any, received: Any = None, *, show: bool = False) -> dict[str, Any]:
+    """The launching process's peak (this process's high-water mark, read after its workers returned)
+    into ``summary["memory"]["launcher"]``, beside its prediction: the runtime baseline, the model when
+    this process built it eagerly, and the state its workers sent back (``received``, a state dict or
+    None); summary.json rewritten with it, and its row printed when ``show``."""
+    import torch
+
+    from shardwise.memory import snapshot
+
+    section = summary.get("memory")
+    if not isinstance(section, dict):
+        return summary
+    baseline = float(section.get("runtime_baseline_bytes") or 0.0)
+    model_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta))
+    model_bytes += float(sum(b.numel() * b.element_size() for b in model.buffers() if not b.is_meta))
+    back = float(sum(v.numel() * v.element_size() for v in received.values() if isinstance(v, torch.Tensor))) if isinstance(received, dict) else 0.0
+    predicted = {"baseline": baseline, "model": model_bytes, "received": back, "peak": baseline + model_bytes + back}
+    section["launcher"] = {**snapshot(), "predicted": predicted}
+    path = Path(out) / "summary.json" if out else None
+    if path is not None and path.exists():
+        RunFiles(out, True, append=True).summary(summary)
+    if show:
+        launcher = section["launcher"]
+        print(f"{'launcher':10s} {'(this process)':14s} {'':>10s} {_mb(launcher['peak_bytes']):>10s} {_mb(predicted['peak']):>10s}", flush=True)
+    return summary
+
+
+def _mb(v: Any) -> str:
+    return f"{v / 1e6:,.0f}" if isinstance(v, (int, float)) and v >= 0 else "-"
+
+
+def format_memory(section: dict[str, Any]) -> str:
+    """The end-of-run table: each rank's role, its peak at fit start and at the end, the prediction, and the launcher."""
+    base = section.get("runtime_baseline_bytes") or 0.0
+    lines = [
+        f"peak resident memory per process, MB ({section.get('source')}; runtime baseline {_mb(base)} MB; model built {section.get('model_built')})",
+        f"{'process':10s} {'role':14s} {'at start':>10s} {'at end':>10s} {'predicted':>10s} {'end/pred':>8s}",
+    ]
+    for row in section.get("ranks", []):
+        if row is None:
+            continue
+        end, pred = row["end"]["peak_bytes"], row["predicted"]["peak"]
+        ratio = f"{end / pred:.2f}" if end and pred else "-"
+        lines.append(f"{'rank ' + str(row['rank']):10s} {row['role']:14s} {_mb(row['start']['peak_bytes']):>10s} {_mb(end):>10s} {_mb(pred):>10s} {ratio:>8s}")
+        if row["end"].get("cuda_max_allocated_bytes") is not None:
+            cuda = row["end"]
+            allocated, reserved = _mb(cuda["cuda_max_allocated_bytes"]), _mb(cuda["cuda_max_reserved_bytes"])
+            lines.append(f"{'':10s} {'cuda':14s} {'':>10s} {allocated:>10s} allocated, {reserved} reserved")
+    launcher = section.get("launcher")
+    if launcher is not None:
+        lines.append(f"{'launcher':10s} {'':14s} {'':>10s} {_mb(launcher['peak_bytes']):>10s} {_mb(launcher['predicted']['peak']):>10s}")
+    return "\n".join(lines)

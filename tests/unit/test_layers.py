@@ -23,6 +23,7 @@ LAYER = {
     "batches": 1,
     "data": 1,
     "rundir": 1,
+    "memory": 1,
     "loggers": 1,
     "recipes": 1,
     "checkpoint": 2,
