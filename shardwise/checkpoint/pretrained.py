@@ -87,6 +87,7 @@ class Entry:
     file: Path
     shape: tuple[int, ...]
     dtype: torch.dtype | str
+    nbytes: int
 
 
 def _header(file: Path) -> dict[str, Any]:
@@ -136,7 +137,8 @@ class WeightsSource:
             metadata.update({str(k): str(v) for k, v in meta.items()})
             for key, info in header.items():
                 dtype = info.get("dtype", "?")
-                entries[key] = Entry(file, tuple(int(d) for d in info.get("shape", ())), _DTYPES.get(dtype, dtype))
+                start, end = info.get("data_offsets", (0, 0))
+                entries[key] = Entry(file, tuple(int(d) for d in info.get("shape", ())), _DTYPES.get(dtype, dtype), int(end) - int(start))
         if path.is_dir() and (path / INDEX).is_file():
             wanted = set(_index(path))
             if wanted - set(entries):
@@ -458,9 +460,11 @@ def load_local(
     written into its own local tensor (``to_local()`` under ``no_grad`` is that storage: FSDP2's
     shard, tp's split). Values are cast to each tensor's dtype.
 
-    ``keys``: name -> checkpoint key from `check` on the whole model (`recorded(model).keys`);
-    needed where ``module`` is part of a model, such as a pipeline stage whose tied head has
-    lost its embedding; None maps ``module``'s own names. ``fused``: the fused q|k|v modules
+    ``keys``: name -> checkpoint key from `check` on the whole meta model (`recorded(model).keys`);
+    needed where ``module`` is part of a model (a pipeline stage whose tied head has lost its
+    embedding) or a tied model after ``to_empty`` (which unties meta weights: each name gets a
+    Parameter of its own, filled here from the one key; re-tie them after, e.g. transformers'
+    ``model.tie_weights()``). None: the map `init_from` recorded on ``module``, else ``module``'s own names. ``fused``: the fused q|k|v modules
     tensor parallelism permuted (its record's ``fused``, module or parameter name -> parts).
 
     Returns every name filled (tied names included); the caller initializes the rest (the
@@ -469,7 +473,12 @@ def load_local(
     from torch.distributed.tensor import DTensor
 
     src = _open(source)
-    names = dict(keys) if keys is not None else key_map(module, src, strict=False)
+    if keys is None:
+        # the map `init_from` recorded on the whole model, before ``to_empty``: to_empty gives each
+        # name of a meta weight its own new Parameter, so a tie is no longer visible by identity
+        record = recorded(module)
+        keys = record.keys if record is not None else key_map(module, src, strict=False)
+    names = dict(keys)
     parts = _fused_parts(module, fused)
     filled: set[str] = set()
     done: dict[int, str] = {}
