@@ -23,6 +23,8 @@ from shardwise.errors import CommError, ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size, launch, prestart, stop_if_bootstrapping
 from shardwise.loggers import Logger, Loggers, RunInfo, check_names, flatten
+from shardwise.memory import snapshot
+from shardwise.plan.peak import tensors_of
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, checkpointing, get_strategy
 from shardwise.strategies.batchnorm import check_sync_batchnorm
@@ -30,7 +32,7 @@ from shardwise.trainer import callbacks, evaluate
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
 from shardwise.trainer.lightning_compat import LightningAdapter, adapter_for
-from shardwise.trainer.logging import Progress, RunFiles, write_rank_comm
+from shardwise.trainer.logging import Progress, RunFiles, add_launcher_memory, format_memory, memory_section, sample_seq, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
 from shardwise.trainer.nonfinite import NonFiniteCheck, NonFiniteError, Verdict, stop_message
 from shardwise.trainer.preempt import Preemption
@@ -265,7 +267,7 @@ class Trainer:
             return summary
         summary, state = result
         model.load_state_dict(state)
-        return summary  # type: ignore[no-any-return]
+        return add_launcher_memory(summary, self.config.out, model, state, show=self.config.announce_outputs)
 
     def _launch(self, worker: Callable[..., Any], model: nn.Module, *args: Any) -> Any:
         """Start the worker processes and return rank 0's result, or None when this process runs
@@ -396,6 +398,8 @@ class Trainer:
         lightning = self._lightning
         if lightning is not None:
             lightning.bind(self, model, engine)
+        # this rank's peak before the strategy places the model, and the model's sizes for the prediction (meta-built too)
+        memory_start, model_tensors, built_whole = snapshot(engine.device), tensors_of(model), not any(p.is_meta for p in model.parameters())
         wrapped, optimizer = engine.setup(model, lightning.make_optimizer if lightning is not None else self.optimizer_factory)
         if not engine.trains:
             # A rank the strategy keeps for service (a parameter server): it served inside
@@ -610,6 +614,10 @@ class Trainer:
         comm = engine.recorder.report(steps_run)
         write_rank_comm(out, engine.rank, engine.world_size, comm, steps_run)
         strategy_section = engine.finish()  # on every rank: the strategy's end of run (collective reports, servers stop)
+        memory = memory_section(  # after the recorder's report: its one all-reduce is not the run's traffic
+            engine, memory_start, snapshot(engine.device), model_tensors,
+            micro_batch=loader.micro, seq=sample_seq(dataset), optimizer=optimizer, built_whole=built_whole,
+        )
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,
             "world_size": engine.world_size,
@@ -635,6 +643,7 @@ class Trainer:
             "last_checkpoint": str(last_ckpt) if last_ckpt else None,
             "comm": comm,
             **strategy_section,
+            "memory": memory,
         }
         if model_summary is not None:
             summary["model_summary"] = model_summary
@@ -651,6 +660,7 @@ class Trainer:
                 from shardwise.plan.memory import format_table
 
                 print(format_table(summary["memory_per_rank"]), flush=True)
+            print(format_memory(summary["memory"]), flush=True)
             if profile_section is not None:
                 print(format_breakdown(profile_section), flush=True)
             line = "  ".join(f"{k} {summary[k]:.4g}" for k in ("train_loss", "val_loss", "val_accuracy", "samples_per_s") if isinstance(summary.get(k), float))
