@@ -4,6 +4,7 @@ spawned twice), and the leader killed by SIGTERM, SIGHUP or SIGKILL (no worker s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,17 @@ def test_the_readme_trainer_example_trains_with_or_without_the_main_guard(tmp_pa
     # The code below fit runs once, in the parent: the workers stop at the fit call.
     assert proc.stdout.count("fit done 4 2") == 1, proc.stdout
     assert (tmp_path / "out" / "summary.json").exists()
+    # Every process's peak memory (issue 37): each rank's at fit start and end beside its prediction, and
+    # this launching process's, added by the parent after its workers returned (summary.json rewritten).
+    memory = json.loads((tmp_path / "out" / "summary.json").read_text())["memory"]
+    assert memory["source"] == "VmHWM" and memory["runtime_baseline_bytes"] > 0 and [r["role"] for r in memory["ranks"]] == ["dp0", "dp1"]
+    for r in memory["ranks"]:
+        assert 0 < r["start"]["rss_bytes"] <= r["start"]["peak_bytes"] <= r["end"]["peak_bytes"]  # a high-water mark only rises
+        pred = r["predicted"]
+        assert pred["params"] == pred["grads"] == 4 * (4 * 2 + 2) and pred["peak"] == pred["baseline"] + pred["above_baseline"] > pred["baseline"]
+    launcher = memory["launcher"]
+    assert launcher["peak_bytes"] >= launcher["rss_bytes"] > 0 and launcher["predicted"]["peak"] >= memory["runtime_baseline_bytes"]
+    assert "peak resident memory per process" in proc.stdout and proc.stdout.count("launcher   (this process)") == 1, proc.stdout
 
 
 def test_the_readme_launch_example_runs_unguarded_and_each_rank_runs_main_once(tmp_path):
