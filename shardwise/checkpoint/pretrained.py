@@ -168,9 +168,8 @@ class WeightsSource:
         """``key``'s tensor, or the block ``index`` (one slice per dimension) of it: only those bytes are read."""
         entry = self.entries[key]
         handle = self._handle(entry.file)
-        if index is None or not entry.shape:
-            return handle.get_tensor(key)
-        return handle.get_slice(key)[index]
+        out: torch.Tensor = handle.get_tensor(key) if index is None or not entry.shape else handle.get_slice(key)[index]
+        return out
 
     def close(self) -> None:
         """Drop the open files (the memory maps); the source opens them again on the next read."""
@@ -441,7 +440,7 @@ def read_local(src: WeightsSource, key: str, t: Any, parts: int = 0) -> torch.Te
             perm = _permutation(t.shape[dim] // parts, parts, tp)
             index[dim] = [perm[i] for i in index[dim]]
     if any(not ix for ix in index):
-        return torch.empty([len(ix) for ix in index], dtype=src.dtype(key) if isinstance(src.dtype(key), torch.dtype) else torch.float32)
+        return torch.empty([len(ix) for ix in index], dtype=t.dtype)  # an empty shard (uneven split): nothing to read
     runs = [_runs(ix) for ix in index]
     return _read_block(src, key, runs)
 
