@@ -182,7 +182,7 @@ def memory_section(
     degrees = dict(layout.degrees)
     baseline = runtime_baseline(engine.device)
     slots = optimizer_slots(optimizer)
-    ranks = []
+    ranks: list[dict[str, Any] | None] = []
     for r, row in enumerate(rows.tolist()):
         if row[0] == 0:
             ranks.append(None)
