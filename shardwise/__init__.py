@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Trainer": "shardwise.trainer.loop",
+    "meta_init": "shardwise.strategies.materialize",
     "TrainerConfig": "shardwise.trainer.config",
     "Engine": "shardwise.engine",
     "seed_everything": "shardwise.engine",

@@ -39,7 +39,7 @@ from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, co
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.precision import normalize as normalize_precision
-from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, checkpointing, get_strategy
+from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, checkpointing, get_strategy, materialize
 from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, check_sync_batchnorm, convert_sync_batchnorm, unsynced_batchnorm_warning
 
 
@@ -175,6 +175,15 @@ class Engine:
             )
         if not any(True for _ in model.parameters()):
             raise ConfigError(f"the model {type(model).__name__} has no parameters; there is nothing to train")
+        if materialize.has_meta(model):
+            # Built on the meta device: each rank gives storage to its share only. The plan (which initializer writes
+            # what, found on meta tensors) is made on the whole model, before the strategy wraps or splits it.
+            init = materialize.plan_init(model)
+            init.check()
+            if self.strategy.shards_meta:
+                materialize.attach(model, init)  # the strategy's apply fills this rank's share (`materialize.fill_share`)
+            else:
+                materialize.fill(model, init, device=self.device)  # replicas hold the whole model
         model = self.precision.convert_module(model)
         self._batchnorm(model)
         checkpointing.apply(model, self.activation_checkpointing)

@@ -54,11 +54,27 @@ class StopImport(BaseException):
     worker has what it needs (everything defined above the call) and stops there."""
 
 
-def stop_if_bootstrapping() -> None:
+_built: dict[str, Any] = {}  # what the script built above its call, in a worker (Trainer.fit's model)
+
+
+def stop_if_bootstrapping(**built: Any) -> None:
     """Called first by ``launch`` and ``Trainer.fit``: in a worker that is importing the
-    user's script (an unguarded top-level call), stop the import here."""
+    user's script (an unguarded top-level call), stop the import here, keeping ``built`` (the
+    model the script made: the worker trains its own, and the parent sends no model bytes)."""
     if _bootstrapping:
+        _built.clear()
+        _built.update(built)
         raise StopImport
+
+
+def built_by_script(name: str) -> Any:
+    """An object the worker's run of the user's script passed to its call (None outside a worker)."""
+    return _built.get(name)
+
+
+def reruns_script() -> bool:
+    """True when workers this process launches run its script up to the call (a script or ``-m`` module)."""
+    return _main_spec() is not None
 
 
 class _WorkerFailed(Exception):

@@ -165,6 +165,7 @@ class Strategy(ABC):
     # averaged (not pipelines' fixed micro-batches, parameter servers or replicas). A comment, not a
     # docstring: docstrings under a strategy's attributes are its options' CLI help.
     smaller_last_batch: ClassVar[bool] = False
+    shards_meta: ClassVar[bool] = False  # apply takes a meta-built model and fills this rank's share (materialize.fill_share)
 
     @abstractmethod
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:

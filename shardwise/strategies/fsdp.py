@@ -126,6 +126,7 @@ from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
+from shardwise.strategies import materialize
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.zero import ModelStateProbe, require_dp_only, require_process_group, require_trainable
@@ -622,6 +623,7 @@ class ShardedDataParallel(Strategy):
 
     name: ClassVar[str] = "zero3"
     smaller_last_batch: ClassVar[bool] = True
+    shards_meta: ClassVar[bool] = True  # fully_shard on the meta model, then each rank fills its shards
     reshard_after_forward: ClassVar[bool] = True
     """Free each unit's gathered parameters after its forward (zero3, hsdp) or keep them (zero2)."""
 
@@ -670,13 +672,14 @@ class ShardedDataParallel(Strategy):
         units = resolve_units(model, self.wrap)
         device_mesh = shard_mesh(mesh, replicate)
         model = apply_fsdp(
-            model.to(mesh.device),
+            materialize.to_device(model, mesh.device),
             device_mesh,
             units=units,
             reshard_after_forward=self.reshard_after_forward,
             mixed_precision=self.mixed_precision,
             offload=self.offload,
         )
+        materialize.fill_share(model, [model], mesh.device)  # a meta-built model: this rank's shards only
         sharded_params = list(model.parameters())
         optimizer = make_optimizer(sharded_params)
         if replicate == 1:

@@ -439,7 +439,22 @@ def _slot_tensor(model: nn.Module, slot: Slot) -> torch.Tensor:
     return (owner._buffers if slot.buffer else owner._parameters)[slot.name]  # type: ignore[return-value]
 
 
-_INIT_IN_CTOR = ("nn.init.", "init.normal_", "init.uniform_", "init.xavier", "init.kaiming", "init.trunc_normal_", "init.zeros_", "init.ones_", "init.constant_", ".normal_(", ".uniform_(", ".apply(", ".fill_(", ".zero_(")
+_INIT_IN_CTOR = (
+    "nn.init.",
+    "init.normal_",
+    "init.uniform_",
+    "init.xavier",
+    "init.kaiming",
+    "init.trunc_normal_",
+    "init.zeros_",
+    "init.ones_",
+    "init.constant_",
+    ".normal_(",
+    ".uniform_(",
+    ".apply(",
+    ".fill_(",
+    ".zero_(",
+)
 
 
 def _constructor_initializers(model: nn.Module) -> list[str]:
@@ -614,7 +629,9 @@ def _write(target: torch.Tensor, full: torch.Tensor) -> None:
             target.copy_(full)
 
 
-def fill(model: nn.Module, plan: InitPlan, held: list[nn.Module] | None = None, *, device: torch.device | str = "cpu", transform: Transform | None = None) -> None:
+def fill(
+    model: nn.Module, plan: InitPlan, held: list[nn.Module] | None = None, *, device: torch.device | str = "cpu", transform: Transform | None = None
+) -> None:
     """Give this rank's tensors storage and their values: ``held`` are the modules this rank keeps
     (default: ``model`` whole), their parameters and buffers named as in ``model``; ``model`` is the
     whole model on which the plan's initializers run (its tensors may be meta, or the strategy's
@@ -772,6 +789,23 @@ def _place(slot: Slot, value: torch.Tensor, targets: dict[str, torch.Tensor], tr
     if transform is not None:
         value = transform(slot.key, value, target)
     _write(target, value)
+
+
+_PLAN_ATTR = "_shardwise_init_plan"
+
+
+def attach(model: nn.Module, plan: InitPlan) -> None:
+    """Leave the plan on the meta model for the strategy's `fill_share` (the Engine, on each rank)."""
+    object.__setattr__(model, _PLAN_ATTR, plan)
+
+
+def fill_share(model: nn.Module, held: list[nn.Module], device: torch.device | str, transform: Transform | None = None) -> None:
+    """In a strategy's ``apply``, after it wrapped or split ``model`` and before it builds the optimizer:
+    this rank's tensors in ``held`` get storage and their values. Nothing to do for a model with real weights."""
+    plan = model.__dict__.pop(_PLAN_ATTR, None)
+    if plan is None:
+        return
+    fill(model, plan, held, device=device, transform=transform)
 
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:

@@ -93,6 +93,10 @@ class TrainerConfig:
     """Parallel degrees other than data parallel, e.g. ``{"tp": 2}``."""
     sync_batchnorm: bool = False
     """BatchNorm statistics over the global batch under data parallelism (SyncBatchNorm, CPU and GPU)."""
+    return_weights: str = "auto"
+    """Whether ``fit`` with worker processes sets the trained weights into the caller's ``model``: 'auto' (yes, unless the
+    model was built on the meta device or its weights exceed 1 GiB and the run writes checkpoints: then they are only in
+    ``out/checkpoints``), 'always' or 'never'. Each rank builds its own model by running the script up to ``fit``."""
     activation_checkpointing: str = "off"
     """Recompute blocks' activations in backward instead of keeping them (every strategy): 'off', 'blocks' (every block
     of the model's block list keeps only its inputs: about one more forward a step), 'blocks:K' (every K-th block),
@@ -142,6 +146,8 @@ class TrainerConfig:
         object.__setattr__(self, "precision", normalize(self.precision))
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0 (or None to disable); got {self.clip_grad_norm}")
+        if self.return_weights not in ("auto", "always", "never"):
+            raise ConfigError(f"return_weights must be 'auto', 'always' or 'never'; got {self.return_weights!r}")
         if self.on_nonfinite not in ("stop", "skip", "warn"):
             raise ConfigError(f"on_nonfinite must be 'stop', 'skip' or 'warn'; got {self.on_nonfinite!r}")
         if not isinstance(self.drop_last, bool):

@@ -26,9 +26,9 @@ from shardwise.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.memory import snapshot
 from shardwise.plan.peak import tensors_of
 from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
-from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, checkpointing, get_strategy
+from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, checkpointing, get_strategy, materialize
 from shardwise.strategies.batchnorm import check_sync_batchnorm
-from shardwise.trainer import callbacks, evaluate
+from shardwise.trainer import callbacks, evaluate, handoff
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
 from shardwise.trainer.lightning_compat import LightningAdapter, adapter_for
@@ -125,6 +125,7 @@ class Trainer:
         self.optimizer_factory = optimizer or _default_optimizer
         self.optimizer_given = optimizer is not None
         self._lightning: LightningAdapter | None = None
+        self._return_weights = True  # whether fit's workers send the trained weights back (set by fit: `handoff.returns_weights`)
         self.loss_fn = loss_fn
         self.lr_scheduler = lr_scheduler
         self.metrics = dict(metrics or {})
@@ -251,8 +252,13 @@ class Trainer:
     """The learning-rate range test (`shardwise.trainer.lr_find.lr_find`): ``trainer.tune_lr(model, data)``."""
 
     def fit(self, model: nn.Module, train_data: Any, val_data: Any = None) -> dict[str, Any]:
-        """Train ``model``; returns the run summary (also written to ``out/summary.json``)."""
-        stop_if_bootstrapping()  # a worker importing an unguarded script stops here (see launcher.worker)
+        """Train ``model``; returns the run summary (also written to ``out/summary.json``).
+
+        With worker processes each one trains the model its run of the script built (`trainer.handoff`), and the
+        trained weights are set into ``model`` here unless ``return_weights`` says otherwise (a meta-built model's
+        are in ``out/checkpoints`` only)."""
+        materialize.note_build_state(model)  # built under torch.device("meta"): its initializers replay from this generator state
+        stop_if_bootstrapping(model=model)  # a worker importing an unguarded script stops here, keeping its model (see launcher.worker)
         self._check(model, train_data, val_data)
         env = detect_env()
         cfg = self.config
@@ -261,12 +267,20 @@ class Trainer:
             if aside is not None:
                 print(f"shardwise: overwrite: the earlier run in {cfg.out} was moved to {aside}", flush=True)
         self._run_id = new_run_id()  # the lineage of this run's checkpoints (a resume takes the checkpoint's)
+        self._return_weights = handoff.returns_weights(cfg.return_weights, model, bool(cfg.out) and not cfg.fast_dev_run)
         result = self._launch(_fit_worker, model, train_data, val_data)
         if result is None:
             summary, _ = self._fit(model, train_data, val_data, return_state=False)
             return summary
         summary, state = result
-        model.load_state_dict(state)
+        if state is not None:
+            model.load_state_dict(state)
+        elif cfg.announce_outputs and summary.get("last_checkpoint"):
+            print(
+                f"shardwise: the trained weights are in {summary['last_checkpoint']}; `model` in this process was not changed "
+                f"(return_weights={cfg.return_weights!r}{', a model built on the meta device' if materialize.has_meta(model) else ''})",
+                flush=True,
+            )
         return add_launcher_memory(summary, self.config.out, model, state, show=self.config.announce_outputs)
 
     def _launch(self, worker: Callable[..., Any], model: nn.Module, *args: Any) -> Any:
@@ -276,7 +290,16 @@ class Trainer:
         needs_group = self.config.strategy != "single"
         if env.distributed or not (self.config.nproc > 1 or needs_group):
             return None
-        results = launch(
+        sent, weights_dir = handoff.for_workers(model, self._lightning is not None)  # no model bytes where workers build their own
+        try:
+            results = self._launch_workers(worker, sent, *args)
+        finally:
+            if weights_dir is not None:
+                weights_dir.cleanup()
+        return results[0]
+
+    def _launch_workers(self, worker: Callable[..., Any], model: Any, *args: Any) -> list[Any]:
+        return launch(
             worker,
             self,
             model,
@@ -289,7 +312,6 @@ class Trainer:
             error_dir=Path(self.config.out) / "errors" if self.config.out else None,
             debug_collectives=self.config.debug_collectives,
         )
-        return results[0]
 
     def _make_engine(self) -> Engine:
         cfg = self.config
@@ -346,10 +368,17 @@ class Trainer:
         return self._evaluate("predict", model, data, ckpt_path)
 
     def _evaluate(self, kind: str, model: nn.Module, data: Any, ckpt_path: str | None) -> Any:
-        stop_if_bootstrapping()
+        materialize.note_build_state(model)
+        stop_if_bootstrapping(model=model)
         cfg = self.config
         if not isinstance(model, nn.Module):
             raise ConfigError(f"{kind if kind != 'val' else 'validate'} needs a torch.nn.Module; got {type(model).__name__}")
+        if materialize.has_meta(model) and ckpt_path is None:
+            raise ConfigError(
+                f"{'validate' if kind == 'val' else kind} got {type(model).__name__} on the meta device: it holds no weights here "
+                "(a meta-built model's trained weights are in its run's checkpoints). Pass ckpt_path= (fit's summary "
+                "'last_checkpoint', or trainer.best_model_path)"
+            )
         dataset, _, _, dl_batch = unpack_data(data)
         if dataset is None or len(dataset) == 0:
             raise ConfigError(f"{'validate' if kind == 'val' else kind} needs a non-empty Dataset or DataLoader; got {data!r}")
@@ -858,9 +887,13 @@ class _Weights:
 
 def _fit_worker(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any) -> tuple[dict[str, Any], Any]:
     """Entry point of each process that ``Trainer.fit`` starts."""
-    return trainer._fit(model, train_data, val_data, return_state=True)
+    if isinstance(model, handoff.WorkerModel):
+        model = model.resolve()
+    return trainer._fit(model, train_data, val_data, return_state=trainer._return_weights)
 
 
 def _evaluate_worker(trainer: Trainer, model: nn.Module, kind: str, data: Any, ckpt_path: str | None) -> Any:
     """Entry point of each process that ``validate``, ``test`` and ``predict`` start."""
+    if isinstance(model, handoff.WorkerModel):
+        model = model.resolve()
     return trainer._evaluate_here(model, kind, data, ckpt_path)

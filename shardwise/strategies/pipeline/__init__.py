@@ -357,6 +357,7 @@ from shardwise.comm import Recorder, all_gather
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
+from shardwise.strategies import materialize
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.pipeline import traced
 from shardwise.strategies.pipeline.compose import _tensor_parallel, apply_data_parallel, average_grads, clip_grad_norm
@@ -508,6 +509,7 @@ class Pipeline(Strategy):
     """
 
     name: ClassVar[str] = "pipeline"
+    shards_meta: ClassVar[bool] = True  # split on the meta model, then each rank fills its own stages
 
     pp: int = 2
     """Pipeline stages, one per rank along the mesh's pp dimension."""
@@ -783,13 +785,18 @@ class PipelineRun(Parallel):
         runners: dict[int, nn.Module] = {}
         self.stages: list[Any] = []
         for s in range(me, self.num_stages, self.pp):
-            stage_mod = make_stage(s).to(mesh.device)
+            stage_mod = materialize.to_device(make_stage(s), mesh.device)
             if self.tp > 1:
                 # Tensor parallel first, inside the stage (original names: the plan matches as on the whole model).
                 _tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=options.tp_plan, sequence_parallel=options.sequence_parallel)
                 if isinstance(stage_mod, NestedStage):
                     stage_mod.stop_after_other_hooks()  # the stage ends on the gathered sequence
             stages[s] = stage_mod
+        # A meta-built model: this rank's stages get storage and their values (the initializers run over the whole model).
+        fused = _tensor_parallel().relayout.fused_layout(*stages.values()) if self.tp > 1 else None
+        materialize.fill_share(model, [stages[s] for s in sorted(stages)], mesh.device, fused)
+        for s in sorted(stages):
+            stage_mod = stages[s]
             runners[s] = apply_data_parallel(stage_mod, mesh, options.dp_strategy, self.tp)
             stage = PipelineStage(runners[s], s, self.num_stages, mesh.device, group=group.pg)
             self._clock.instrument(stage)

@@ -343,6 +343,7 @@ from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
+from shardwise.strategies import materialize
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout, tp_info
@@ -371,7 +372,7 @@ from shardwise.strategies.tensor_parallel.plan import (
     resolve_plan,
 )
 from shardwise.strategies.tensor_parallel.rehearse import rehearse
-from shardwise.strategies.tensor_parallel.relayout import check_replicas, to_original, to_run
+from shardwise.strategies.tensor_parallel.relayout import check_replicas, fused_layout, to_original, to_run
 from shardwise.strategies.tensor_parallel.roles import roles
 
 __all__ = [
@@ -437,6 +438,7 @@ class TensorParallel(Strategy):
     """
 
     name: ClassVar[str] = "tp"
+    shards_meta: ClassVar[bool] = True  # split on the meta model, then each rank fills its shards
     smaller_last_batch: ClassVar[bool] = True
 
     tp: int | None = None
@@ -543,7 +545,7 @@ class TensorParallel(Strategy):
             raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={mesh.size('pp')}. Use strategy 'pipeline' with --tp for pp x tp")
         degree, dp = mesh.size("tp"), mesh.size("dp")
         check_model_fits(model, self.tp_plan, degree, self.sequence_parallel, self.dp_strategy)  # on every rank, before any group is built
-        model = model.to(mesh.device)
+        model = materialize.to_device(model, mesh.device)
         tp_mesh = mesh.device_mesh("tp")  # the run's mesh is dp-major, tp fastest
         parallelize(model, tp_mesh, self.tp_plan, self.sequence_parallel, recorder=recorder)
         names = group_names(tp=tp_mesh.get_group())
@@ -554,6 +556,7 @@ class TensorParallel(Strategy):
             dp_group = Group("dp", dp_mesh.get_group())
             if self.dp_strategy == "fsdp":
                 shard_data_parallel(model, dp_mesh)
+        materialize.fill_share(model, [model], mesh.device, fused_layout(model))  # a meta-built model: this rank's shards only
         params = list(model.parameters())
         return TensorParallelRun(model, make_optimizer(params), self, Group("tp", tp_mesh.get_group()), dp_group, names, recorder)
 

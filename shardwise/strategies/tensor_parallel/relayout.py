@@ -32,6 +32,24 @@ def _fused_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
+def fused_layout(*modules: nn.Module) -> Any:
+    """For `materialize.fill_share`: a whole fused q|k|v value (original layout) -> the permuted one the run holds
+    (``modules``: the split model, or a pipeline rank's stages)."""
+    fused = {k: v for m in modules for k, v in _fused_tensors(m).items()}
+    infos = [info for m in modules if (info := tp_info(m)) is not None]
+    if not fused or not infos:
+        return None
+    tp: int = infos[0]["degree"]
+
+    def transform(name: str, full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if name not in fused or full.dim() <= fused[name][0]:
+            return full
+        dim, parts = fused[name]
+        return full.index_select(dim, fused_permutation(full.shape[dim] // parts, parts, tp))
+
+    return transform
+
+
 def _apply(t: Any, dim: int, parts: int, tp: int, invert: bool, like: Any = None) -> Any:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
