@@ -11,8 +11,8 @@ never disagree. The cost is `shardwise.plan.cost.estimate`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -38,13 +38,16 @@ class Candidate:
     mesh: Mapping[str, int] = field(default_factory=dict)
     world_size: int | None = None
     """Planned at this world size instead of the cluster's (``single``: the one-device reference)."""
+    activation_checkpointing: str = "off"
+    """The Trainer's ``activation_checkpointing`` (`memory_savers` proposes ``blocks``)."""
 
     @property
     def label(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options.items() if v is not None)
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
         extra = ";".join(x for x in (opts, mesh) if x)
-        return f"{self.strategy}({extra})" if extra else self.strategy
+        ac = f" +ac={self.activation_checkpointing}" if self.activation_checkpointing != "off" else ""
+        return (f"{self.strategy}({extra})" if extra else self.strategy) + ac
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,6 +108,9 @@ def shape_of(candidate: Candidate, layout: Layout) -> Shape:
     d = layout.degrees
     fam = candidate.strategy
     common: dict[str, Any] = {"dp": layout.data_parallel, "tp": int(d.get("tp", 1)), "pp": int(d.get("pp", 1))}
+    mode, _, every = candidate.activation_checkpointing.partition(":")
+    common["recompute_every"] = int(every or 1) if mode == "blocks" else 0
+    common["offload"] = bool(o.get("offload"))
     if fam == "ddp":
         return Shape("ddp", algorithm=o.get("allreduce", "native"), codec=o.get("compression"), **common)
     if layout.units is not None:
@@ -162,6 +168,7 @@ def evaluate(candidate: Candidate, spec: ModelSpec, cluster: Cluster, settings: 
         "strategy": candidate.strategy,
         "label": candidate.label,
         "options": dict(candidate.options),
+        "activation_checkpointing": candidate.activation_checkpointing,
         "world_size": world,
         "mesh": {k: int(v) for k, v in layout.degrees.items()},
         "data_parallel": layout.data_parallel,
@@ -180,5 +187,45 @@ def evaluate(candidate: Candidate, spec: ModelSpec, cluster: Cluster, settings: 
 
 
 def plan_all(spec: ModelSpec, cluster: Cluster, settings: Settings, module: nn.Module | None = None) -> list[dict[str, Any]]:
-    """Every candidate's record, in enumeration order."""
-    return [evaluate(c, spec, cluster, settings, module) for c in enumerate_candidates(cluster, spec, settings.global_batch, settings.accumulate)]
+    """Every candidate's record, in enumeration order, then `memory_savers`' variants of those that do not fit."""
+    candidates = enumerate_candidates(cluster, spec, settings.global_batch, settings.accumulate)
+    records = [evaluate(c, spec, cluster, settings, module) for c in candidates]
+    return records + memory_savers(candidates, records, spec, cluster, settings, module)
+
+
+OFFLOADS = ("zero2", "zero3", "fsdp", "hsdp")
+"""The strategies with an ``offload`` option (FSDP2's ``CPUOffloadPolicy``)."""
+
+
+def memory_savers(
+    candidates: Sequence[Candidate], records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Cluster, settings: Settings, module: nn.Module | None
+) -> list[dict[str, Any]]:
+    """For each candidate that its strategy accepts but that does not fit in memory: the same layout with
+    activation checkpointing (``blocks``: activations down to each block's inputs, for one more forward of
+    the blocks a step), with CPU offload (zero2/zero3/fsdp/hsdp on a device with a host link: model state in
+    host memory, for its copies over that link), or with both, each variant's record kept when it fits (the
+    cheapest ones first: both are proposed only where neither alone fits). The recommendation sees them as any
+    other candidate, so one is proposed only where a plain layout does not fit; the records' ``time_breakdown``
+    says what each costs (``recompute_s``, ``offload_s``)."""
+    from shardwise.strategies.checkpointing import find_block_list
+
+    blocks = True
+    if module is not None:
+        try:
+            find_block_list(module)
+        except ConfigError:
+            blocks = False  # no block list to checkpoint: `Trainer` would refuse the variant
+    host = cluster.device.host is not None
+    out: list[dict[str, Any]] = []
+    for candidate, record in zip(candidates, records, strict=True):
+        if record["fits"] or record["refused_by_plan"]:
+            continue
+        ac = replace(candidate, activation_checkpointing="blocks") if blocks else None
+        off = replace(candidate, options={**candidate.options, "offload": True}) if host and candidate.strategy in OFFLOADS else None
+        singles = [evaluate(v, spec, cluster, settings, module) for v in (ac, off) if v is not None]
+        fitting = [r for r in singles if r["fits"]]
+        if not fitting and ac is not None and off is not None:
+            both = evaluate(replace(off, activation_checkpointing="blocks"), spec, cluster, settings, module)
+            fitting = [both] if both["fits"] else []
+        out += fitting
+    return out

@@ -186,6 +186,37 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return model, cluster, Settings(batch, precision, args.optimizer, args.accumulate)
 
 
+def saver_note(rec: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """What a record's activation checkpointing or CPU offload (`candidates.memory_savers`) buys and costs against the
+    same layout without them: how to ask for it, the memory per rank, and the step time the recompute and the copies add."""
+    ac, offload = rec.get("activation_checkpointing", "off") != "off", bool(rec["options"].get("offload"))
+    if not ac and not offload:
+        return ""
+    plain_options = {k: v for k, v in rec["options"].items() if k != "offload"}
+    plain = next(
+        (r for r in records if r["strategy"] == rec["strategy"] and r["options"] == plain_options and r.get("activation_checkpointing", "off") == "off"),
+        None,
+    )
+    t = rec["time_breakdown"]
+    asks, costs = [], []
+    if ac:
+        asks.append(f"--activation-checkpointing {rec['activation_checkpointing']}")
+        costs.append(f"recompute {seconds(t.get('recompute_s', 0.0))} (one more forward of the checkpointed blocks)")
+    if offload:
+        asks.append("--offload")
+        costs.append(f"host copies {seconds(t.get('offload_s', 0.0))} (parameters in and gradients out over the host link; the optimizer steps on the CPU)")
+    against = (
+        f" than {plain['label']}'s {seconds(plain['step_time_s'])}, which needs {si(plain['memory_per_rank_bytes'])} per rank"
+        if plain is not None
+        else ""
+    )
+    return (
+        f"fits only with {' and '.join(asks)}: {si(rec['memory_per_rank_bytes'])} per rank; the step takes "
+        f"{seconds(rec['step_time_s'] - plain['step_time_s']) if plain is not None else seconds(rec['step_time_s'])} "
+        f"{'longer' if plain is not None else ''}{against}: {', '.join(costs)}"
+    )
+
+
 _ACCUMULATIONS_TRIED = 24
 
 
@@ -256,7 +287,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"activations {si(m['activations'])}, buffers {si(m['buffers'])}; sends {si(rec['comm_bytes_per_step'])} per step; "
             f"step {seconds(t['step_s'])} = compute {seconds(t['compute_s'])} + bubble {seconds(t['bubble_s'])} + optimizer {seconds(t['optimizer_s'])} "
             f"+ exposed comm {seconds(t['exposed_comm_s'])} + overhead {seconds(t['overhead_s'])}"
+            + (f" + host copies {seconds(t['offload_s'])}" if t.get("offload_s") else "")
         )
+    if rec and (saving := saver_note(rec, records)):
+        print(f"  {saving}")
     if advice["fastest"] and advice["fastest"] != advice["choice"]:
         print(f"  fastest that fits: {advice['fastest']}")
     if args.json:

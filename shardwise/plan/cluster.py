@@ -101,6 +101,9 @@ class DeviceProfile:
     """Between nodes."""
     overlap: float = 1.0
     """Share of the gradient communication that hides behind backward (1: all of it can; 0: none)."""
+    host: Link | None = None
+    """Between the device and its host's memory (PCIe): what CPU offload moves over. None on a CPU, whose
+    host memory is its memory (offload moves nothing there)."""
     step_overhead_s: float = 0.0
     """Fixed seconds each step costs beyond compute and communication (launch, Python, data)."""
     collectives: Mapping[str, Link] = field(default_factory=dict)
@@ -164,6 +167,7 @@ H100_80GB = DeviceProfile(
     intra=Link(alpha=3e-6, beta=1 / 450e9),
     inter=Link(alpha=6e-6, beta=1 / 50e9),
     overlap=1.0,
+    host=Link(alpha=1e-5, beta=1 / 50e9),  # PCIe Gen5 x16: 64 GB/s each way, about 50 reached
     source="NVIDIA H100 SXM5 and DGX H100 datasheets (bf16 989 TFLOPS dense, 80 GB, NVLink 900 GB/s bidirectional, NDR 400 Gb/s per GPU); "
     "latencies and efficiency 0.5 assumed",
 )
@@ -176,6 +180,7 @@ A100_40GB = DeviceProfile(
     intra=Link(alpha=3e-6, beta=1 / 300e9),
     inter=Link(alpha=6e-6, beta=1 / 25e9),
     overlap=1.0,
+    host=Link(alpha=1e-5, beta=1 / 25e9),  # PCIe Gen4 x16: 32 GB/s each way, about 25 reached
     source="NVIDIA A100 and DGX A100 datasheets (bf16 312 TFLOPS dense, 40 GB, NVLink 600 GB/s bidirectional, HDR 200 Gb/s per GPU); "
     "latencies and efficiency 0.5 assumed",
 )
@@ -216,6 +221,7 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
         intra=_link(raw["intra"], f"{where}: intra"),
         inter=_link(raw["inter"], f"{where}: inter"),
         collectives={str(k): _link(v, f"{where}: collectives.{k}") for k, v in dict(raw.get("collectives", {})).items()},
+        host=_link(raw["host"], f"{where}: host") if raw.get("host") is not None else None,
         framework=framework,
         **extra,
     )

@@ -52,6 +52,7 @@ critical path. The optimizer step reads and writes its state once (memory bandwi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,12 @@ class Shape:
     units: int | None = None
     """The submodules the strategy's plan wraps or splits one by one, given a real module (FSDP's
     units, the root not counted; tensor parallelism's split linears); None when not known."""
+    recompute_every: int = 0
+    """Activation checkpointing (``activation_checkpointing='blocks:K'``): every this many blocks one is
+    checkpointed whole; 0: none."""
+    offload: bool = False
+    """FSDP2's CPU offload (zero2, zero3, fsdp, hsdp ``offload=True``): parameters, gradients and optimizer
+    state in host memory, each unit's parameters copied in for its gathers and its gradients copied out."""
 
 
 FSDP_FAMILIES = ("zero2", "zero3", "fsdp", "hsdp")
@@ -316,7 +323,12 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     # last stage keeps every micro-batch's until the backward passes start, a 1F1B one frees each in turn
     other_in_flight = m if fam == "pipeline" and shape.schedule == "gpipe" else 1
     other = spec.act_bytes_other_sample * micro * other_in_flight / (tp if spec.transformer else 1)
-    activations = spec.layer_activation_bytes(micro, tp, shape.sequence_parallel) * layers * in_flight + other
+    full_layer = spec.layer_activation_bytes(micro, tp, shape.sequence_parallel)
+    # activation checkpointing: a checkpointed block keeps its inputs, and in backward one block at a time
+    # holds its recomputed activations again (for one micro-batch)
+    recomputed = min(layers, math.ceil(layers / shape.recompute_every)) if shape.recompute_every else 0
+    kept_layer = spec.kept_layer_bytes(micro, tp, shape.sequence_parallel)
+    activations = (full_layer * (layers - recomputed) + kept_layer * recomputed) * in_flight + other + (full_layer if recomputed else 0.0)
     grad_bytes = per.grads * psi
     buffers = 0.0
     if fam in ("ddp", "zero1") or (fam in ("tp", "pipeline") and shape.dp_strategy == "ddp" and dp > 1):
@@ -329,6 +341,11 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         buffers += grad_bytes  # error-feedback residual
     memory = {**{k: state[k] for k in ("params", "grads", "optimizer")}, "activations": activations, "buffers": buffers}
     memory["model_state"] = memory["params"] + memory["grads"] + memory["optimizer"]
+    offloaded = shape.offload and fam in FSDP_FAMILIES
+    if offloaded:  # the sharded state lives in host memory; the device holds the gathered units and activations
+        memory["host"] = memory["model_state"]
+        memory["params"] = memory["grads"] = memory["optimizer"] = memory["model_state"] = 0.0
+        notes.append(f"CPU offload: {memory['host'] / 1e9:.3g} GB of model state per rank in host memory; the optimizer steps on the CPU")
     memory["total"] = max(memory["model_state"] + activations + buffers, server_bytes)
     if server_bytes:
         memory["server"] = server_bytes
@@ -346,6 +363,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         # the step reads and writes the stepped shard's parameters, gradients and optimizer state once
         stepped = per.optimizer * psi / (shard if stage >= 1 else 1) + (per.params + per.grads) * psi / (shard if stage >= 1 else 1)
         optimizer = 2 * stepped / dev.memory_bandwidth
+    # recompute: one more forward (a third of forward and backward) of the checkpointed blocks
+    recompute = compute / 3 * recomputed / layers if recomputed else 0.0
+    compute += recompute
     backward = compute * 2 / 3
     bubble_frac = predicted_bubble(shape.schedule, pp, m, shape.virtual) if fam == "pipeline" and pp > 1 else 0.0
     bubble = compute * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
@@ -416,6 +436,13 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         seconds = link.time(rounds, sent) / shape.sync_every
         colls.append(Collective("all_reduce", "dp", dp, 1 / shape.sync_every, pbytes, sent / shape.sync_every, seconds, seconds))
 
+    offload = 0.0
+    if offloaded:
+        # each unit's parameter shard in for the forward's gather and the backward's, its gradient shard out,
+        # on the critical path (FSDP2 copies before the gather); a CPU device's host is itself: nothing moves
+        host = dev.host
+        moved = (2 * per.params + per.grads) * psi / (shape.shard if fam == "hsdp" else dp)
+        offload = host.time(2 * (spec.layers / pp + 1), moved) if host is not None else 0.0
     exposed = sum(c.exposed_s for c in colls)
     total_comm = sum(c.seconds for c in colls)
     framework = next((dev.framework[k] for k in framework_keys(shape) if k in dev.framework), None)
@@ -426,11 +453,11 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         # each stage repeats tensor parallelism's per-linear work (`framework_units` of tp) per micro-batch
         linears = shape.units if shape.units is not None else (4 if spec.transformer else 2) * spec.layers
         overhead += dev.framework["tp"].per_unit_s * linears / pp * m
-    step = compute + bubble + optimizer + exposed + overhead
+    step = compute + bubble + optimizer + exposed + overhead + offload
     shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0
     if shared > 1:  # more processes than cores: each runs a core's share of the time
-        compute, bubble, optimizer, exposed, overhead, total_comm, step = (
-            x * shared for x in (compute, bubble, optimizer, exposed, overhead, total_comm, step)
+        compute, bubble, optimizer, exposed, overhead, total_comm, step, recompute, offload = (
+            x * shared for x in (compute, bubble, optimizer, exposed, overhead, total_comm, step, recompute, offload)
         )
         notes.append(f"{cluster.per_node} processes share {dev.cores} cores: every part of the step takes {shared:g} times as long")
     time = {
@@ -446,6 +473,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         "overhead_params": psi,
         "overhead_scale": scale,
         "overhead_period": framework_period(shape),
+        "recompute_s": recompute,
+        "offload_s": offload,
         "step_s": step,
     }
     fits = memory["total"] <= dev.memory_bytes

@@ -91,6 +91,11 @@ class ModelSpec:
     """Activation bytes one block keeps for backward per sample, at ``act_bytes`` per element."""
     act_bytes_other_sample: float = 0.0
     """Activation bytes outside the blocks per sample (embeddings, the output layer's logits, the loss)."""
+    act_bytes_kept_per_layer_sample: float | None = None
+    """Of a block checkpointed whole (``activation_checkpointing='blocks'``), the bytes it keeps per sample:
+    the tensors it is called with (torch's checkpoint saves them; masks and rotary tables shared by every
+    block count once over all of them). Measured by `measured_spec`; None: the hidden states, ``s h``
+    elements (Korthikanti et al. 2023, section 5: full recomputation keeps ``2 s b h`` bytes at 16 bits)."""
     act_bytes_tp_split_per_layer_sample: float | None = None
     """Of `act_bytes_per_layer_sample`, the bytes tensor parallelism splits: those saved between a
     column-split linear's output and the row-split linear that takes it (attention's heads, the
@@ -125,6 +130,7 @@ class ModelSpec:
             act_bytes=act_bytes,
             act_bytes_per_layer_sample=self.act_bytes_per_layer_sample * f,
             act_bytes_other_sample=self.act_bytes_other_sample * f,
+            act_bytes_kept_per_layer_sample=None if self.act_bytes_kept_per_layer_sample is None else self.act_bytes_kept_per_layer_sample * f,
             act_bytes_tp_split_per_layer_sample=None if split is None else split * f,
         )
 
@@ -143,6 +149,14 @@ class ModelSpec:
         else:  # eq. 2
             per = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
         return per * self.act_bytes / 2 * samples
+
+    def kept_layer_bytes(self, samples: float, tp: int = 1, sequence_parallel: bool = False) -> float:
+        """Bytes a block checkpointed whole keeps for ``samples`` samples on one rank of a ``tp``-way split: its
+        inputs, whole on every tp rank (the hidden states before the first split linear), split with sequence
+        parallelism (Korthikanti et al. 2023, section 5)."""
+        kept = self.act_bytes_kept_per_layer_sample
+        per = self.seq * self.hidden * self.act_bytes if kept is None else kept
+        return per * samples / (tp if sequence_parallel else 1)
 
     def tp_rank_params(self, tp: int) -> float:
         """Parameters one rank of a ``tp``-way split holds (`tp_split_params`)."""
@@ -361,7 +375,16 @@ def measured_spec(
         if saved.where != "other":
             saved.where = "block/split"
 
+    kept: dict[int, int] = {}  # storage -> bytes of the tensors blocks are called with (a checkpointed block keeps them)
+
+    def inputs(module: nn.Module, args: Any) -> None:
+        for a in args if isinstance(args, tuple) else (args,):
+            if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
+                size = a.untyped_storage().nbytes()
+                kept[a.untyped_storage().data_ptr()] = size // a.element_size() * act_bytes if a.is_floating_point() else size
+
     handles = [b.register_forward_pre_hook(enter) for b in blocks] + [b.register_forward_hook(width) for b in blocks]
+    handles += [b.register_forward_pre_hook(inputs) for b in blocks]
     split_params = 0
     for lin, style in (tp_plan or {}).items():
         sub = model.get_submodule(lin)
@@ -400,6 +423,7 @@ def measured_spec(
         act_bytes_per_layer_sample=(saved.by_label.get("block", 0) + saved.by_label.get("block/split", 0)) / samples / max(1, len(blocks)),
         act_bytes_tp_split_per_layer_sample=saved.by_label.get("block/split", 0) / samples / max(1, len(blocks)) if tp_plan else None,
         act_bytes_other_sample=saved.by_label.get("other", 0) / samples,
+        act_bytes_kept_per_layer_sample=sum(kept.values()) / samples / max(1, len(blocks)),
         act_bytes=act_bytes,
         tensors=tensors,
         tp_split_params=split_params if tp_plan else None,
