@@ -6,7 +6,10 @@ allreduce algorithm and codec for ddp, each pipeline schedule, the mesh shapes `
 and DiLoCo with ``H``). `evaluate` calls each strategy's own ``plan`` (the contract in
 `shardwise.strategies.contract`): its `Layout` gives the degrees the cost model uses and its
 `ConfigError` is the candidate's reason for ``fits: false``, so the planner and the launcher
-never disagree. The cost is `shardwise.plan.cost.estimate`.
+never disagree. The cost is `shardwise.plan.cost.estimate`. A candidate its strategy accepts but
+that does not fit in memory is tried again with activation checkpointing and, for the FSDP family,
+CPU offload (`memory_savers`); the variants that fit join the records, so ``shardwise plan``
+proposes them only where a plain layout does not fit, with what they cost in step time.
 """
 
 from __future__ import annotations

@@ -211,6 +211,7 @@ def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Setting
     trainer = Trainer(
         strategy=record["strategy"],
         strategy_options=dict(record["options"]),
+        activation_checkpointing=record.get("activation_checkpointing", "off"),
         nproc=record["world_size"],
         max_steps=steps,
         log_every=every,

@@ -15,7 +15,15 @@ et al. 2021, section 2.2.1) and ``p (1 + (p-1)/(p v))`` layers' worth for interl
 (Korthikanti et al. 2023, section 4.2.3). Buffers: DDP's gradient buckets (a copy of the
 gradients: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training",
 VLDB 2020, section 3.2.3), FSDP's two gathered units (current and prefetched), pipeline send and
-receive buffers, error-feedback residuals of lossy codecs.
+receive buffers, error-feedback residuals of lossy codecs. With activation checkpointing
+(``Shape.recompute_every``) a checkpointed block keeps its inputs only (`ModelSpec.kept_layer_bytes`),
+and a backward holds one block's recomputed activations at a time on top (one micro-batch's); the
+recompute costs one more forward of those blocks, a third of their forward and backward (Chen et al.
+2016; Korthikanti et al. 2023, section 5). With CPU offload (``Shape.offload``, FSDP2's
+``CPUOffloadPolicy``) the sharded model state is in host memory (``memory["host"]``) and each step
+copies every unit's parameter shard in for the forward's and the backward's gathers and its gradient
+shard out, over the profile's ``host`` link, on the critical path; the optimizer's step on the CPU is
+not costed (noted).
 
 **Traffic** (bytes sent by the busiest rank per step). Library collectives count the
 bandwidth-optimal figures (`shardwise.comm.recorder.wire_bytes`: an allreduce of ``N`` bytes
