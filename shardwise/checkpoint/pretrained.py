@@ -120,7 +120,6 @@ class WeightsSource:
     path: Path
     entries: dict[str, Entry]
     metadata: dict[str, str] = field(default_factory=dict)
-    _handles: dict[Path, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> WeightsSource:
@@ -157,23 +156,19 @@ class WeightsSource:
     def dtype(self, key: str) -> torch.dtype | str:
         return self.entries[key].dtype
 
-    def _handle(self, file: Path) -> Any:
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        return self._handles[file]
-
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """``key``'s tensor, or the block ``index`` (one slice per dimension) of it: only those bytes are read."""
-        entry = self.entries[key]
-        handle = self._handle(entry.file)
-        out: torch.Tensor = handle.get_tensor(key) if index is None or not entry.shape else handle.get_slice(key)[index]
-        return out
+        """``key``'s tensor, or the block ``index`` (one slice per dimension) of it: only those bytes are read.
 
-    def close(self) -> None:
-        """Drop the open files (the memory maps); the source opens them again on the next read."""
-        self._handles.clear()
+        Each read maps the file and unmaps it before returning: a mapped page counts in the
+        process's resident memory (its VmHWM) for as long as the map lives, so a map kept open
+        over a whole load would hold every page read so far (measured: +168 MB of file pages
+        beside a 127 MB shard of a 253 MB checkpoint); one read's pages at most this way."""
+        from safetensors import safe_open
+
+        entry = self.entries[key]
+        with safe_open(str(entry.file), framework="pt", device="cpu") as handle:
+            out: torch.Tensor = handle.get_tensor(key) if index is None or not entry.shape else handle.get_slice(key)[index]
+        return out
 
 
 def _index(path: Path) -> dict[str, str]:
