@@ -46,6 +46,8 @@ HANG_REPORT_3 = "tests/dist/test_hang_report.py::test_a_rank_that_returned_witho
 ZYGOTE_FALLBACK = "tests/dist/test_zygote.py::test_a_rank_started_fresh_after_the_zygote_refused_follows_the_launcher"
 PLAN_INTERLEAVED = "tests/unit/test_plan_cost.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
 HSDP_SHAPES = "tests/dist/test_sharding.py::test_hsdp_replicates_over_one_mesh_dimension_and_shards_over_the_other"
+AC_UNIT = "tests/unit/test_activation_checkpointing.py"
+AC_SINGLE = "tests/models/test_activation_checkpointing.py::test_single_trains_the_same_weights_with_activation_checkpointing"
 
 # Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
 # rerun (ddp, common, data, checkpoint, engine, trainer, precision).
@@ -269,6 +271,26 @@ MUTANTS = [
     Mutant("resume='auto' takes a checkpoint saved after non-finite steps", "shardwise/trainer/loop.py",
            "latest_valid(Path(cfg.out) / \"checkpoints\", finite=True)", "latest_valid(Path(cfg.out) / \"checkpoints\", finite=False)",
            ("tests/unit/test_nonfinite.py",)),
+    # -- activation checkpointing (issue 37) ------------------------------------------------------
+    Mutant("activation checkpointing is applied to no block", "shardwise/strategies/checkpointing.py",
+           "    for i in policy.chosen(len(blocks)):", "    for i in policy.chosen(0):", (AC_UNIT, AC_SINGLE)),
+    Mutant("the Engine never applies activation checkpointing", "shardwise/engine.py",
+           "        checkpointing.apply(model, self.activation_checkpointing)\n", "", (AC_SINGLE,)),
+    Mutant("a recomputed block draws new dropout masks", "shardwise/strategies/checkpointing.py",
+           "checkpoint(self._forward, *args, use_reentrant=False, context_fn=context, **kwargs)",
+           "checkpoint(self._forward, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context, **kwargs)", (AC_SINGLE,)),
+    Mutant("a checkpointed block keeps a key/value cache passed by position (GPT-2's), written again by the recompute",
+           "shardwise/strategies/checkpointing.py",
+           "        if any(i < len(args) and args[i] is not None for i in self.cache_at):", "        if False:", (AC_SINGLE,)),
+    Mutant("selective checkpointing keeps no matmul output", "shardwise/strategies/checkpointing.py",
+           "    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE",
+           "    return CheckpointPolicy.PREFER_RECOMPUTE", (AC_UNIT,)),
+    Mutant("the planner counts a checkpointed block's whole activations", "shardwise/plan/cost.py",
+           "    kept_layer = spec.kept_layer_bytes(micro, tp, shape.sequence_parallel)", "    kept_layer = full_layer", (AC_UNIT,)),
+    Mutant("the planner's recompute costs nothing", "shardwise/plan/cost.py",
+           "    recompute = compute / 3 * recomputed / layers if recomputed else 0.0", "    recompute = 0.0", (AC_UNIT,)),
+    Mutant("plan proposes activation checkpointing and offload for layouts that fit without them", "shardwise/advisor/candidates.py",
+           "        if record[\"fits\"] or record[\"refused_by_plan\"]:", "        if record[\"refused_by_plan\"]:", (AC_UNIT,)),
 ]
 
 
