@@ -377,14 +377,14 @@ def measured_spec(
 
     kept: dict[int, int] = {}  # storage -> bytes of the tensors blocks are called with (a checkpointed block keeps them)
 
-    def inputs(module: nn.Module, args: Any) -> None:
+    def block_inputs(module: nn.Module, args: Any) -> None:
         for a in args if isinstance(args, tuple) else (args,):
             if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
                 size = a.untyped_storage().nbytes()
                 kept[a.untyped_storage().data_ptr()] = size // a.element_size() * act_bytes if a.is_floating_point() else size
 
     handles = [b.register_forward_pre_hook(enter) for b in blocks] + [b.register_forward_hook(width) for b in blocks]
-    handles += [b.register_forward_pre_hook(inputs) for b in blocks]
+    handles += [b.register_forward_pre_hook(block_inputs) for b in blocks]
     split_params = 0
     for lin, style in (tp_plan or {}).items():
         sub = model.get_submodule(lin)
