@@ -4,7 +4,8 @@ Each cell trains ``STEPS`` clipped float64 SGD steps twice, with ``activation_ch
 on (``blocks``, ``blocks:2`` or ``ops``), and the two final states must be equal bit for bit (a
 step is a function of the clipped gradients, so equal states mean equal gradients). Models: HF
 Llama and GPT-2 from the zoo, and HF Qwen3 (not in the zoo: q/k norms, tied embeddings, attention
-dropout 0.1, so the recompute must draw the same dropout masks). One 2-process launch runs ddp,
+dropout 0.1, so the recompute must draw the same dropout masks), and the zoo's nanoGPT under the
+pipeline's fx-traced route (the HF models take its nested route). One 2-process launch runs ddp,
 zero1, zero2, zero3, tp, tp + sp and pipeline cells; one 4-process launch runs hsdp 2x2 and
 pipeline pp2 x tp2 (with sequence parallelism); ``single`` runs here.
 
@@ -84,6 +85,7 @@ CELLS_2 = [
     ("qwen3", "zero3", {}, "blocks:2"),
     ("qwen3", "tp", {**TP, "sequence_parallel": True}, "ops"),
     ("qwen3", "pipeline", {"pp": 2, "microbatches": 2, "schedule": "gpipe"}, "blocks"),
+    ("nanogpt", "pipeline", {"pp": 2, "microbatches": 2}, "blocks"),  # fx's traced route (the HF models take the nested one)
 ]
 CELLS_4 = [
     ("llama", "hsdp", {"replicate": 2, "shard": 2}, "blocks"),
