@@ -181,7 +181,7 @@ class _Recorder(TorchDispatchMode):
         program.keep.append(target)
         whole = target.storage_offset() == 0 and target.is_contiguous() and target.numel() == elems
         full = whole and not opaque and (seeded or func._schema.name.split("::")[-1] in _OVERWRITES)
-        geometry = (tuple(target.size()), tuple(target.stride()), target.storage_offset())
+        geometry = (tuple(target.size()), tuple(target.stride()), int(target.storage_offset()))
         program.ops.append(_Op(func, rec_args, rec_kwargs, sid, geometry, full, opaque, seeded))
         return out
 
@@ -234,16 +234,18 @@ def _recording() -> Iterator[Program]:
         program.ops.append(_Op(torch.random.set_rng_state, (torch.random.get_rng_state(),), {}, None, None, False, False, False))
         return out
 
-    nn.Parameter.__new__ = staticmethod(new)  # type: ignore[method-assign,assignment]
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    torch.manual_seed = torch.random.manual_seed = manual_seed  # type: ignore[assignment]
+    setattr(nn.Parameter, "__new__", staticmethod(new))  # noqa: B010 - patched for the build only, put back below
+    setattr(nn.Module, "register_parameter", register)  # noqa: B010
+    setattr(torch, "manual_seed", manual_seed)  # noqa: B010
+    setattr(torch.random, "manual_seed", manual_seed)  # noqa: B010
     try:
         with recorder:
             yield program
     finally:
-        nn.Parameter.__new__ = original_new  # type: ignore[method-assign]
-        nn.Module.register_parameter = original_register  # type: ignore[method-assign]
-        torch.manual_seed = torch.random.manual_seed = original_seed  # type: ignore[assignment]
+        setattr(nn.Parameter, "__new__", original_new)  # noqa: B010
+        setattr(nn.Module, "register_parameter", original_register)  # noqa: B010
+        setattr(torch, "manual_seed", original_seed)  # noqa: B010
+        setattr(torch.random, "manual_seed", original_seed)  # noqa: B010
 
 
 def has_meta(model: nn.Module) -> bool:
@@ -267,7 +269,7 @@ def build_state(model: nn.Module) -> torch.Tensor | None:
     for m in model.modules():
         state = m.__dict__.get(_RNG_ATTR)
         if state is not None:
-            return state  # type: ignore[no-any-return]
+            return state  # type: ignore[no-any-return,unused-ignore]
     return None
 
 
@@ -430,7 +432,6 @@ def plan_init(model: nn.Module) -> InitPlan:
                     elif slot.primary and slots[sid].meta:
                         constants[slot.key] = t  # a buffer its constructor computes (rotary frequencies): small
                 return InitPlan([], slots, build_state(model), program, storage_keys, f"{type(model).__name__}(config) recorded", constants)
-        how = "initializers"
     return _plan_events(model, slots)
 
 
@@ -535,7 +536,8 @@ def _run_event(model: nn.Module, path: str, kind: str, owner: str | None) -> Non
     module = model.get_submodule(path)
     with torch.no_grad():
         if kind == "hf":
-            model.get_submodule(owner or "")._init_weights(module)
+            init_weights: Any = model.get_submodule(owner or "")._init_weights
+            init_weights(module)
         else:
             getattr(module, kind)()
 
@@ -548,7 +550,7 @@ def _swapped(model: nn.Module, values: dict[str, torch.Tensor], slots: dict[str,
         for sid, value in values.items():
             slot = slots[sid]
             owner = model.get_submodule(slot.module)
-            table = owner._buffers if slot.buffer else owner._parameters
+            table: dict[str, Any] = owner._buffers if slot.buffer else owner._parameters
             saved.append((table, slot.name, table[slot.name]))
             table[slot.name] = value if slot.buffer else nn.Parameter(value, requires_grad=False)
         yield
@@ -635,11 +637,27 @@ def fill(
     """Give this rank's tensors storage and their values: ``held`` are the modules this rank keeps
     (default: ``model`` whole), their parameters and buffers named as in ``model``; ``model`` is the
     whole model on which the plan's initializers run (its tensors may be meta, or the strategy's
-    DTensors). Values equal the eager model's from the plan's generator state, bit for bit."""
+    DTensors). Values equal the eager model's from the plan's generator state, bit for bit; a model
+    marked by `shardwise.init_from` reads its checkpoint's slices instead (`checkpoint.pretrained`), and only
+    what the checkpoint does not hold (rotary frequencies) is initialized."""
     held = [model] if held is None else held
     for mod in held:
         allocate(mod, device)
     targets = _targets(held)
+    from shardwise.checkpoint import pretrained
+
+    record = pretrained.recorded(model)
+    if record is not None:
+        loaded: set[str] = set()
+        for mod in held:
+            loaded |= pretrained.load_local(mod, record.path, keys=record.keys, fused=_fused_of(mod))
+        targets = {k: v for k, v in targets.items() if k not in loaded}
+        keep = set(targets)
+        plan = dataclasses.replace(
+            plan,
+            events=[e for e in plan.events if any(plan.slots[s].key in keep for s in e.writes)],
+            program=_only(plan.program, {st for st, key in plan.storage_keys.items() if key in keep}) if plan.program is not None else None,
+        )
     if plan.program is not None:
         _fill_program(model, plan, targets, transform)
         return
@@ -672,6 +690,19 @@ def fill(
                 _place(slot, model.get_submodule(slot.module)._buffers[slot.name], targets, transform)  # type: ignore[arg-type]
     finally:
         torch.random.set_rng_state(saved_state)
+
+
+def _fused_of(module: nn.Module) -> dict[str, int] | None:
+    """tp's fused q|k|v record of a split module (module name -> parts), for the checkpoint reader."""
+    from shardwise.strategies.tensor_parallel.apply import tp_info
+
+    info = tp_info(module)
+    return dict(info.get("fused") or {}) if info else None
+
+
+def _only(program: Program, storages: set[int]) -> Program:
+    """The ops of ``program`` that write ``storages`` (values only: the generator does not matter then)."""
+    return dataclasses.replace(program, ops=[op for op in program.ops if op.storage in storages])
 
 
 def _bases(program: Program) -> dict[int, int]:

@@ -42,7 +42,9 @@ def fingerprint(model: nn.Module) -> str:
             data = t.detach()
             if hasattr(data, "full_tensor"):  # a DTensor: not expected in a model before fit
                 data = data.full_tensor()
-            h.update(memoryview(data.cpu().contiguous().view(torch.uint8).reshape(-1).numpy()))
+            flat = data.cpu().contiguous().view(torch.uint8).reshape(-1)
+            for i in range(0, flat.numel(), 1 << 24):  # 16 MB at a time: no second copy of a large model
+                h.update(flat[i : i + (1 << 24)].numpy().tobytes())
     return h.hexdigest()
 
 
@@ -84,8 +86,8 @@ class WorkerModel:
 def for_workers(model: nn.Module, lightning: bool) -> tuple[Any, tempfile.TemporaryDirectory[str] | None]:
     """What the payload carries for ``model``: a `WorkerModel` where the workers re-run the script, else
     the model itself. The second value is the directory of the parent's weights, removed after the run."""
-    if lightning or not reruns_script():
-        return model, None
+    if lightning or not reruns_script() or called_under_main_guard():
+        return model, None  # the workers will not reach this call (no script, or inside `if __name__ == "__main__":`)
     if materialize.has_meta(model):
         if not all(t.is_meta for t in model.parameters()):
             raise ConfigError(
@@ -97,6 +99,31 @@ def for_workers(model: nn.Module, lightning: bool) -> tuple[Any, tempfile.Tempor
     path = Path(folder.name) / "model.pt"
     torch.save(model.state_dict(), path)  # read only by a worker whose own model differs
     return WorkerModel(fingerprint(model), str(path), type(model).__name__), folder
+
+
+def called_under_main_guard() -> bool:
+    """True when this call runs inside the script's ``if __name__ == "__main__":`` block (directly or through a
+    function called there): a worker's run of the script skips that block, so it builds no model to train."""
+    import ast
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return False
+    path = frame.f_globals.get("__file__")
+    try:
+        with open(str(path), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, TypeError, ValueError):
+        return False
+    line = frame.f_lineno
+    for node in tree.body:
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test):
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                return True
+    return False
 
 
 def returns_weights(setting: str, model: nn.Module, writes_checkpoints: bool) -> bool:
