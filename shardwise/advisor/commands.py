@@ -186,6 +186,11 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return model, cluster, Settings(batch, precision, args.optimizer, args.accumulate)
 
 
+def _saves_memory(rec: dict[str, Any]) -> bool:
+    """A record of `candidates.memory_savers`: activation checkpointing or CPU offload."""
+    return rec.get("activation_checkpointing", "off") != "off" or bool(rec["options"].get("offload"))
+
+
 def saver_note(rec: dict[str, Any], records: list[dict[str, Any]]) -> str:
     """What a record's activation checkpointing or CPU offload (`candidates.memory_savers`) buys and costs against the
     same layout without them: how to ask for it, the memory per rank, and the step time the recompute and the copies add."""
@@ -233,7 +238,8 @@ def fits_with_accumulation(model: Any, cluster: Any, settings: Any) -> str:
     # per candidate); a capped search says so rather than claim that nothing fits.
     steps = [a for a in range(settings.accumulate + 1, settings.global_batch + 1) if settings.global_batch % a == 0]
     for accumulate in steps[:_ACCUMULATIONS_TRIED]:
-        again = [r for r in plan_all(model.spec, cluster, replace(settings, accumulate=accumulate), model.module) if r["fits"]]
+        planned = plan_all(model.spec, cluster, replace(settings, accumulate=accumulate), model.module)
+        again = [r for r in planned if r["fits"] and not _saves_memory(r)]  # plain layouts: smaller micro-batches instead
         if again:
             best = min(again, key=lambda r: r["step_time_s"])
             return (
@@ -266,6 +272,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     advice = recommend(records, model.spec, cluster, settings, unreliable=args.unreliable)
     if advice["choice"] is None:
         advice["why"] += ". " + fits_with_accumulation(model, cluster, settings)
+    elif _saves_memory(advice["choice_record"]) and not any(r["fits"] and not _saves_memory(r) for r in records):
+        # the alternative that costs no recompute or host copies: smaller micro-batches, where they are enough
+        advice["why"] += ". Without activation checkpointing or offload: " + fits_with_accumulation(model, cluster, settings)
     spec = model.spec
     print(
         f"model {spec.name}: {si(spec.params, '')} parameters, {spec.layers} layers, hidden {spec.hidden}, seq {spec.seq}, "
