@@ -36,6 +36,7 @@ from shardwise import checkpoint as ckpt
 from shardwise.comm import WORLD, Group, Recorder, all_gather, all_reduce, barrier, broadcast
 from shardwise.errors import CheckpointError, ConfigError
 from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
+from shardwise.memory import return_large_frees
 from shardwise.mesh import Mesh
 from shardwise.precision import Precision
 from shardwise.precision import normalize as normalize_precision
@@ -89,6 +90,7 @@ class Engine:
         self.activation_checkpointing = checkpointing.parse(activation_checkpointing)
         """Which blocks ``setup`` makes recompute their forward in backward (`shardwise.strategies.checkpointing`)."""
         self.device = choose_device(accelerator, self.env)
+        return_large_frees()  # freed tensors go back to the system, so each rank's peak is what its tensors hold
         self._owns_group = connect(self.env, self.device, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         if timeout_s is not None and not self._owns_group and dist.is_initialized():
             _set_timeout(timeout_s)  # a group made before (launch's, the user's): the timeout asked for here holds

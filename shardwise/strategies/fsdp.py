@@ -156,7 +156,7 @@ def auto_wrap_units(model: nn.Module, min_fraction: float = 0.05) -> list[str]:
     if lists:
         name, blocks = max(lists, key=lambda item: _numel(item[1]))
         if _numel(blocks) > 0:
-            return [f"{name}.{i}" for i, b in enumerate(blocks) if _numel(b) > 0]
+            return [f"{name}.{i}" for i, b in enumerate(blocks) if _numel(b) > 0] + _large_leaves(model, name, min_fraction)
     prefix, node = "", model
     while True:
         with_params = [(n, c) for n, c in node.named_children() if _numel(c) > 0]
@@ -165,6 +165,26 @@ def auto_wrap_units(model: nn.Module, min_fraction: float = 0.05) -> list[str]:
         prefix, node = f"{prefix}{with_params[0][0]}.", with_params[0][1]
     total = max(_numel(model), 1)
     return [f"{prefix}{n}" for n, c in node.named_children() if _numel(c) >= min_fraction * total]
+
+
+def _large_leaves(model: nn.Module, blocks: str, min_fraction: float) -> list[str]:
+    """Modules outside the block list that hold their own large weights (an untied embedding, the head):
+    units of their own, so each is gathered only while it runs, not for the whole step with the root
+    (a 32000-word Llama's embedding and head are a third of its parameters). A weight shared with another
+    module (a tied head) stays with the root: one unit must own it."""
+    total = max(_numel(model), 1)
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    out = []
+    for n, m in model.named_modules():
+        if not n or n == blocks or n.startswith(blocks + ".") or not any(True for _ in m.parameters(recurse=False)):
+            continue
+        own = list(m.parameters())
+        if sum(p.numel() for p in own) >= min_fraction * total and all(owners.get(id(p), 0) == 1 for p in own) and not any(n.startswith(u + ".") for u in out):
+            out.append(n)
+    return out
 
 
 def resolve_units(model: nn.Module, wrap: str | Sequence[str]) -> list[str]:

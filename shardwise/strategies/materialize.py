@@ -207,9 +207,9 @@ def _recording() -> Iterator[Program]:
         if data is None or data.device.type == "meta":
             return original_new.__func__(cls, data, requires_grad)
         real = data
+        fresh = real.untyped_storage()._cdata in recorder.empties  # before empty_like below reads it
         data = torch.empty_like(data, device="meta")  # uninitialized memory is never touched: no resident bytes
         param = original_new.__func__(cls, data, requires_grad)
-        fresh = real.untyped_storage()._cdata in recorder.empties
         if not fresh and real.nbytes <= _CONSTANT_BYTES and not recorder.real_draw_since:
             # a value computed before it became a parameter (torch.zeros, torch.randn(...) * 0.02): kept, small
             sid = data.untyped_storage()._cdata
@@ -617,13 +617,21 @@ def _targets(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def _write(target: torch.Tensor, full: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     with torch.no_grad():
         if isinstance(target, DTensor):
             mesh = target.device_mesh
-            local = distribute_tensor(full.to(mesh.device_type), mesh, target.placements, src_data_rank=None).to_local()
             mine = target.to_local()
+            if all(type(p) in (Shard, Replicate) for p in target.placements):
+                # this rank's block of the whole value, as a view: no DTensor made (one made per tensor is freed
+                # only by the garbage collector, and kept every whole value alive until then)
+                shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, target.placements)
+                index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                local = full[index] if shape else full
+            else:  # FSDP over tp (a strided shard): DTensor's own split
+                local = distribute_tensor(full.to(mesh.device_type), mesh, target.placements, src_data_rank=None).to_local()
             if tuple(local.shape) != tuple(mine.shape):
                 raise RuntimeError(f"shard of shape {tuple(local.shape)} for a local tensor of shape {tuple(mine.shape)}")
             mine.copy_(local)
@@ -717,15 +725,18 @@ def _bases(program: Program) -> dict[int, int]:
     return bases
 
 
-def _execute(op: _Op, target: torch.Tensor | None) -> None:
-    def put(a: Any) -> Any:
-        if a is _TARGET:
-            return target
-        if isinstance(a, list | tuple):
-            return type(a)(put(x) for x in a)
-        return a
+def _put(a: Any, target: torch.Tensor | None) -> Any:
+    # a module-level function, not a closure: a recursive closure is a reference cycle that kept every
+    # replayed tensor alive until the garbage collector ran (the whole model, at once)
+    if a is _TARGET:
+        return target
+    if isinstance(a, list | tuple):
+        return type(a)(_put(x, target) for x in a)
+    return a
 
-    op.func(*put(op.args), **{k: put(v) for k, v in op.kwargs.items()})
+
+def _execute(op: _Op, target: torch.Tensor | None) -> None:
+    op.func(*_put(op.args, target), **{k: _put(v, target) for k, v in op.kwargs.items()})
 
 
 def _fill_program(model: nn.Module, plan: InitPlan, targets: dict[str, torch.Tensor], transform: Transform | None) -> None:
