@@ -4,9 +4,10 @@ Each worker runs the user's script up to ``fit`` (`shardwise.launcher.worker`), 
 model already: the parent sends a `WorkerModel` instead of the model's bytes, holding a fingerprint
 of the parent's model (names, shapes, dtypes, and a hash of the values; shapes only on the meta
 device). A worker whose own model has the same fingerprint trains it; one whose model differs (the
-script trained or loaded weights the worker did not, or built it from an unseeded generator) loads
-the parent's weights from a file the parent wrote, memory-mapped. Where no script is re-run (a
-notebook, ``python -c``), the model travels pickled as before.
+script trained or loaded weights the worker did not, or built it from an unseeded generator), or
+whose run of the script stopped before (at another launch), loads the parent's model from a file
+the parent wrote (``torch.save``, memory-mapped). Where no script is re-run (a notebook,
+``python -c``, a call inside ``if __name__ == "__main__":``), the model travels in the payload.
 
 The trained weights come back only when `return_weights` says so: a model built on the meta device
 has them in ``out/checkpoints`` only (the launching process never holds the whole model), as does a
@@ -57,30 +58,21 @@ class WorkerModel:
     """Stands for the model in the workers' payload (see the module docstring)."""
 
     fingerprint: str
-    state_file: str | None  # the parent's weights, for a worker whose own model differs
+    module_file: str  # the parent's model, pickled, for a worker whose own model differs or that built none
     kind: str  # the parent's model class, for messages
 
     def resolve(self) -> nn.Module:
         own = built_by_script("model")
-        if not isinstance(own, nn.Module):
-            raise LaunchError(
-                f"the worker's run of the script reached fit without a model (got {type(own).__name__}): the {self.kind} "
-                "passed to fit must be built above the call, at the top level of the script"
-            )
-        if fingerprint(own) == self.fingerprint:
+        if isinstance(own, nn.Module) and fingerprint(own) == self.fingerprint:
             return own
-        if self.state_file is None:
-            raise ConfigError(
-                f"the {type(own).__name__} this worker built by running the script up to fit is not the one fit was given "
-                f"({self.kind} on the meta device: names or shapes differ). Build the model the same way on every run of the "
-                "script (no branch on the process or on randomness before fit)"
-            )
-        state = torch.load(self.state_file, map_location="cpu", mmap=True, weights_only=True)
-        if materialize.has_meta(own):
-            own.load_state_dict(state, assign=True)
-        else:
-            own.load_state_dict(state)
-        return own
+        del own  # the script's model is not the one fit was given (trained or loaded since), or it stopped elsewhere
+        try:
+            model = torch.load(self.module_file, map_location="cpu", mmap=True, weights_only=False)
+        except Exception as exc:
+            raise LaunchError(f"the worker could not load the {self.kind} fit was given ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(model, nn.Module):
+            raise LaunchError(f"the worker loaded a {type(model).__name__}, not the {self.kind} fit was given")
+        return model
 
 
 def for_workers(model: nn.Module, lightning: bool) -> tuple[Any, tempfile.TemporaryDirectory[str] | None]:
@@ -94,10 +86,13 @@ def for_workers(model: nn.Module, lightning: bool) -> tuple[Any, tempfile.Tempor
                 f"{type(model).__name__} has some parameters on the meta device and some not: build all of them on the "
                 "meta device (with torch.device('meta') or shardwise.meta_init()) or none"
             )
-        return WorkerModel(fingerprint(model), None, type(model).__name__), None
-    folder = tempfile.TemporaryDirectory(prefix="shardwise-weights-")
+    folder = tempfile.TemporaryDirectory(prefix="shardwise-model-")
     path = Path(folder.name) / "model.pt"
-    torch.save(model.state_dict(), path)  # read only by a worker whose own model differs
+    try:
+        torch.save(model, path)  # read only by a worker whose own model differs; written tensor by tensor, no copy held
+    except Exception:  # noqa: BLE001 - a module plain pickle refuses (a lambda inside): the launcher's payload carries it
+        folder.cleanup()
+        return model, None
     return WorkerModel(fingerprint(model), str(path), type(model).__name__), folder
 
 
