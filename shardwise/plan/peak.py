@@ -25,8 +25,11 @@ The transients, per family (``R``: the parameters no FSDP unit holds, which the 
   gradients (counted in model state), kept between steps (``zero_grad`` frees the views only).
 - zero3 / fsdp / hsdp: the root unit's gathered parameters (FSDP2 keeps the root whole from its
   forward to its backward) and its unsharded gradients (the head's come first in backward and wait
-  for the root's reduce-scatter at the very end), ``2 R``, plus two blocks gathered at once
-  (current and prefetched), ``2 U``.
+  for the root's reduce-scatter at the very end), ``2 R``, plus, for the largest unit, its all-gather
+  buffer and the parameters copied out of it, its unsharded gradients and the reduce-scatter's input
+  copy of them, ``4 U`` (the untied embedding and head are units of their own, `fsdp.auto_wrap_units`:
+  on the 200 M Llama of benchmarks/memory.py, ``2 R + 2 U`` predicted 1.12 GB above the baseline for
+  a measured 1.35 GB; ``4 U`` gives 1.38).
 - zero2: its parameters stay gathered (model state says so) and one unit's unsharded gradients wait
   for their reduce-scatter: ``R`` or ``U``, the larger.
 
@@ -194,7 +197,7 @@ def predict_rank(
     transient = 0.0
     if family in FSDP_FAMILIES or family == "zero2":
         root, unit = _units_bytes(tensors, units)
-        transient = 2 * root + 2 * unit if family != "zero2" else max(root, unit)
+        transient = 2 * root + 4 * unit if family != "zero2" else max(root, unit)
     n_blocks = 1 + max((b for b in (tensors.block_of(k) for k in tensors.params) if b is not None), default=-1)
     layers = n_blocks / pp
     last = coords["pp"] == pp - 1

@@ -75,12 +75,19 @@ def _train(name: str, strategy: str, options: dict[str, Any], model: nn.Module) 
     return t._fit(model, data, None, return_state=True)[1]
 
 
+PRETRAINED = {2: ("gpt2",), 4: ("llama", "gemma")}
+"""Which models also train from ``init_from`` end to end (every family's slices are checked bit for bit
+against ``from_pretrained`` in tests/dist/test_pretrained.py): GPT-2's fused, tied weights at 2 ranks."""
+
+
 def _cells_worker(cells: tuple[tuple[str, dict[str, Any]], ...], folders: dict[str, str]) -> dict[str, Any]:
+    import torch.distributed as dist
+
     out: dict[str, Any] = {}
     for name in MODELS:
         for strategy, options in cells:
             states = {}
-            for how in ("eager", "meta", "pretrained"):
+            for how in ("eager", "meta", "pretrained") if name in PRETRAINED[dist.get_world_size()] else ("eager", "meta"):
                 model = build(name, "eager" if how == "eager" else "meta")
                 if how == "pretrained":
                     shardwise.init_from(model, folders[name])
@@ -100,10 +107,10 @@ def _checkpoints(folder: str) -> dict[str, str]:
 
 
 def _assert_equal(results: dict[str, Any]) -> None:
-    assert results
+    assert results and any("pretrained" in states for states in results.values())
     for cell, states in results.items():
         eager = states["eager"]
-        for how in ("meta", "pretrained"):
+        for how in [h for h in ("meta", "pretrained") if h in states]:
             got = states[how]
             assert set(got) == set(eager), f"{cell} {how}: keys differ"
             bad = [k for k in eager if not torch.equal(got[k], eager[k])]
