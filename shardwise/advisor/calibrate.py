@@ -186,7 +186,9 @@ def measure_step_overhead(steps: int = 60) -> float:
     return statistics.median(8 / r for r in rates)
 
 
-BASELINE_IMPORTS = "import torch, shardwise, shardwise.trainer, shardwise.memory\ntry:\n    from transformers import PreTrainedModel\nexcept ImportError:\n    pass\n"
+BASELINE_IMPORTS = (
+    "import torch, shardwise, shardwise.trainer, shardwise.memory\ntry:\n    from transformers import PreTrainedModel\nexcept ImportError:\n    pass\n"
+)
 """What the baseline process imports: torch, shardwise's trainer, and transformers' modeling machinery
 (``PreTrainedModel``: what any of its models loads, 120 MB beyond ``import transformers``, which is lazy)."""
 

@@ -211,9 +211,7 @@ def saver_note(rec: dict[str, Any], records: list[dict[str, Any]]) -> str:
         asks.append("--offload")
         costs.append(f"host copies {seconds(t.get('offload_s', 0.0))} (parameters in and gradients out over the host link; the optimizer steps on the CPU)")
     against = (
-        f" than {plain['label']}'s {seconds(plain['step_time_s'])}, which needs {si(plain['memory_per_rank_bytes'])} per rank"
-        if plain is not None
-        else ""
+        f" than {plain['label']}'s {seconds(plain['step_time_s'])}, which needs {si(plain['memory_per_rank_bytes'])} per rank" if plain is not None else ""
     )
     return (
         f"fits only with {' and '.join(asks)}: {si(rec['memory_per_rank_bytes'])} per rank; the step takes "

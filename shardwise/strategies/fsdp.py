@@ -177,7 +177,7 @@ def _large_leaves(model: nn.Module, blocks: str, min_fraction: float) -> list[st
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    out = []
+    out: list[str] = []
     for n, m in model.named_modules():
         if not n or n == blocks or n.startswith(blocks + ".") or not any(True for _ in m.parameters(recurse=False)):
             continue

@@ -644,8 +644,14 @@ class Trainer:
         write_rank_comm(out, engine.rank, engine.world_size, comm, steps_run)
         strategy_section = engine.finish()  # on every rank: the strategy's end of run (collective reports, servers stop)
         memory = memory_section(  # after the recorder's report: its one all-reduce is not the run's traffic
-            engine, memory_start, snapshot(engine.device), model_tensors,
-            micro_batch=loader.micro, seq=sample_seq(dataset), optimizer=optimizer, built_whole=built_whole,
+            engine,
+            memory_start,
+            snapshot(engine.device),
+            model_tensors,
+            micro_batch=loader.micro,
+            seq=sample_seq(dataset),
+            optimizer=optimizer,
+            built_whole=built_whole,
         )
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,

@@ -93,13 +93,15 @@ def _encode(obj: Any) -> tuple[str, torch.Tensor]:
         )
 
     shape = json.dumps(enc(obj, "state"))
+    enc = None  # type: ignore[assignment]  # the recursive closure is a reference cycle: it kept `tensors` until the garbage collector ran
     parts = [t.view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8) for t in tensors]
+    tensors.clear()
     payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     return shape, payload
 
 
 def _decode(shape: str, payload: torch.Tensor) -> Any:
-    """Inverse of `_encode`: tensors are copied out of ``payload`` in order."""
+    """Inverse of `_encode`: tensors are views of ``payload`` in order (copied where a view would be misaligned)."""
     tree = json.loads(shape)
     offset = 0
 
@@ -115,7 +117,9 @@ def _decode(shape: str, payload: torch.Tensor) -> Any:
             for d in dims:
                 numel *= d
             nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            raw = payload[offset : offset + nbytes].clone()
+            raw = payload[offset : offset + nbytes]
+            if offset % 8:  # a view of another dtype needs aligned bytes: copy those
+                raw = raw.clone()
             offset += nbytes
             return raw.view(dtype).reshape(dims)
         if kind == "d":
@@ -124,4 +128,7 @@ def _decode(shape: str, payload: torch.Tensor) -> Any:
             return tuple(dec(v) for v in value)
         return [dec(v) for v in value]
 
-    return dec(tree)
+    try:
+        return dec(tree)
+    finally:
+        dec = None  # type: ignore[assignment]  # break the recursive closure's cycle (it held the whole payload)
