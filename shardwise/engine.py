@@ -396,14 +396,28 @@ class Engine:
         if not self.writes_checkpoints:
             return Path(path)  # this rank loops alone; rank 0 writes the run's checkpoints
         # Every rank builds the state (a sharded strategy's is collective); rank 0 writes the shared part.
-        split, sharded = self._split_state(state)
+        own: dict[str, Any] = {"rng": ckpt.capture_rng()}
+        objects = {k for k, v in state.items() if isinstance(v, (nn.Module, torch.optim.Optimizer))}
+        part = self.parallel.state_part(optimizer=any(isinstance(state[k], torch.optim.Optimizer) for k in objects)) if objects and self.parallel else None
+        if part is not None:
+            # Written in parts: each rank's share of the model and optimizer in its own file, merged when read.
+            split, sharded = self._split_state({k: v for k, v in state.items() if k not in objects})
+            split[ckpt.PARTS] = {
+                "model": next((k for k in objects if isinstance(state[k], nn.Module)), None),
+                "optimizer": next((k for k in objects if isinstance(state[k], torch.optim.Optimizer)), None),
+                **{k: part[k] for k in ("ranks", "names", "order")},
+            }
+            if part["part"] is not None:
+                own["part"] = part["part"]
+        else:
+            split, sharded = self._split_state(state)
         shared: dict[str, Any] | None = split
         meta = dict(meta or {})
         if not self.is_rank_zero:
             shared = None
         else:
             models = [k for k, v in state.items() if isinstance(v, nn.Module)]
-            model_state = (sharded or split)[models[0]] if models else None
+            model_state = (sharded or split).get(models[0]) if models else None
             meta["model_fingerprint"] = ckpt.fingerprint(model_state) if model_state is not None else None
             meta["strategy"] = self.strategy.name
         extra: Callable[[Path], None] | None = self.parallel.save_extra_state if self.parallel is not None else None
@@ -412,7 +426,7 @@ class Engine:
             rank=self.rank,
             world_size=self.world_size,
             shared=shared,
-            own={"rng": ckpt.capture_rng()},
+            own=own,
             barrier=self.barrier,
             meta=meta,
             sharded=sharded,

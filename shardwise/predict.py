@@ -97,7 +97,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 def _stored_shapes(path: Path, manifest: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     if "model" in manifest.get("sharded", {}).get("keys", []):
         return {k: tuple(v) for k, v in ckpt.sharded_shapes(path, "model").items()}
-    state = ckpt.load_file(path / "state.pt")
+    state = ckpt.load_shared(path)
     model = state.get("model")
     if not isinstance(model, dict):
         raise ConfigError(f"checkpoint {path} holds no model state; it holds {sorted(k for k in state if not k.startswith('__'))}")

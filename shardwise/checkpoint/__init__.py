@@ -84,6 +84,7 @@ from shardwise.checkpoint.files import (
     latest_valid,
     list_checkpoints,
     load_file,
+    load_shared,
     prune,
     read,
     read_manifest,
@@ -95,6 +96,9 @@ from shardwise.checkpoint.files import (
     write,
     write_file,
 )
+from shardwise.checkpoint.parts import PARTS
+from shardwise.checkpoint.parts import join as join_parts
+from shardwise.checkpoint.parts import merge as merge_parts
 from shardwise.checkpoint.names import (
     optimizer_state_by_name,
     optimizer_state_by_number,
@@ -126,12 +130,16 @@ __all__ = [
     "latest_valid",
     "list_checkpoints",
     "load_file",
+    "load_shared",
     "optimizer_state_by_name",
     "optimizer_state_by_number",
     "parameter_names",
     "prune",
     "read",
     "read_manifest",
+    "PARTS",
+    "join_parts",
+    "merge_parts",
     "read_sharded",
     "read_sharded_full",
     "restore_rng",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardwise.checkpoint.files import load_file, verify
+from shardwise.checkpoint.files import load_shared, verify
 from shardwise.checkpoint.sharded import read_sharded_full
 from shardwise.errors import CheckpointError
 
@@ -53,7 +53,7 @@ def model_weights(path: str | os.PathLike[str], key: str = "model", manifest: di
     if key in manifest.get("sharded", {}).get("keys", []):
         weights = read_sharded_full(path)[key]
     else:
-        state = load_file(path / "state.pt")
+        state = load_shared(path)
         if key not in state or not isinstance(state[key], dict):
             held = sorted(k for k, v in state.items() if isinstance(v, dict) and not k.startswith("__"))
             raise CheckpointError(f"checkpoint {path} has no model state {key!r}; it holds {held} (choose one with --key)")

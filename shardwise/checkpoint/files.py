@@ -279,11 +279,18 @@ def load_file(path: Path) -> Any:
         ) from None
 
 
+def load_shared(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint's ``state.pt``, with a model and optimizer written in parts (one per rank) merged whole."""
+    from shardwise.checkpoint.parts import join
+
+    return join(Path(path), load_file(Path(path) / "state.pt"), load_file)
+
+
 def read(path: Path, rank: int, *, verify_files: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
     """Load (shared state, this rank's own state or None, manifest) from a checkpoint directory."""
     path = Path(path)
     manifest = verify(path) if verify_files else read_manifest(path)
-    shared = load_file(path / "state.pt")
+    shared = load_shared(path)
     own_path = path / f"rank-{rank:05d}.pt"
     own = load_file(own_path) if own_path.exists() else None
     return shared, own, manifest

@@ -265,6 +265,13 @@ class Parallel(ABC):
     def summary(self) -> dict[str, Any]:
         """This strategy's section of summary.json; a pure report (call after ``finish``)."""
 
+    def state_part(self, optimizer: bool) -> dict[str, Any] | None:
+        """For a checkpoint written in parts (`shardwise.checkpoint.parts`), on every rank (may be collective):
+        ``{"part": this rank's {"model", "optimizer"} or None (a replica of another rank's), "ranks": the ranks
+        whose parts make the whole, "names": the whole model's parameter names, "order": its state-dict keys}``.
+        None (the default): ``state_dict`` gives the whole state, or DTensor shards."""
+        return None
+
     def held_state_bytes(self) -> int:
         """Bytes of training state this rank keeps outside the model and its optimizer (DiLoCo's
         outer copy of the parameters and its outer momentum); 0 for most strategies. ``shardwise

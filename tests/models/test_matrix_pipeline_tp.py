@@ -63,12 +63,12 @@ def test_pp2_x_tp2_matches_single(runs: tuple[dict[Any, Any], str], name: str) -
 
 
 def test_a_pp_x_tp_checkpoint_of_gpt2_is_in_the_models_layout_and_resumes_bit_exact(runs: tuple[dict[Any, Any], str]) -> None:
-    from shardwise.checkpoint import load_file
+    from shardwise.checkpoint import load_shared
 
     uninterrupted, resumed = runs[0]["gpt2"][1], runs[0]["gpt2 resumed"][1]
     for k, v in uninterrupted.items():
         assert torch.equal(resumed[k], v), f"gpt2: {k} differs after resume"
-    saved = load_file(os.path.join(runs[1], "gpt2", "checkpoints", "step-00000003", "state.pt"))["model"]
+    saved = load_shared(os.path.join(runs[1], "gpt2", "checkpoints", "step-00000003"))["model"]  # written in parts, one per pipeline rank
     assert harness.max_difference(saved, harness.train("gpt2", max_steps=3)[1]) <= harness.TOL  # c_attn not permuted
     model = zoo.build("gpt2", seed=1)
     model.load_state_dict(saved, strict=True)

@@ -118,9 +118,11 @@ def test_a_tied_pipeline_checkpoint_has_singles_keys_and_loads_tied(runs: tuple[
         for k, v in uninterrupted.items():
             assert torch.equal(resumed[k], v), f"{name}: {k} differs after resume"
     # the step-3 checkpoint (written by the pipeline) loads into a fresh model, ties intact
-    from shardwise.checkpoint import load_file
+    from shardwise.checkpoint import load_file, load_shared
 
-    saved = load_file(os.path.join(runs[1], name, "checkpoints", "step-00000003", "state.pt"))["model"]
+    step3 = os.path.join(runs[1], name, "checkpoints", "step-00000003")
+    assert "model" not in load_file(os.path.join(step3, "state.pt")), "no rank gathers the whole model to save it: each writes its part"
+    saved = load_shared(step3)["model"]  # a pipeline writes its model in parts
     fresh = zoo.build(name, seed=1)
     fresh.load_state_dict(saved, strict=True)
     assert fresh.lm_head.weight is fresh.transformer.wte.weight

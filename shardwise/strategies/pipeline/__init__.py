@@ -387,7 +387,7 @@ from shardwise.strategies.pipeline.schedule import (
 )
 from shardwise.strategies.pipeline.split import StageModule, balance, sequence_layers, split_layers
 from shardwise.strategies.pipeline.split import _register as _register  # importable from here, as before the split
-from shardwise.strategies.pipeline.state import gather_state, load_local_state
+from shardwise.strategies.pipeline.state import gather_state, load_local_state, local_part
 from shardwise.strategies.pipeline.ties import Tie, _cross_stage_ties, _find_param, sync_tied
 
 __all__ = [
@@ -917,6 +917,14 @@ class PipelineRun(Parallel):
             recorder=self.recorder,
             order=self._state_order,
         )
+
+    def state_part(self, optimizer: bool) -> dict[str, Any] | None:
+        """Checkpoints in parts: each pipeline rank writes its own stages' state (dp 0, tp 0 of each pipeline
+        rank; the whole tensors of a tp split gathered first, collectively), so no rank holds the whole model
+        to save it (`shardwise.checkpoint.parts`; read back whole, under any strategy)."""
+        part = local_part(self.model, self.optimizer if optimizer else None, self._aliases)
+        writes = self.mesh.coordinate("dp") == 0 and self.mesh.coordinate("tp") == 0
+        return {"part": part if writes else None, "ranks": [p * self.tp for p in range(self.pp)], "names": self._all_names, "order": self._state_order}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Keep this rank's part of a whole-model state (from any strategy's ``state_dict``)."""

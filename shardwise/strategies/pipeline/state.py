@@ -41,6 +41,14 @@ def gather_state(
     exchange's tensors go on the wire (the group's backend's device). ``order``: the model's own
     ``state_dict`` keys, in its order (a traced split's stages hold a root tensor such as a position
     table apart from the layers, so stage order alone is not the model's)."""
+    parts = all_gather_tree(local_part(model, optimizer, aliases), group=group, recorder=recorder, device=device)
+    return ckpt.merge_parts(parts, all_names, order)
+
+
+def local_part(model: nn.Module, optimizer: torch.optim.Optimizer | None, aliases: dict[str, str] | None = None) -> dict[str, Any]:
+    """This rank's part of the whole state (`shardwise.checkpoint.parts`): its stages' model state in the
+    model's own layout (a fused q|k|v split by heads put back), in stage order, and its optimizer state by
+    parameter name, a weight tied across stages under its first name."""
     aliases = aliases or {}
     stage_mods = model._stage_mods if isinstance(model, PipelineModule) else {0: model}
     local_model = {s: {k: _full(v).detach().cpu() for k, v in m.state_dict().items()} for s, m in stage_mods.items()}
@@ -54,33 +62,10 @@ def gather_state(
     _relayout(stage_mods, {}, local_opt, invert=True)
     if local_opt is not None:
         local_opt = _canonical(local_opt, aliases)
-    parts = all_gather_tree((local_model, local_opt), group=group, recorder=recorder, device=device)
-    by_stage = {s: sd for stage_states, _ in parts for s, sd in stage_states.items()}
-    full_model: dict[str, Any] = {}
-    for s in sorted(by_stage):  # stage order is the model's order: its state_dict order
-        full_model.update(by_stage[s])
-    if order is not None:
-        known = set(order)
-        full_model = {k: full_model[k] for k in order if k in full_model} | {k: v for k, v in full_model.items() if k not in known}
-    out: dict[str, Any] = {"model": full_model}
-    if optimizer is not None:
-        state: dict[str, Any] = {}
-        groups: list[dict[str, Any]] = []
-        for _, opt in parts:
-            for k, v in opt["state"].items():
-                state.setdefault(k, v)  # a tied weight: the first owner's (pipeline rank order) copy
-            for gi, g in enumerate(opt["param_groups"]):
-                if gi < len(groups):
-                    have = set(groups[gi]["params"])
-                    groups[gi]["params"] = groups[gi]["params"] + [n for n in g["params"] if n not in have]
-                else:
-                    groups.append(dict(g, params=list(g["params"])))
-        rank_of = {n: i for i, n in enumerate(all_names)}
-        for g in groups:
-            g["params"] = sorted(g["params"], key=lambda n: rank_of[n])
-        names = [n for g in groups for n in g["params"]]
-        out["optimizer"] = ckpt.optimizer_state_by_number({"state": state, "param_groups": groups}, names)
-    return out
+    flat: dict[str, Any] = {}
+    for s in sorted(local_model):
+        flat.update(local_model[s])
+    return {"model": flat, "optimizer": local_opt}
 
 
 def load_local_state(
