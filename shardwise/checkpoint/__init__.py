@@ -96,14 +96,14 @@ from shardwise.checkpoint.files import (
     write,
     write_file,
 )
-from shardwise.checkpoint.parts import PARTS
-from shardwise.checkpoint.parts import join as join_parts
-from shardwise.checkpoint.parts import merge as merge_parts
 from shardwise.checkpoint.names import (
     optimizer_state_by_name,
     optimizer_state_by_number,
     parameter_names,
 )
+from shardwise.checkpoint.parts import PARTS
+from shardwise.checkpoint.parts import join as join_parts
+from shardwise.checkpoint.parts import merge as merge_parts
 from shardwise.checkpoint.sharded import (
     dtensor_state_dict,
     full_tensor,
