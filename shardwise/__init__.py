@@ -80,6 +80,7 @@ __all__ = [
     "get_strategy",
     "init_from",
     "launch",
+    "meta_init",
     "register_strategy",
     "seed_everything",
 ]

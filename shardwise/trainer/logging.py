@@ -134,17 +134,15 @@ def optimizer_slots(optimizer: Any) -> int:
     return 1 if float(group.get("momentum", 0.0) or 0.0) > 0 else 0
 
 
-def sample_seq(dataset: Any) -> int:
-    """Tokens per sample: the length of the first integer tensor of ``dataset[0]`` (``input_ids``); 0 when none."""
+def batch_seq(batch: Any) -> int:
+    """Tokens per sample: the last dimension of the first integer tensor of a collated batch (``input_ids``);
+    0 when none. Read from a batch the run trained on: the dataset itself is not read again (a sample
+    fetched here would be one the run did not train on, and a counting dataset would see it)."""
     import torch
 
-    try:
-        sample = dataset[0]
-    except Exception:  # an iterable dataset, a lazy one that fails out of order: no sequence to read
-        return 0
-    items = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, (list, tuple)) else [sample]
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else [batch]
     for item in items:
-        if isinstance(item, torch.Tensor) and item.dim() >= 1 and not item.is_floating_point():
+        if isinstance(item, torch.Tensor) and item.dim() >= 2 and not item.is_floating_point():
             return int(item.shape[-1])
     return 0
 
@@ -232,7 +230,9 @@ def add_launcher_memory(summary: dict[str, Any], out: str | None, model: Any, re
         RunFiles(out, True, append=True).summary(summary)
     if show:
         launcher = section["launcher"]
-        print(f"{'launcher':10s} {'(this process)':14s} {'':>10s} {_mb(launcher['peak_bytes']):>10s} {_mb(predicted['peak']):>10s}", flush=True)
+        print(
+            f"{'launcher':10s} {'(this process)':14s} {'':>10s} {_mb(launcher['peak_bytes']):>10s} {_mb(predicted['peak']):>10s}", file=sys.stderr, flush=True
+        )  # after the workers' table; stderr keeps what the script prints next first on stdout
     return summary
 
 

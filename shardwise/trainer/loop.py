@@ -32,7 +32,7 @@ from shardwise.trainer import callbacks, evaluate, handoff
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
 from shardwise.trainer.lightning_compat import LightningAdapter, adapter_for
-from shardwise.trainer.logging import Progress, RunFiles, add_launcher_memory, format_memory, memory_section, sample_seq, write_rank_comm
+from shardwise.trainer.logging import Progress, RunFiles, add_launcher_memory, batch_seq, format_memory, memory_section, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
 from shardwise.trainer.nonfinite import NonFiniteCheck, NonFiniteError, Verdict, stop_message
 from shardwise.trainer.preempt import Preemption
@@ -447,6 +447,7 @@ class Trainer:
         global_batch = self._global_batch(dl_batch)
         if cfg.overfit_batches:
             dataset = evaluate.head(dataset, min(len(dataset), cfg.overfit_batches * global_batch))
+        seq = 0  # tokens per sample, read from the first batch trained on
         loader = ShardedLoader(
             dataset,
             global_batch=global_batch,
@@ -583,6 +584,7 @@ class Trainer:
                     micro = next(batches, None)
                     if micro is not None:
                         micro = [engine.to_device(b) for b in micro]
+                        seq = seq or batch_seq(micro[0])  # tokens per sample, for the memory prediction
                 if micro is None:  # the epoch is over
                     if profiler is not None:
                         profiler.step_abort()
@@ -649,7 +651,7 @@ class Trainer:
             snapshot(engine.device),
             model_tensors,
             micro_batch=loader.micro,
-            seq=sample_seq(dataset),
+            seq=seq,
             optimizer=optimizer,
             built_whole=built_whole,
         )

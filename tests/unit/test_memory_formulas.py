@@ -103,7 +103,8 @@ def test_automatic_wrapping_is_per_block_or_per_large_child():
     from shardwise.errors import ConfigError
     from shardwise.strategies.fsdp import auto_wrap_units, resolve_units
 
-    assert auto_wrap_units(_Transformerish()) == ["layers.0", "layers.1", "layers.2"]
+    # one unit per block, and the untied embedding and head (their own large weights, outside the block list)
+    assert auto_wrap_units(_Transformerish()) == ["layers.0", "layers.1", "layers.2", "embed", "head"]
     # No list of blocks: the large children, looking through the single container ``net``;
     # the 258-parameter head is under 5% of 25,090 and stays with the root.
     assert auto_wrap_units(_Wrapped()) == ["net.0", "net.2"]
