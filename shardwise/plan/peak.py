@@ -32,6 +32,7 @@ The transients, per family (``R``: the parameters no FSDP unit holds, which the 
   a measured 1.35 GB; ``4 U`` gives 1.38).
 - zero2: its parameters stay gathered (model state says so) and one unit's unsharded gradients wait
   for their reduce-scatter: ``R`` or ``U``, the larger.
+- every other family: `GRADIENT_FORMING` times the largest tensor the rank holds whole (fitted).
 
 Left out: the allocator's slack and fragmentation, the data loader, gloo's buffers (a few MB), the
 optimizer's temporaries (plain SGD has none; Adam's foreach step makes one parameter-sized
@@ -47,6 +48,12 @@ from typing import Any
 from shardwise.plan.memory import STAGE_OF, model_state_bytes, plain
 
 DIM_ORDER = ("dp", "pp", "tp")
+GRADIENT_FORMING = 3
+"""Whole-tensor transients of a strategy that holds its weights whole (single, ddp, zero1, tp, pipeline), in units
+of the largest tensor the rank holds: at the end of backward the head's gradient is formed in a new tensor while
+the logits' gradient and the embedding's dense gradient are alive, and a second micro-batch's gradient is formed
+before it is added to ``.grad``. Fitted, not derived: benchmarks/memory.py's 200 M Llama measured 0.34-0.41 GB
+above the rest of the prediction for single, ddp, tp and the pipeline, 2.6-3.1 times its 131 MB embedding."""
 FSDP_FAMILIES = ("zero3", "fsdp", "hsdp")
 
 
@@ -135,14 +142,15 @@ def share(tensors: Tensors, coords: Mapping[str, int], degrees: Mapping[str, int
     its stage's (``pp``), ``1/tp`` of the linears tensor parallelism splits (``tp_units``) and the whole
     of the rest; ``elements`` and ``bytes``."""
     pp, tp = int(degrees.get("pp", 1)), int(degrees.get("tp", 1))
-    elements = nbytes = 0.0
+    elements = nbytes = largest = 0.0
     for name, (n, b) in tensors.params.items():
         if stage_of(tensors, name, pp) != coords.get("pp", 0):
             continue
         frac = 1 / tp if tp > 1 and _split(name, tp_units) else 1.0
         elements += n * frac
         nbytes += n * b * frac
-    return {"elements": elements, "bytes": nbytes}
+        largest = max(largest, n * b * frac)
+    return {"elements": elements, "bytes": nbytes, "largest": largest}
 
 
 def _units_bytes(tensors: Tensors, units: Sequence[str]) -> tuple[float, float]:
@@ -198,6 +206,8 @@ def predict_rank(
     if family in FSDP_FAMILIES or family == "zero2":
         root, unit = _units_bytes(tensors, units)
         transient = 2 * root + 4 * unit if family != "zero2" else max(root, unit)
+    else:
+        transient = GRADIENT_FORMING * mine["largest"]
     n_blocks = 1 + max((b for b in (tensors.block_of(k) for k in tensors.params) if b is not None), default=-1)
     layers = n_blocks / pp
     last = coords["pp"] == pp - 1

@@ -11,7 +11,7 @@ from torch import nn
 from shardwise.memory import as_row, from_row, host_memory, parse_status, snapshot
 from shardwise.plan.cluster import load_profile, profile_from_mapping
 from shardwise.plan.peak import Tensors, coordinates, predict_rank, role, share, stage_of, tensors_of
-from shardwise.trainer.logging import format_memory, optimizer_slots, sample_seq
+from shardwise.trainer.logging import batch_seq, format_memory, optimizer_slots
 
 STATUS = "Name:\tpython\nVmPeak:\t 900000 kB\nVmHWM:\t  524288 kB\nVmRSS:\t  262144 kB\nThreads:\t4\nVmSwap:\t0 kB\n"
 
@@ -62,9 +62,10 @@ def test_zero3_meta_built_is_a_shard_of_state_plus_the_root_and_the_largest_unit
 
 def test_ddp_pipeline_and_tp_shares() -> None:
     ddp = predict_rank(T, "ddp", 0, {"dp": 2}, optimizer_slots=1, built_whole=True)
-    assert ddp["train"] == 3 * 4 * 300 and ddp["peak"] == ddp["train"]  # params, gradients (DDP's buckets), momentum
+    # params, gradients (DDP's buckets), momentum; three of the largest tensor (the 400-byte embedding) forming gradients
+    assert ddp["transient"] == 3 * 400 and ddp["train"] == 3 * 4 * 300 + 3 * 400 and ddp["peak"] == ddp["train"]
     first, last = (predict_rank(T, "pipeline", r, {"pp": 2}, built_whole=False) for r in (0, 1))
-    assert first["params"] == last["params"] == 4 * 150 and first["peak"] == 2 * 4 * 150
+    assert first["params"] == last["params"] == 4 * 150 and first["peak"] == 2 * 4 * 150 + 3 * 400
     tp = predict_rank(T, "tp", 1, {"tp": 2}, units=["blocks.0", "blocks.1"], built_whole=False)
     assert tp["params"] == 4 * (200 + 50)
 
@@ -88,7 +89,8 @@ def test_tensors_of_a_module_counts_meta_parameters_and_finds_the_block_list() -
 def test_optimizer_slots_sample_length_and_the_table() -> None:
     w = [nn.Parameter(torch.zeros(2))]
     assert [optimizer_slots(o) for o in (torch.optim.SGD(w, lr=1), torch.optim.SGD(w, lr=1, momentum=0.9), torch.optim.Adam(w))] == [0, 1, 2]
-    assert sample_seq([{"input_ids": torch.zeros(7, dtype=torch.long)}]) == 7 and sample_seq([(torch.zeros(3), torch.tensor(1))]) == 0
+    # a collated batch: (batch, tokens) ids; class labels (batch,) are not a sequence
+    assert batch_seq({"input_ids": torch.zeros(4, 7, dtype=torch.long)}) == 7 and batch_seq((torch.zeros(4, 3), torch.zeros(4, dtype=torch.long))) == 0
     pred = predict_rank(T, "ddp", 0, {"dp": 2}, baseline=100.0)
     row = {"rank": 0, "role": "dp0", "start": {"peak_bytes": 2e8}, "end": {"peak_bytes": 3e8}, "predicted": pred}
     launcher = {"peak_bytes": 4e8, "predicted": {"peak": 5e8}}
