@@ -291,6 +291,15 @@ MUTANTS = [
            "    recompute = compute / 3 * recomputed / layers if recomputed else 0.0", "    recompute = 0.0", (AC_UNIT,)),
     Mutant("plan proposes activation checkpointing and offload for layouts that fit without them", "shardwise/advisor/candidates.py",
            "        if record[\"fits\"] or record[\"refused_by_plan\"]:", "        if record[\"refused_by_plan\"]:", (AC_UNIT,)),
+    Mutant("a meta-built model's replay skips the draws of initializers whose values are overwritten", "shardwise/strategies/materialize.py",
+           "                    if op.seeded:  # overwritten later", "                    if False:  # overwritten later", ("tests/models/test_meta_init.py",)),
+    Mutant("materialization unties a tied weight", "shardwise/strategies/materialize.py",
+           "        for m, name in group[1:]:\n            m._parameters[name] = first", "        for m, name in group[1:]:\n            pass", ("tests/models/test_meta_init.py",)),
+    Mutant("tp's fused q|k|v is filled unpermuted on a meta-built model", "shardwise/strategies/tensor_parallel/__init__.py",
+           "materialize.fill_share(model, [model], mesh.device, fused_layout(model))", "materialize.fill_share(model, [model], mesh.device, None)",
+           ("tests/models/test_meta_init.py",)),
+    Mutant("a pipeline checkpoint's parts merged without the model's key order", "shardwise/checkpoint/parts.py",
+           "    if order is not None:\n        known = set(order)", "    if False:\n        known = set(order)", ("tests/models/test_pipeline_nested.py",)),
 ]
 
 

@@ -3,8 +3,8 @@
 Each rank gives storage only to its share (`shardwise.strategies.materialize`, `checkpoint.pretrained`);
 the values must equal, bit for bit, the model built eagerly from the same seed (or loaded with
 ``from_pretrained``). In one launch per world size: Llama (untied), GPT-2 (tied head, fused ``c_attn``)
-and Gemma (tied head, scaled embeddings, zero-initialized norms: a family no other test uses), trained one float64
-steps from the eager model, from the meta-built one and from ``init_from`` of a checkpoint of the eager
+and Gemma (tied head, scaled embeddings, zero-initialized norms: a family no other test uses), trained one float64 step
+from the eager model, from the meta-built one and from ``init_from`` of a checkpoint of the eager
 model, under ddp, zero3, tp, tp with sequence parallelism, the pipeline, and pp x tp: the three final
 states are equal bit for bit. In this process: the materialized weights against the eager build for
 transformers models, hand-written models (under ``shardwise.meta_init``) and torch's own modules, and
