@@ -177,6 +177,8 @@ class Trainer:
         strategy.check_precision(cfg.precision, self._layout)
         check_sync_batchnorm(cfg.strategy, cfg.sync_batchnorm)
         checkpointing.check(model, cfg.activation_checkpointing)  # a bad value, or a model with no block list to checkpoint
+        if materialize.has_meta(model):
+            materialize.plan_init(model).check()  # a meta tensor no initializer sets: refused here, not in every worker
         if not cfg.drop_last:
             _check_drop_last(strategy, self._layout)
         self._check_tools(val_data, model)

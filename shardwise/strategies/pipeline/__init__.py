@@ -462,6 +462,14 @@ def _prove(model: nn.Module, r: Route, sample: Any, where: str) -> None:
     the model's own output exactly (`traced.check_composition`), or a `ConfigError` naming where not."""
     from shardwise.batches import model_args
 
+    if materialize.has_meta(model):
+        raise ConfigError(
+            f"{type(model).__name__} was built on the meta device, and the pipeline splits it by {where}: a split the "
+            "tracer did not give is used only after its stages, run in float64 on the first training sample, give the "
+            "model's output exactly, which needs the model's weights. Build this model eagerly for the pipeline, or make "
+            "its forward traceable by torch.fx (no assert or branch on a tensor's size or value), or use another strategy"
+        )
+
     model64 = traced.float64_copy(model)
     args, kwargs = model_args(sample)
     args64, kwargs64 = traced.to_float64(tuple(args)), traced.to_float64(dict(kwargs))
@@ -718,7 +726,7 @@ class Pipeline(Strategy):
                 "pipeline ranks; shardwise sums such a weight's gradients itself, which it does for dp_strategy='ddp' but not "
                 "under FSDP's sharded gradients; use dp_strategy='ddp'"
             )
-        if sample is not None and check:
+        if sample is not None and check and not materialize.has_meta(model):  # on meta tensors there are no values to compare
             stages = [traced.stage_module(gm64, plan, s) for s in range(self.num_stages)]
             order = [n for run in plan.runs for n in run]
             stage_of = {n: s for s, run in enumerate(plan.runs) for n in run}
