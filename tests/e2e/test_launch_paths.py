@@ -49,7 +49,8 @@ def test_the_readme_trainer_example_trains_with_or_without_the_main_guard(tmp_pa
         assert pred["params"] == pred["grads"] == 4 * (4 * 2 + 2) and pred["peak"] == pred["baseline"] + pred["above_baseline"] > pred["baseline"]
     launcher = memory["launcher"]
     assert launcher["peak_bytes"] >= launcher["rss_bytes"] > 0 and launcher["predicted"]["peak"] >= memory["runtime_baseline_bytes"]
-    assert "peak resident memory per process" in proc.stdout and proc.stdout.count("launcher   (this process)") == 1, proc.stdout
+    # the workers' table on stdout; the launching process's row after it, on stderr (the script's own output stays first on stdout)
+    assert "peak resident memory per process" in proc.stdout and proc.stderr.count("launcher   (this process)") == 1, proc.stderr
 
 
 def test_the_readme_launch_example_runs_unguarded_and_each_rank_runs_main_once(tmp_path):
