@@ -4,6 +4,9 @@ a process group, or child processes fails."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -36,11 +39,24 @@ def _children() -> set[int]:
     return out
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+
 @pytest.fixture(autouse=True)
-def hygiene():
+def hygiene(request):
     env_before = dict(os.environ)
     children_before = _children() if Path("/proc").exists() else set()
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS} if main else {}
     yield
+    # A test that leaves a signal's handler changed (twice, in full runs, SIGINT was ignored in a worker that later ran the
+    # Ctrl-C and zygote tests, which pass alone): put it back, and say which test it was (pytest's warnings summary).
+    changed_signals = [sig.name for sig, h in handlers.items() if signal.getsignal(sig) is not h]
+    for sig, h in handlers.items():
+        if signal.getsignal(sig) is not h and h is not None:
+            signal.signal(sig, h)
+    if changed_signals:
+        warnings.warn(f"{request.node.nodeid} left the handlers of {changed_signals} changed (put back)", stacklevel=1)
     leaked_group = dist.is_available() and dist.is_initialized()
     if leaked_group:
         dist.destroy_process_group()
