@@ -104,6 +104,7 @@ def test_ctrl_c_is_named_once_as_sigint_and_a_later_sigterm_is_not_announced(cap
     from shardwise.trainer.preempt import Preemption
 
     monkeypatch.setenv("RANK", "0")
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # the premise: Ctrl-C not ignored (see tests/conftest.py)
     p = Preemption()
     with pytest.raises(KeyboardInterrupt), p.installed(("SIGTERM",)):
         os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C (Python runs the handler at once, in this thread)
@@ -116,6 +117,7 @@ def test_ctrl_c_is_named_once_as_sigint_and_a_later_sigterm_is_not_announced(cap
     with q.installed(("SIGTERM",)):
         os.kill(os.getpid(), signal.SIGTERM)
     assert capsys.readouterr().out == "" and q.signal == "SIGTERM" and q.flag == 1.0  # rank 1 notes it, rank 0 says it
+    signal.signal(signal.SIGINT, before)
 
 
 def test_on_nonfinite_and_drop_last_are_flags_of_shardwise_train_and_toml_keys():
