@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import shardwise
-from shardwise.recipes.digits import DigitsMLP, load_digits_split
+from shardwise.tools.recipes.digits import DigitsMLP, load_digits_split
 
 BATCH = 64
 

@@ -97,7 +97,7 @@ def autocast(s: dict[str, Any]) -> Any:
 
 
 def data(block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    from shardwise.recipes.charlm import load_charlm_split
+    from shardwise.tools.recipes.charlm import load_charlm_split
 
     vocab, train, _ = load_charlm_split(block)
     x = torch.stack([train[i][0] for i in range(len(train))])
@@ -106,7 +106,7 @@ def data(block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def model(vocab: int, s: dict[str, Any]) -> torch.nn.Module:
-    from shardwise.recipes.charlm import CharGPT
+    from shardwise.tools.recipes.charlm import CharGPT
 
     torch.manual_seed(0)
     return CharGPT(vocab, s["block"], s["d_model"], 4, s["layers"])

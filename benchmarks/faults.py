@@ -104,9 +104,9 @@ def workers(agent: int) -> dict[int, int]:
 
 
 def final_weights(out: Path) -> dict[str, torch.Tensor] | None:
-    from shardwise.checkpoint.files import latest_valid, load_file
-
     import warnings
+
+    from shardwise.checkpoint.files import latest_valid, load_file
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

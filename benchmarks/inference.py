@@ -1,6 +1,6 @@
 """After training: int8 latency, prediction throughput, parallel preprocessing, measured side by side.
 
-1. Dynamic int8 against fp32 (``shardwise.compress.quantize.dynamic_int8``), the digits MLP and the
+1. Dynamic int8 against fp32 (``shardwise.tools.compress.quantize.dynamic_int8``), the digits MLP and the
    charlm GPT: size on disk, and the latency of one batch (the recipe's global batch) at 1 thread
    and at every thread torch uses. fp32 and int8 are timed in interleaved blocks (A B, then B A,
    ...), so a machine that slows down weighs on both alike; the ratio of medians is printed with
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from shardwise.compress.measure import saved_bytes
-from shardwise.compress.quantize import dynamic_int8
-from shardwise.recipes import get_recipe
+from shardwise.tools.compress.measure import saved_bytes
+from shardwise.tools.compress.quantize import dynamic_int8
+from shardwise.tools.recipes import get_recipe
 
 
 def _block_ms(model: torch.nn.Module, x: torch.Tensor, threads: int, n: int) -> float:
@@ -74,7 +74,7 @@ def quantized_rows(repeats: int, blocks: int) -> list[dict[str, Any]]:
 
 
 def predict_rows(root: Path, repeats: int) -> list[dict[str, Any]]:
-    from shardwise.predict import predict_checkpoint
+    from shardwise.tools.predict import predict_checkpoint
     from shardwise.trainer.loop import Trainer
 
     parts = get_recipe("digits").parts()
@@ -91,7 +91,7 @@ def predict_rows(root: Path, repeats: int) -> list[dict[str, Any]]:
 
 
 def preprocess_rows(root: Path, repeats: int) -> list[list[dict[str, Any]]]:
-    from shardwise.preprocess import run
+    from shardwise.tools.preprocess import run
 
     out = []
     for r in range(repeats):

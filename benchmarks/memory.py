@@ -9,7 +9,7 @@ launching process, so every high-water mark (VmHWM) is that configuration's alon
 builds the model at its top level and calls ``fit`` unguarded, as a new user writes it (the
 workers run the script up to ``fit``, so they build the model too). The figures are the Trainer's
 own (summary.json's ``memory``: each rank at fit start and at the end, the launching process after
-its workers returned) beside `shardwise.plan.peak`'s prediction; "above base" is the peak less a
+its workers returned) beside `shardwise.strategies.cost.peak`'s prediction; "above base" is the peak less a
 fresh interpreter's that imported torch, shardwise's trainer and transformers' modeling code,
 measured here first. The first two losses are compared with single's (eager).
 
@@ -62,9 +62,9 @@ print("SUMMARY " + json.dumps({{"memory": summary.get("memory")}}))
 
 def baseline_bytes() -> int:
     """A fresh interpreter's peak after importing torch, shardwise's trainer and transformers' modeling code."""
-    from shardwise.advisor.calibrate import BASELINE_IMPORTS
+    from shardwise.tools.advisor.calibrate import BASELINE_IMPORTS
 
-    code = BASELINE_IMPORTS + "import json\nprint(json.dumps(shardwise.memory.host_memory()['peak_bytes']))\n"
+    code = BASELINE_IMPORTS + "import json\nprint(json.dumps(shardwise.launcher.memory.host_memory()['peak_bytes']))\n"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
 
 

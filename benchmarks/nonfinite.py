@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shardwise import Trainer
-from shardwise.recipes import get_recipe
+from shardwise.tools.recipes import get_recipe
 from shardwise.trainer import nonfinite
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import shardwise
-from shardwise.recipes.digits import DigitsMLP, accuracy, cross_entropy, load_digits_split
+from shardwise.tools.recipes.digits import DigitsMLP, accuracy, cross_entropy, load_digits_split
 
 BATCH = 64
 LOG_EVERY = 20

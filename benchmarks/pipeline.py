@@ -51,7 +51,6 @@ import torch
 from torch import nn
 
 import shardwise
-from shardwise.plan.bubble import predicted_bubble
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -147,7 +146,7 @@ def _llama_batch(rows: int, vocab: int, seq: int) -> dict[str, torch.Tensor]:
 
 
 def _own_loss(model: Any, batch: Any) -> torch.Tensor:
-    from shardwise.batches import call_model, loss_from_output
+    from shardwise.data.batches import call_model, loss_from_output
 
     return loss_from_output(call_model(model, batch), batch)
 

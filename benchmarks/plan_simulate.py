@@ -10,7 +10,7 @@ through `shardwise.Engine` with the ``ddp`` strategy; measured per process count
 in the same launch: the compute-only step (the same model, forward, backward and optimizer step,
 no communication, every process busy at once so the CPU is shared as in the real step) and the
 ddp step. The network's alpha and beta come from a 2-process timing of `shardwise.comm`'s
-allreduce over 4 KB ... 16 MB (`shardwise.plan.simulate_measure`). The simulator, fed those
+allreduce over 4 KB ... 16 MB (`shardwise.tools.simulate.measure`). The simulator, fed those
 three numbers, predicts the ddp step; printed: measured, predicted, predicted / measured.
 DDP overlaps its bucketed allreduce with backward; the simulator is run here without its --overlap, so a
 prediction above the measurement by up to the exchange time is expected.
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from shardwise.engine import Engine
 from shardwise.launcher.spawn import launch
-from shardwise.plan.simulate import ALGORITHMS, Exchange, Network, Straggler, simulate, sweep
-from shardwise.plan.simulate_measure import fit_alpha_beta, time_allreduce
+from shardwise.tools.simulate.measure import fit_alpha_beta, time_allreduce
+from shardwise.tools.simulate.network import ALGORITHMS, Exchange, Network, Straggler, simulate, sweep
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 BATCH = 64
@@ -47,7 +47,7 @@ def _timed_steps(fn: Any, steps: int) -> float:
 
 def _real(hidden: int, steps: int) -> dict[str, float]:
     from shardwise.comm import collectives
-    from shardwise.recipes.digits import DigitsMLP
+    from shardwise.tools.recipes.digits import DigitsMLP
 
     torch.manual_seed(0)
     x, y = torch.randn(BATCH, 64), torch.randint(0, 10, (BATCH,))

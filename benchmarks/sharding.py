@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import shardwise
-from shardwise.plan.memory import model_state_bytes, plain
-from shardwise.strategies.zero import ModelStateProbe
+from shardwise.strategies.cost.memory import model_state_bytes, plain
+from shardwise.strategies.sharded.zero1 import ModelStateProbe
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardwise.launcher.spawn import launch
 from shardwise.engine import Engine
+from shardwise.launcher.spawn import launch
 from shardwise.trainer.straggler import Straggler
 
 BATCH = 64
@@ -46,7 +46,7 @@ RUNS_PS = [("ps sync", "ps", {"servers": 1, "mode": "sync"}), ("ps async", "ps",
 
 
 def _run(strategy: str, options: dict[str, Any], seconds: float, straggler: Straggler | None) -> dict[str, Any] | None:
-    from shardwise.recipes.digits import DigitsMLP, load_digits_split
+    from shardwise.tools.recipes.digits import DigitsMLP, load_digits_split
 
     train, val = load_digits_split()
     engine = Engine(strategy=strategy, strategy_options=options, accelerator="cpu", seed=0)

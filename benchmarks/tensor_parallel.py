@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import shardwise
-from shardwise.recipes.charlm import CharGPT
+from shardwise.tools.recipes.charlm import CharGPT
 
 VOCAB = 100
 

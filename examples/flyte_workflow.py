@@ -15,8 +15,8 @@ from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch import Elastic
 
 from shardwise import Trainer, seed_everything
-from shardwise.flyte import TrainOutputs, outputs
-from shardwise.recipes import get_recipe
+from shardwise.integrations.flyte import TrainOutputs, outputs
+from shardwise.tools.recipes import get_recipe
 
 
 def train_digits(out: str, strategy: str, max_steps: int) -> TrainOutputs:

@@ -32,31 +32,31 @@ class Mutant:
     tests: tuple[str, ...]
 
 
-SINGLE = "tests/unit/test_maths_single.py"
-REPLICAS = "tests/dist/test_maths_replicas.py"
-DDP = "tests/dist/test_ddp.py"
-DDP_BYTES = "tests/dist/test_ddp_bytes.py"
-RESUME = "tests/dist/test_resume.py"
-CLAIMS = "tests/dist/test_readme_claims.py"
-RUN_TOOLS = "tests/dist/test_run_tools.py"
-RUN_TOOLS_UNIT = "tests/unit/test_run_tools.py"
-DATA_DRAWS = "tests/unit/test_data_workers.py::test_augmentation_draws_anew_each_epoch_and_the_same_again_on_a_resume_or_in_a_worker"
-HANG_REPORT_UNIT = "tests/dist/test_hang_report.py::test_the_report_names_only_the_ranks_behind_the_collective"
-HANG_REPORT_3 = "tests/dist/test_hang_report.py::test_a_rank_that_returned_without_the_collective_is_named"
-ZYGOTE_FALLBACK = "tests/dist/test_zygote.py::test_a_rank_started_fresh_after_the_zygote_refused_follows_the_launcher"
-PLAN_INTERLEAVED = "tests/unit/test_plan_cost.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
-HSDP_SHAPES = "tests/dist/test_sharding.py::test_hsdp_replicates_over_one_mesh_dimension_and_shards_over_the_other"
-AC_UNIT = "tests/unit/test_activation_checkpointing.py"
-AC_SINGLE = "tests/models/test_activation_checkpointing.py::test_single_trains_the_same_weights_with_activation_checkpointing"
+SINGLE = "tests/strategies/data_parallel/test_maths_single.py"
+REPLICAS = "tests/strategies/replicas/test_maths_replicas.py"
+DDP = "tests/strategies/data_parallel/test_ddp.py"
+DDP_BYTES = "tests/strategies/data_parallel/test_ddp_bytes.py"
+RESUME = "tests/checkpoint/test_resume.py"
+CLAIMS = "tests/readme/test_readme_claims.py"
+RUN_TOOLS = "tests/tools/test_run_tools_dist.py"
+RUN_TOOLS_UNIT = "tests/tools/test_run_tools.py"
+DATA_DRAWS = "tests/data/test_data_workers.py::test_augmentation_draws_anew_each_epoch_and_the_same_again_on_a_resume_or_in_a_worker"
+HANG_REPORT_UNIT = "tests/launcher/test_hang_report.py::test_the_report_names_only_the_ranks_behind_the_collective"
+HANG_REPORT_3 = "tests/launcher/test_hang_report.py::test_a_rank_that_returned_without_the_collective_is_named"
+ZYGOTE_FALLBACK = "tests/launcher/test_zygote.py::test_a_rank_started_fresh_after_the_zygote_refused_follows_the_launcher"
+PLAN_INTERLEAVED = "tests/strategies/cost/test_estimate.py::test_interleaved_activations_are_the_peak_counted_from_the_schedule"
+HSDP_SHAPES = "tests/strategies/sharded/test_sharding.py::test_hsdp_replicates_over_one_mesh_dimension_and_shards_over_the_other"
+AC_UNIT = "tests/strategies/test_activation_checkpointing.py"
+AC_SINGLE = "tests/strategies/test_activation_checkpointing_models.py::test_single_trains_the_same_weights_with_activation_checkpointing"
 
 # Which family each mutant belongs to; `--owned` picks the ones in files whose tests are quick to
 # rerun (ddp, common, data, checkpoint, engine, trainer, precision).
-OWNED = ("shardwise/strategies/ddp.py", "shardwise/strategies/common.py", "shardwise/data/__init__.py", "shardwise/checkpoint/files.py",
-         "shardwise/engine.py", "shardwise/trainer/", "shardwise/precision.py")
+OWNED = ("shardwise/strategies/data_parallel/ddp.py", "shardwise/strategies/common.py", "shardwise/data/__init__.py", "shardwise/checkpoint/files.py",
+         "shardwise/engine/__init__.py", "shardwise/trainer/", "shardwise/strategies/precision.py")
 
 MUTANTS = [
     # -- the five bugs of issue 20's table --------------------------------------------------------
-    Mutant("ddp never syncs the last parameter", "shardwise/strategies/ddp.py",
+    Mutant("ddp never syncs the last parameter", "shardwise/strategies/data_parallel/ddp.py",
            "    ddp = DistributedDataParallel(model, device_ids",
            "    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [list(dict(model.named_parameters()))[-1]])\n"
            "    ddp = DistributedDataParallel(model, device_ids", (DDP,)),
@@ -69,9 +69,9 @@ MUTANTS = [
            "torch.optim.SGD(self.theta, lr=lr)", (REPLICAS,)),
     # (On torch 2.13 get_total_norm of FSDP2's gradients is already a Replicate DTensor, so swapping
     # full_tensor() for to_local() after it changes nothing: the bug is a norm of the local shards.)
-    Mutant("zero2/zero3 clip by the local shard's norm", "shardwise/strategies/fsdp.py",
+    Mutant("zero2/zero3 clip by the local shard's norm", "shardwise/strategies/sharded/fsdp.py",
            "total = torch.nn.utils.get_total_norm(grads, foreach=True)",
-           "total = torch.nn.utils.get_total_norm([g.to_local() for g in grads], foreach=True)", ("tests/dist/test_sharding.py",)),
+           "total = torch.nn.utils.get_total_norm([g.to_local() for g in grads], foreach=True)", ("tests/strategies/sharded/test_sharding.py",)),
     # -- single, the trainer, the engine, precision, data, checkpoints ------------------------------
     Mutant("clipping computes the norm but never clips", "shardwise/strategies/common.py",
            "return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)",
@@ -83,9 +83,9 @@ MUTANTS = [
            "                    pass\n                    if scheduler", (SINGLE,)),
     Mutant("evaluation ignores the module's validation_step", "shardwise/trainer/loop.py",
            'validation_step = getattr(module, "validation_step", None)', "validation_step = None", (SINGLE,)),
-    Mutant("bf16-mixed runs without autocast", "shardwise/precision.py",
+    Mutant("bf16-mixed runs without autocast", "shardwise/strategies/precision.py",
            "return torch.autocast(self.device.type, dtype=torch.bfloat16)", "return contextlib.nullcontext()", (SINGLE,)),
-    Mutant("16-mixed clips the scaled gradients (no unscale before the clip: a wrong scale)", "shardwise/engine.py",
+    Mutant("16-mixed clips the scaled gradients (no unscale before the clip: a wrong scale)", "shardwise/engine/__init__.py",
            "        self.precision.unscale(optimizer)\n        return self._run(model).clip_grad_norm(max_norm)",
            "        return self._run(model).clip_grad_norm(max_norm)", (SINGLE,)),
     Mutant("the sampler takes one sample short (off by one)", "shardwise/data/__init__.py",
@@ -93,9 +93,9 @@ MUTANTS = [
            "mine = perm[start : start + self.micro * self.accumulate - 1].tolist()", (SINGLE,)),
     Mutant("consecutive global batches overlap by one sample (off by one)", "shardwise/data/__init__.py",
            "start = step * self.global_batch + self.rank", "start = step * (self.global_batch - 1) + self.rank", (SINGLE,)),
-    Mutant("engine.print prints on every rank", "shardwise/engine.py",
+    Mutant("engine.print prints on every rank", "shardwise/engine/__init__.py",
            "        if self.is_rank_zero:\n            print(*args, **kwargs, flush=True)", "        print(*args, **kwargs, flush=True)", (REPLICAS,)),
-    Mutant("a checkpoint's optimizer state is not restored", "shardwise/engine.py",
+    Mutant("a checkpoint's optimizer state is not restored", "shardwise/engine/__init__.py",
            '                    sub["optimizer"] = shared[optim_key]', "                    pass", (RESUME,)),
     Mutant("a resume does not restore the random number generator (dropout draws differ)", "shardwise/checkpoint/files.py",
            '    torch.set_rng_state(state["torch"])\n', "    pass\n", (RESUME,)),
@@ -127,12 +127,12 @@ MUTANTS = [
            "if engine.rank == self.rank and self.fastest < float(\"inf\"):", "if self.fastest < float(\"inf\"):",
            (f"{CLAIMS}::test_the_straggler_rank_alone_is_slowed_by_its_factor",)),
     # -- ddp ------------------------------------------------------------------------------------
-    Mutant("ddp skips the bucket reduce (a skipped reduce)", "shardwise/strategies/ddp.py",
+    Mutant("ddp skips the bucket reduce (a skipped reduce)", "shardwise/strategies/data_parallel/ddp.py",
            "    buf.div_(state.group.size)\n    return all_reduce_async(buf, \"sum\", group=state.group, recorder=state.recorder, timed=state.timed)",
            "    fut = torch.futures.Future()\n    fut.set_result(buf)\n    return fut", (DDP,)),
-    Mutant("ddp sums the replicas' gradients instead of averaging (a wrong scale)", "shardwise/strategies/ddp.py",
+    Mutant("ddp sums the replicas' gradients instead of averaging (a wrong scale)", "shardwise/strategies/data_parallel/ddp.py",
            "    buf.div_(state.group.size)\n", "", (DDP,)),
-    Mutant("ddp's bucket reductions miss the run's recorder (bytes sent but not counted)", "shardwise/strategies/ddp.py",
+    Mutant("ddp's bucket reductions miss the run's recorder (bytes sent but not counted)", "shardwise/strategies/data_parallel/ddp.py",
            "_HookState(group, recorder, timed=record_buckets)", "_HookState(group, Recorder(), timed=record_buckets)", (DDP_BYTES,)),
     # -- one per other strategy family (their text may go stale as those files change) ------------
     Mutant("DiLoCo's outer step is heavy-ball, not Nesterov", "shardwise/strategies/replicas/diloco.py",
@@ -145,61 +145,61 @@ MUTANTS = [
            "return [p.data for p in model.parameters()] +", "return [p.data for p in model.parameters()][:-1] +", (REPLICAS,)),
     Mutant("gossip divides by the neighbours alone (a wrong scale)", "shardwise/strategies/replicas/gossip.py",
            "unflatten_into(total.div_(len(peers_of) + 1), tensors)", "unflatten_into(total.div_(len(peers_of)), tensors)",
-           ("tests/dist/test_local_sgd.py",)),
+           ("tests/strategies/replicas/test_local_sgd.py",)),
     Mutant("the parameter server ignores the worker's learning rate", "shardwise/strategies/param_server/server.py",
            'group["lr"] = lr  # the worker', "pass  # the worker", (REPLICAS,)),
     Mutant("a ps worker keeps its stale parameters (the pull is ignored)", "shardwise/strategies/param_server/client.py",
            "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])\n"
            "            self._unflatten(s, payload_of(reply, self.params[0].dtype, self.numels[s]))",
-           "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])", ("tests/dist/test_ps.py",)),
-    Mutant("a zero1 checkpoint drops the optimizer state", "shardwise/strategies/zero.py",
+           "                )\n            self.versions[s] = int(unpack_header(reply)[VERSION])", ("tests/strategies/param_server/test_ps.py",)),
+    Mutant("a zero1 checkpoint drops the optimizer state", "shardwise/strategies/sharded/zero1.py",
            'state["optimizer"] = self.optimizer.state_dict() if dist.get_rank() == 0 else {}',
            'state["optimizer"] = {k: v for k, v in self.optimizer.state_dict().items() if k != "state"} if dist.get_rank() == 0 else {}',
            (f"{CLAIMS}::test_zero1_resumes_bit_for_bit",)),
     Mutant("a sharded (zero2/zero3/hsdp) checkpoint drops the optimizer state", "shardwise/checkpoint/sharded.py",
            '        state["optimizer"] = get_optimizer_state_dict(model, optimizer)', "        pass",
-           ("tests/dist/test_sharding_resume.py",)),
+           ("tests/strategies/sharded/test_sharding_resume.py",)),
     Mutant("tp skips the sum of sequence-parallel norm gradients (a skipped reduce)", "shardwise/strategies/tensor_parallel/grads.py",
            '        all_reduce(flat, "sum", group=group, recorder=recorder)\n',  # the role sum over tp (sequence-parallel norms)
-           "        pass\n", ("tests/dist/test_tensor_parallel.py",)),
+           "        pass\n", ("tests/strategies/tensor_parallel/test_tensor_parallel.py",)),
     Mutant("tp/pipeline data parallelism sums gradients over dp instead of averaging (a wrong scale)",
            "shardwise/strategies/tensor_parallel/grads.py",
            'all_reduce(flat, "mean", group=group, recorder=recorder)  # a sum, then a division by the group size',
            'all_reduce(flat, "sum", group=group, recorder=recorder)',
-           ("tests/dist/test_tensor_parallel.py",)),
+           ("tests/strategies/tensor_parallel/test_tensor_parallel.py",)),
     Mutant("the pipeline schedule sums micro-batch gradients (a wrong scale)", "shardwise/strategies/pipeline/__init__.py",
-           "                    p.grad.div_(m)", "                    pass", ("tests/dist/test_pipeline.py",)),
+           "                    p.grad.div_(m)", "                    pass", ("tests/strategies/pipeline/test_pipeline.py",)),
     # -- tune and plot --------------------------------------------------------------------------------
     Mutant("the range test suggests the lowest loss's rate, not the steepest descent", "shardwise/trainer/lr_find.py",
-           "    return min(range(start, lowest + 1), key=lambda i: grads[i])", "    return lowest", ("tests/unit/test_lr_find.py",)),
+           "    return min(range(start, lowest + 1), key=lambda i: grads[i])", "    return lowest", ("tests/trainer/test_lr_find.py",)),
     Mutant("the range test's moving average has no bias correction", "shardwise/trainer/lr_find.py",
-           "        out.append(avg / (1 - beta**t))", "        out.append(avg)", ("tests/unit/test_lr_find.py",)),
+           "        out.append(avg / (1 - beta**t))", "        out.append(avg)", ("tests/trainer/test_lr_find.py",)),
     Mutant("the range test leaves the swept weights in the model", "shardwise/trainer/lr_find.py",
-           "            snapshot.restore(model)", "            pass", ("tests/unit/test_lr_find.py",)),
+           "            snapshot.restore(model)", "            pass", ("tests/trainer/test_lr_find.py",)),
     Mutant("the range test records the next step's rate against this step's loss", "shardwise/trainer/lr_find.py",
            "        used, self._lr = self._lr, self._sweep(trainer).current_lr()", "        used = self._lr = self._sweep(trainer).current_lr()",
-           ("tests/unit/test_lr_find.py",)),
-    Mutant("the batch-size finder reads the current resident memory, not the peak", "shardwise/tune/batch_size.py",
-           '            if line.startswith("VmHWM:"):', '            if line.startswith("VmRSS:"):', ("tests/dist/test_tuners.py",)),
-    Mutant("the batch-size finder forgets the data-parallel split of the global batch", "shardwise/tune/batch_size.py",
-           "    per_micro = layout.data_parallel * cfg.accumulate", "    per_micro = cfg.accumulate", ("tests/dist/test_tuners.py",)),
-    Mutant("plot divides traffic by calls instead of steps", "shardwise/plot/runs.py",
+           ("tests/trainer/test_lr_find.py",)),
+    Mutant("the batch-size finder reads the current resident memory, not the peak", "shardwise/tools/tune/batch_size.py",
+           '            if line.startswith("VmHWM:"):', '            if line.startswith("VmRSS:"):', ("tests/tools/test_tuners.py",)),
+    Mutant("the batch-size finder forgets the data-parallel split of the global batch", "shardwise/tools/tune/batch_size.py",
+           "    per_micro = layout.data_parallel * cfg.accumulate", "    per_micro = cfg.accumulate", ("tests/tools/test_tuners.py",)),
+    Mutant("plot divides traffic by calls instead of steps", "shardwise/tools/plot/runs.py",
            'out[name] = {"sent": t.get("sent_bytes", 0) / steps', 'out[name] = {"sent": t.get("sent_bytes", 0) / max(t.get("count", 1), 1)',
-           ("tests/unit/test_plot.py",)),
-    Mutant("plot's throughput clock counts one step per logging interval", "shardwise/plot/runs.py",
-           '        t += steps * batch / r["samples_per_s"]', '        t += batch / r["samples_per_s"]', ("tests/unit/test_plot.py",)),
+           ("tests/tools/test_plot.py",)),
+    Mutant("plot's throughput clock counts one step per logging interval", "shardwise/tools/plot/runs.py",
+           '        t += steps * batch / r["samples_per_s"]', '        t += batch / r["samples_per_s"]', ("tests/tools/test_plot.py",)),
     # -- issue 36 item 8: bugs written without looking at this list (params servers, PowerSGD, data, planner, hang report, zygote)
-    Mutant("planner: interleaved 1F1B activations drop the (p-1)/(pv) term", "shardwise/plan/cost.py",
+    Mutant("planner: interleaved 1F1B activations drop the (p-1)/(pv) term", "shardwise/strategies/cost/estimate.py",
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * 1", (PLAN_INTERLEAVED,)),
-    Mutant("planner: interleaved 1F1B activations drop the 1 (only the extra warm-up)", "shardwise/plan/cost.py",
+    Mutant("planner: interleaved 1F1B activations drop the 1 (only the extra warm-up)", "shardwise/strategies/cost/estimate.py",
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * ((pp - 1) / (pp * shape.virtual))", (PLAN_INTERLEAVED,)),
-    Mutant("planner: interleaved 1F1B activations drop the leading p (one micro-batch a stage)", "shardwise/plan/cost.py",
+    Mutant("planner: interleaved 1F1B activations drop the leading p (one micro-batch a stage)", "shardwise/strategies/cost/estimate.py",
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = 1 + (pp - 1) / (pp * shape.virtual)", (PLAN_INTERLEAVED,)),
-    Mutant("planner: interleaved 1F1B activations drop the chunks v", "shardwise/plan/cost.py",
+    Mutant("planner: interleaved 1F1B activations drop the chunks v", "shardwise/strategies/cost/estimate.py",
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + (pp - 1) / pp)", (PLAN_INTERLEAVED,)),
-    Mutant("planner: interleaved 1F1B activations drop the -1 of p - 1", "shardwise/plan/cost.py",
+    Mutant("planner: interleaved 1F1B activations drop the -1 of p - 1", "shardwise/strategies/cost/estimate.py",
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + pp / (pp * shape.virtual))", (PLAN_INTERLEAVED,)),
-    Mutant("planner: interleaved 1F1B activations drop the p of p v", "shardwise/plan/cost.py",
+    Mutant("planner: interleaved 1F1B activations drop the p of p v", "shardwise/strategies/cost/estimate.py",
            "in_flight = pp * (1 + (pp - 1) / (pp * shape.virtual))", "in_flight = pp * (1 + (pp - 1) / shape.virtual)", (PLAN_INTERLEAVED,)),
     Mutant("per-sample randomness repeats every epoch (the epoch left out of the sample's seed)", "shardwise/data/__init__.py",
            "return (seed * 1_000_003 + epoch) * 2_147_483_647 + index * 7_919 + 1", "return seed * 1_000_003 * 2_147_483_647 + index * 7_919 + 1",
@@ -220,61 +220,61 @@ MUTANTS = [
            '                    zygote = None\n                    child_env["SHARDWISE_PARENT_PID"] = str(os.getpid())\n',
            "                    zygote = None\n", (ZYGOTE_FALLBACK,)),
     Mutant("PowerSGD without error feedback", "shardwise/comm/hooks.py",
-           "            use_error_feedback=True,", "            use_error_feedback=False,", ("tests/dist/test_ddp_comm.py",)),
+           "            use_error_feedback=True,", "            use_error_feedback=False,", ("tests/strategies/data_parallel/test_ddp_comm.py",)),
     Mutant("a parameter-server resume at more servers loses the later servers' optimizer state", "shardwise/strategies/param_server/server.py",
            'self.optimizer.load_state_dict({"state": state, "param_groups": [group]})',
            'self.optimizer.load_state_dict({"state": state if self.index < int(first["servers"]) else {}, "param_groups": [group]})',
-           ("tests/dist/test_ps_resume.py",)),
+           ("tests/strategies/param_server/test_ps_resume.py",)),
     Mutant("a parameter-server resume at another count restores the first server's optimizer state only", "shardwise/strategies/param_server/server.py",
            'for j, g in enumerate(self.param_ids) if where[g][1] in where[g][0]["optimizer"]["state"]',
            'for j, g in enumerate(self.param_ids) if where[g][0] is first and where[g][1] in where[g][0]["optimizer"]["state"]',
-           ("tests/dist/test_ps_resume.py",)),
+           ("tests/strategies/param_server/test_ps_resume.py",)),
     # -- end of issue 36 item 8 (M)
     # issue 36 item 8 (T): caught by the tests named in each entry
     Mutant("GPT-2's fused c_attn bias optimizer state saved in tp's per-rank head layout (a tp checkpoint resumed under single gets scrambled moments)",
            "shardwise/strategies/tensor_parallel/relayout.py",
            "            entry = osd[\"state\"].get(name)\n            if isinstance(entry, dict):",
            "            entry = osd[\"state\"].get(name)\n            if isinstance(entry, dict) and not name.endswith(\".bias\"):",
-           ("tests/models/test_matrix_tp.py::test_gpt2_fused_optimizer_state_is_saved_in_the_original_layout_and_resumes_under_single",)),
-    Mutant("hsdp with its mesh dimensions swapped (the DeviceMesh built shard x replicate)", "shardwise/strategies/fsdp.py",
+           ("tests/strategies/tensor_parallel/test_matrix_tp.py::test_gpt2_fused_optimizer_state_is_saved_in_the_original_layout_and_resumes_under_single",)),
+    Mutant("hsdp with its mesh dimensions swapped (the DeviceMesh built shard x replicate)", "shardwise/strategies/sharded/fsdp.py",
            "init_device_mesh(mesh.device.type, (replicate, dp // replicate), mesh_dim_names=(\"replicate\", \"shard\"))",
            "init_device_mesh(mesh.device.type, (dp // replicate, replicate), mesh_dim_names=(\"replicate\", \"shard\"))",
            (HSDP_SHAPES,)),
-    Mutant("hsdp with its (replicate, shard) pair swapped", "shardwise/strategies/fsdp.py",
+    Mutant("hsdp with its (replicate, shard) pair swapped", "shardwise/strategies/sharded/fsdp.py",
            "        replicate, shard = self.shape(mesh.size(\"dp\"))", "        shard, replicate = self.shape(mesh.size(\"dp\"))", (HSDP_SHAPES,)),
     Mutant("the start-of-run broadcast of a weight tied across pipeline stages lands in a copy", "shardwise/strategies/pipeline/ties.py",
            "            buf = p.data if p is not None else", "            buf = p.data.clone() if p is not None else",
-           ("tests/models/test_pipeline_own_models.py::test_a_weight_tied_across_stages_starts_from_the_first_owners_values",)),
+           ("tests/strategies/pipeline/test_own_models.py::test_a_weight_tied_across_stages_starts_from_the_first_owners_values",)),
     Mutant("launch sends only what plain pickle can (no cloudpickle for lambdas and closures)", "shardwise/launcher/payload.py",
            "    try:\n        return _dumps((fn, args, kwargs), pickler)", "    try:\n        raise pickle.PicklingError(\"mutant\")",
-           ("tests/unit/test_payload.py",)),
+           ("tests/launcher/test_payload.py",)),
     Mutant("a script's lambda sent with copies of the parent's globals (not the worker's __main__)", "shardwise/launcher/payload.py",
-           "                reduced = _in_workers_main(reduced, self)", "                pass", ("tests/unit/test_payload.py",)),
+           "                reduced = _in_workers_main(reduced, self)", "                pass", ("tests/launcher/test_payload.py",)),
     Mutant("an unpicklable object named by its argument only, not its path inside", "shardwise/launcher/payload.py",
-           "    for _ in range(_MAX_DEPTH):", "    for _ in range(0):", ("tests/unit/test_payload.py",)),
+           "    for _ in range(_MAX_DEPTH):", "    for _ in range(0):", ("tests/launcher/test_payload.py",)),
     Mutant("shardwise train --model takes what the factory returns without checking it is a module", "shardwise/cli.py",
-           "    if not isinstance(model, nn.Module):\n        raise", "    if False:\n        raise", ("tests/e2e/test_train_own_model.py",)),
-    Mutant("plan prints a bare recommendation when nothing fits", "shardwise/advisor/commands.py",
-           "        advice[\"why\"] += \". \" + fits_with_accumulation(model, cluster, settings)", "        pass", ("tests/e2e/test_plan_cli.py",)),
+           "    if not isinstance(model, nn.Module):\n        raise", "    if False:\n        raise", ("tests/trainer/test_train_own_model.py",)),
+    Mutant("plan prints a bare recommendation when nothing fits", "shardwise/tools/advisor/commands.py",
+           "        advice[\"why\"] += \". \" + fits_with_accumulation(model, cluster, settings)", "        pass", ("tests/tools/advisor/test_plan_cli.py",)),
     Mutant("naive-mp runs the top-level children of a forward that does more (the pipeline's silent skip, again)",
-           "shardwise/strategies/naive_mp.py", "    check_forward_is_its_layers(model)\n    runs", "    runs", ("tests/unit/test_pipeline_split.py",)),
+           "shardwise/strategies/pipeline/naive_mp.py", "    check_forward_is_its_layers(model)\n    runs", "    runs", ("tests/strategies/pipeline/test_split.py",)),
     Mutant("the non-finite check accumulates gradient norms in float32 (a diverging but finite run is stopped)", "shardwise/trainer/nonfinite.py",
-           "torch._foreach_norm(grads, 2, dtype=torch.float64)", "torch._foreach_norm(grads)", ("tests/unit/test_nonfinite.py",)),
+           "torch._foreach_norm(grads, 2, dtype=torch.float64)", "torch._foreach_norm(grads)", ("tests/trainer/test_nonfinite.py",)),
     Mutant("the non-finite verdict is not agreed across ranks", "shardwise/trainer/nonfinite.py",
            "        if self.size > 1:\n            total = all_reduce(", "        if False:\n            total = all_reduce(",
-           ("tests/dist/test_nonfinite.py",)),
+           ("tests/trainer/test_nonfinite_dist.py",)),
     Mutant("local SGD's replicas agree on a non-finite verdict every step (a collective inside every step)", "shardwise/trainer/loop.py",
            "agree=engine.steps_together", "agree=True",
-           ("tests/dist/test_hang_report.py::test_the_step_barrier_of_debug_collectives_names_the_rank_that_did_not_come",)),
+           ("tests/launcher/test_hang_report.py::test_the_step_barrier_of_debug_collectives_names_the_rank_that_did_not_come",)),
     Mutant("pruning deletes the newest finite checkpoint", "shardwise/checkpoint/files.py",
-           "    keep = next((p for p in reversed(ours) if is_finite(p)), None)", "    keep = None", ("tests/unit/test_nonfinite.py",)),
+           "    keep = next((p for p in reversed(ours) if is_finite(p)), None)", "    keep = None", ("tests/trainer/test_nonfinite.py",)),
     Mutant("resume='auto' takes a checkpoint saved after non-finite steps", "shardwise/trainer/loop.py",
            "latest_valid(Path(cfg.out) / \"checkpoints\", finite=True)", "latest_valid(Path(cfg.out) / \"checkpoints\", finite=False)",
-           ("tests/unit/test_nonfinite.py",)),
+           ("tests/trainer/test_nonfinite.py",)),
     # -- activation checkpointing (issue 37) ------------------------------------------------------
     Mutant("activation checkpointing is applied to no block", "shardwise/strategies/checkpointing.py",
            "    for i in policy.chosen(len(blocks)):", "    for i in policy.chosen(0):", (AC_UNIT, AC_SINGLE)),
-    Mutant("the Engine never applies activation checkpointing", "shardwise/engine.py",
+    Mutant("the Engine never applies activation checkpointing", "shardwise/engine/__init__.py",
            "        checkpointing.apply(model, self.activation_checkpointing)\n", "", (AC_SINGLE,)),
     Mutant("a recomputed block draws new dropout masks", "shardwise/strategies/checkpointing.py",
            "checkpoint(self._forward, *args, use_reentrant=False, context_fn=context, **kwargs)",
@@ -285,23 +285,23 @@ MUTANTS = [
     Mutant("selective checkpointing keeps no matmul output", "shardwise/strategies/checkpointing.py",
            "    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE",
            "    return CheckpointPolicy.PREFER_RECOMPUTE", (AC_UNIT,)),
-    Mutant("the planner counts a checkpointed block's whole activations", "shardwise/plan/cost.py",
+    Mutant("the planner counts a checkpointed block's whole activations", "shardwise/strategies/cost/estimate.py",
            "    kept_layer = spec.kept_layer_bytes(micro, tp, shape.sequence_parallel)", "    kept_layer = full_layer", (AC_UNIT,)),
-    Mutant("the planner's recompute costs nothing", "shardwise/plan/cost.py",
+    Mutant("the planner's recompute costs nothing", "shardwise/strategies/cost/estimate.py",
            "    recompute = compute / 3 * recomputed / layers if recomputed else 0.0", "    recompute = 0.0", (AC_UNIT,)),
-    Mutant("plan proposes activation checkpointing and offload for layouts that fit without them", "shardwise/advisor/candidates.py",
+    Mutant("plan proposes activation checkpointing and offload for layouts that fit without them", "shardwise/tools/advisor/candidates.py",
            "        if record[\"fits\"] or record[\"refused_by_plan\"]:", "        if record[\"refused_by_plan\"]:", (AC_UNIT,)),
     Mutant("a meta-built model's replay skips the draws of initializers whose values are overwritten", "shardwise/strategies/materialize.py",
-           "                    if op.seeded:  # overwritten later", "                    if False:  # overwritten later", ("tests/models/test_meta_init.py",)),
+           "                    if op.seeded:  # overwritten later", "                    if False:  # overwritten later", ("tests/strategies/test_meta_init.py",)),
     Mutant("materialization unties a tied weight", "shardwise/strategies/materialize.py",
-           "        for m, name in group[1:]:\n            m._parameters[name] = first", "        for m, name in group[1:]:\n            pass", ("tests/models/test_meta_init.py",)),
+           "        for m, name in group[1:]:\n            m._parameters[name] = first", "        for m, name in group[1:]:\n            pass", ("tests/strategies/test_meta_init.py",)),
     Mutant("tp's fused q|k|v is filled unpermuted on a meta-built model", "shardwise/strategies/tensor_parallel/__init__.py",
            "materialize.fill_share(model, [model], mesh.device, fused_layout(model))", "materialize.fill_share(model, [model], mesh.device, None)",
-           ("tests/models/test_meta_init.py",)),
+           ("tests/strategies/test_meta_init.py",)),
     Mutant("fit's fingerprint of the model ignores its values (a trained model looks fresh to the workers)", "shardwise/trainer/handoff.py",
-           "        if not t.is_meta and t.numel():", "        if False and not t.is_meta and t.numel():", ("tests/e2e/test_handoff.py",)),
+           "        if not t.is_meta and t.numel():", "        if False and not t.is_meta and t.numel():", ("tests/trainer/test_handoff.py",)),
     Mutant("a pipeline checkpoint's parts merged without the model's key order", "shardwise/checkpoint/parts.py",
-           "    if order is not None:\n        known = set(order)", "    if False:\n        known = set(order)", ("tests/models/test_pipeline_nested.py",)),
+           "    if order is not None:\n        known = set(order)", "    if False:\n        known = set(order)", ("tests/strategies/pipeline/test_nested.py",)),
 ]
 
 

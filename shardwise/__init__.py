@@ -18,7 +18,7 @@ _EXPORTS = {
     "Engine": "shardwise.engine",
     "seed_everything": "shardwise.engine",
     "launch": "shardwise.launcher.spawn",
-    "Mesh": "shardwise.mesh",
+    "Mesh": "shardwise.comm.mesh",
     "Recorder": "shardwise.comm.recorder",
     "ShardedLoader": "shardwise.data",
     "get_strategy": "shardwise.strategies",
@@ -35,12 +35,12 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.pretrained import init_from
+    from shardwise.comm.mesh import Mesh
     from shardwise.comm.recorder import Recorder
     from shardwise.data import ShardedLoader
     from shardwise.engine import Engine, seed_everything
     from shardwise.errors import CheckpointError, CommError, ConfigError, LaunchError, ShardwiseError
     from shardwise.launcher.spawn import launch
-    from shardwise.mesh import Mesh
     from shardwise.strategies import available as available_strategies
     from shardwise.strategies import get_strategy, register_strategy
     from shardwise.trainer.config import TrainerConfig
@@ -62,7 +62,7 @@ def __dir__() -> list[str]:
 
 
 # Spelled out (not sorted(_EXPORTS)) so that linters and type checkers see the public names;
-# tests/unit/test_registry.py checks that it matches _EXPORTS.
+# tests/strategies/test_registry.py checks that it matches _EXPORTS.
 __all__ = [
     "CheckpointError",
     "CommError",

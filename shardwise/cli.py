@@ -11,11 +11,11 @@
     shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
     shardwise strategies [NAME]                          # each strategy's options: flag, TOML key, default, help
     shardwise recipes
-    shardwise tune lr|batch-size --recipe NAME [...]          # learning-rate range test, largest batch that fits; see shardwise/tune
-    shardwise plot RUN_DIR [RUN_DIR ...] [--out DIR]         # PNGs of runs; see shardwise/plot
-    shardwise plan --model NAME|PATH.json|module:factory|--params N --nproc N [...]   # which strategy; see shardwise/advisor
-    shardwise predict CHECKPOINT --recipe NAME --out DIR [--nproc N] [--strategy S]   # shards + index.json; see shardwise/predict.py
-    shardwise preprocess --recipe charlm|digits --workers 1,2                          # shardwise.data.map, timed; see shardwise/preprocess.py
+    shardwise tune lr|batch-size --recipe NAME [...]          # learning-rate range test, largest batch that fits; see shardwise/tools/tune
+    shardwise plot RUN_DIR [RUN_DIR ...] [--out DIR]         # PNGs of runs; see shardwise/tools/plot
+    shardwise plan --model NAME|PATH.json|module:factory|--params N --nproc N [...]   # which strategy; see shardwise/tools/advisor
+    shardwise predict CHECKPOINT --recipe NAME --out DIR [--nproc N] [--strategy S]   # shards + index.json; see shardwise/tools/predict.py
+    shardwise preprocess --recipe charlm|digits --workers 1,2                          # shardwise.data.map, timed; see shardwise/tools/preprocess.py
     shardwise --version
 """
 
@@ -189,7 +189,7 @@ def strategy_flag_values(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.engine import seed_everything
     from shardwise.launcher.spawn import prestart
-    from shardwise.recipes import get_recipe
+    from shardwise.tools.recipes import get_recipe
     from shardwise.trainer.config import apply_overrides, from_mapping, load_toml
     from shardwise.trainer.loop import Trainer
 
@@ -282,8 +282,8 @@ def _own_parts(specs: dict[str, str]) -> Any:
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from shardwise.advisor.models import import_object
-    from shardwise.recipes import RecipeParts
+    from shardwise.tools.advisor.models import import_object
+    from shardwise.tools.recipes import RecipeParts
 
     def call(key: str) -> Any:
         factory = import_object(specs[key], _OWN_KEYS[key])
@@ -411,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # torchrun's own flags go straight through; argparse would eat them.
         return _guard(lambda: cmd_run(argv[1:]))
     if argv and argv[0] == "bench":
-        from shardwise.bench import main as bench_main  # loaded only for this command
+        from shardwise.tools.bench import main as bench_main  # loaded only for this command
 
         return _guard(lambda: bench_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training on PyTorch: every strategy behind one flag.")
@@ -436,22 +436,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     st.add_argument("name", nargs="?", help="one strategy only")
     sub.add_parser("recipes", help="list the built-in recipes")
-    from shardwise.advisor.commands import PLAN_HELP, plan_arguments
+    from shardwise.tools.advisor.commands import PLAN_HELP, plan_arguments
 
     plan_arguments(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP[0].upper() + PLAN_HELP[1:] + "."))
-    from shardwise.plan.simulate_cli import add_arguments as simulate_arguments
+    from shardwise.tools.simulate.commands import add_arguments as simulate_arguments
 
     simulate_arguments(sub.add_parser("simulate", help="throughput and scaling efficiency against worker count, by simulation"))
-    from shardwise.tune.commands import TUNE_HELP
-    from shardwise.tune.commands import add_arguments as tune_arguments
+    from shardwise.tools.tune.commands import TUNE_HELP
+    from shardwise.tools.tune.commands import add_arguments as tune_arguments
 
     tune_arguments(sub.add_parser("tune", help=TUNE_HELP, description=TUNE_HELP[0].upper() + TUNE_HELP[1:] + "."))
-    from shardwise.plot.commands import PLOT_HELP
-    from shardwise.plot.commands import add_arguments as plot_arguments
+    from shardwise.tools.plot.commands import PLOT_HELP
+    from shardwise.tools.plot.commands import add_arguments as plot_arguments
 
     plot_arguments(sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP[0].upper() + PLOT_HELP[1:] + "."))
-    from shardwise.compress.commands import COMPRESS_HELP
-    from shardwise.compress.commands import add_arguments as compress_arguments
+    from shardwise.tools.compress.commands import COMPRESS_HELP
+    from shardwise.tools.compress.commands import add_arguments as compress_arguments
 
     compress_arguments(sub.add_parser("compress", help=COMPRESS_HELP, description=COMPRESS_HELP[0].upper() + COMPRESS_HELP[1:] + "."))
     from shardwise import predict, preprocess
@@ -466,30 +466,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "strategies":
         return _guard(lambda: cmd_strategies(args.name))
     if args.command == "plan":
-        from shardwise.advisor.commands import cmd_plan
+        from shardwise.tools.advisor.commands import cmd_plan
 
         return _guard(lambda: cmd_plan(args))
     if args.command == "simulate":
-        from shardwise.plan.simulate_cli import main as simulate_main
+        from shardwise.tools.simulate.commands import main as simulate_main
 
         return _guard(lambda: simulate_main(args))
     if args.command == "tune":
-        from shardwise.tune.commands import main as tune_main
+        from shardwise.tools.tune.commands import main as tune_main
 
         return _guard(lambda: tune_main(args))
     if args.command == "plot":
-        from shardwise.plot.commands import main as plot_main
+        from shardwise.tools.plot.commands import main as plot_main
 
         return _guard(lambda: plot_main(args))
     if args.command == "compress":
-        from shardwise.compress.commands import main as compress_main
+        from shardwise.tools.compress.commands import main as compress_main
 
         return _guard(lambda: compress_main(args))
     if args.command in ("predict", "preprocess"):
         return _guard(lambda: (predict if args.command == "predict" else preprocess).main(args))
     if args.command == "recipes":
-        from shardwise.recipes import available as recipes
-        from shardwise.recipes import get_recipe
+        from shardwise.tools.recipes import available as recipes
+        from shardwise.tools.recipes import get_recipe
 
         for name in recipes():
             print(f"{name:12s} {get_recipe(name).description}")

@@ -68,3 +68,11 @@ def hygiene(request):
     assert not leaked_group, "the test left a process group initialized"
     assert not changed, f"the test changed environment variables: {sorted(changed)}"
     assert not leaked_children, f"the test left child processes running: {sorted(leaked_children)}"
+
+
+# Every multi-process test (marked ``dist``) has a hard timeout so a hang fails instead of stalling
+# CI; shardwise.launch also stops all workers as soon as one fails.
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("dist") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(180))

@@ -10,7 +10,7 @@ and the run class its ``apply`` returns. mypy refuses the call when
   is not a `Parallel`.
 
 Keyword names and the other `Parallel` methods' signatures are held by mypy's override check
-where each class is defined (``mypy shardwise``). tests/unit/test_registry.py imports this
+where each class is defined (``mypy shardwise``). tests/strategies/test_registry.py imports this
 module and checks that the table names exactly the registry's built-in strategies, with the
 run class each ``apply`` declares, and every concrete `Parallel` in the package.
 """
@@ -22,21 +22,21 @@ from typing import TypeVar
 
 from torch import nn
 
+from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
-from shardwise.mesh import Mesh
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Strategy
-from shardwise.strategies.data_parallel import DataParallel, DataParallelRun
-from shardwise.strategies.ddp import DDP, DDPRun
-from shardwise.strategies.fsdp import FSDP, HSDP, FSDPRun, Zero2, Zero2Run
-from shardwise.strategies.naive_mp import NaiveModelParallel, NaiveMPRun
+from shardwise.strategies.data_parallel.ddp import DDP, DDPRun
+from shardwise.strategies.data_parallel.dp import DataParallel, DataParallelRun
+from shardwise.strategies.data_parallel.single import Single, SingleRun
 from shardwise.strategies.param_server import PS, Central, ServerRun
 from shardwise.strategies.pipeline import Pipeline, PipelineRun
+from shardwise.strategies.pipeline.naive_mp import NaiveModelParallel, NaiveMPRun
 from shardwise.strategies.replicas.diloco import DiLoCo, DiLoCoRun
 from shardwise.strategies.replicas.gossip import Gossip, GossipRun
 from shardwise.strategies.replicas.local_sgd import LocalSGD, LocalSGDRun
-from shardwise.strategies.single import Single, SingleRun
+from shardwise.strategies.sharded.fsdp import FSDP, HSDP, FSDPRun, Zero2, Zero2Run
+from shardwise.strategies.sharded.zero1 import Zero1, Zero1Run
 from shardwise.strategies.tensor_parallel import TensorParallel, TensorParallelRun
-from shardwise.strategies.zero import Zero1, Zero1Run
 
 S = TypeVar("S", bound=Strategy)
 P = TypeVar("P", bound=Parallel)

@@ -14,7 +14,7 @@ and their workers), point-to-point `send`, `recv`, `isend`, `irecv` and `new_gro
 holds `Peers` (counted `isend`/`irecv` within a group), `traffic.py` the byte formulas,
 `algorithms.py` our allreduce algorithms, `codecs.py` the compression codecs, `compressed.py` their
 exchanges, `hooks.py` the DDP communication hooks; `shardwise bench comm` lives in
-`shardwise/bench/comm.py`.
+`shardwise/tools/bench/comm.py`.
 
 **The Recorder.** One per engine, passed explicitly to whatever communicates (no global). Each
 operation adds one `CommEvent`: `op`, `group`, group size, `payload_bytes` (the tensor handed to
@@ -75,7 +75,7 @@ floor(RATIO n))`, `m` the scale's bytes (4, or 8 for float64); bytes are per ran
 randomness every coordinate sent is the mean over all ranks (Stich, Cordonnier & Jaggi 2018;
 Vogels et al. 2019 use the same all-reduce-compatible random-k). The codec state's seed must be
 the same on every rank (the DDP hook seeds one generator per hook alike; buckets come in the same
-order on every rank). On digits (300 AdamW steps, p = 2; `tests/dist/test_ddp_comm.py`):
+order on every rank). On digits (300 AdamW steps, p = 2; `tests/strategies/data_parallel/test_ddp_comm.py`):
 
 | codec | validation accuracy | bytes sent vs uncompressed |
 | --- | --- | --- |

@@ -248,7 +248,7 @@ class Sparse(Codec):
     On digits (300 AdamW steps, p = 2, 96.66% uncompressed), at the same 5x fewer
     bytes than fp32, per-rank indices (randomk:0.1 as (index, value) pairs, this
     codec before) reached about 95.0%, shared indices (randomk:0.2, values only)
-    96.66% (tests/dist/test_ddp_comm.py). The payload also carries the 8-byte seed
+    96.66% (tests/strategies/data_parallel/test_ddp_comm.py). The payload also carries the 8-byte seed
     the indices were drawn from, so a standalone message (a parameter-server push)
     can be decoded by any peer; the allreduce exchange sends only the values,
     because every rank drew the seed.

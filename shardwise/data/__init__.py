@@ -37,14 +37,14 @@ start once and prefetch across epoch ends (a new DataLoader per epoch paid the w
 every epoch: the 130x slowdown); it has its own generator, so starting workers draws nothing
 from the global one. The position still counts what was consumed; a resume (a position that
 moved) starts a new pool; `ShardedLoader.close()` stops the workers at the end of a run. Runs
-with 0 and 2 workers are bitwise equal, resume included (`tests/unit/test_data_workers.py`).
+with 0 and 2 workers are bitwise equal, resume included (`tests/data/test_data_workers.py`).
 Per-sample seeding costs about 25 us a sample (`torch.default_generator.manual_seed`, not
 `torch.manual_seed`, which seeds every device and costs ~250 us); `benchmarks/dataloading.py`
 measures it against a plain DataLoader loop. An `IterableDataset` is refused before launch: the
 loader picks global batches by index.
 
 Batches: a tuple `(x..., y)` calls `model(x...)`, a mapping calls `model(**batch)`, a tensor
-`model(batch)` (`shardwise.batches`). Without `loss_fn` or `training_step` the loss is the one
+`model(batch)` (`shardwise.data.batches`). Without `loss_fn` or `training_step` the loss is the one
 the model returns (`output.loss`, transformers' models with `labels`). In the parent, before
 launch, one collated sample is bound against `forward`'s signature: a mapping for a positional
 forward, or a key the forward does not take, is a ConfigError naming both sides.

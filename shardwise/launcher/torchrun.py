@@ -27,7 +27,7 @@ only by the static backend). Two mistakes that torch lets through and that then 
 the 15-minute rendezvous timeout, each node alone, are refused here before anything starts:
 a node count that is not ``N`` or ``MIN:MAX``, and a dynamic rendezvous (c10d, etcd) for
 several nodes with no endpoint (every node would host its own store on localhost).
-Measured on one machine with two agents (``tests/e2e/test_multinode.py``): a run across
+Measured on one machine with two agents (``tests/launcher/test_multinode.py``): a run across
 the two equals the same run on one machine bit for bit, and after one node is lost under
 ``--nnodes 1:2 --max-restarts N`` the other restarts at the new size from the last checkpoint.
 """

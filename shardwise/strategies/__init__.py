@@ -18,22 +18,22 @@ from shardwise.errors import ConfigError
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, StepFn, Strategy
 
 _BUILTIN: dict[str, str] = {
-    "single": "shardwise.strategies.single:Single",
-    "ddp": "shardwise.strategies.ddp:DDP",
-    "dp": "shardwise.strategies.data_parallel:DataParallel",
+    "single": "shardwise.strategies.data_parallel.single:Single",
+    "ddp": "shardwise.strategies.data_parallel.ddp:DDP",
+    "dp": "shardwise.strategies.data_parallel.dp:DataParallel",
     "local-sgd": "shardwise.strategies.replicas.local_sgd:LocalSGD",
     "diloco": "shardwise.strategies.replicas.diloco:DiLoCo",
     "gossip": "shardwise.strategies.replicas.gossip:Gossip",
     "ps": "shardwise.strategies.param_server:PS",
     "central": "shardwise.strategies.param_server:Central",
-    "zero1": "shardwise.strategies.zero:Zero1",
-    "zero2": "shardwise.strategies.fsdp:Zero2",
-    "zero3": "shardwise.strategies.fsdp:FSDP",
-    "fsdp": "shardwise.strategies.fsdp:FSDP",
-    "hsdp": "shardwise.strategies.fsdp:HSDP",
+    "zero1": "shardwise.strategies.sharded.zero1:Zero1",
+    "zero2": "shardwise.strategies.sharded.fsdp:Zero2",
+    "zero3": "shardwise.strategies.sharded.fsdp:FSDP",
+    "fsdp": "shardwise.strategies.sharded.fsdp:FSDP",
+    "hsdp": "shardwise.strategies.sharded.fsdp:HSDP",
     "pipeline": "shardwise.strategies.pipeline:Pipeline",
     "tp": "shardwise.strategies.tensor_parallel:TensorParallel",
-    "naive-mp": "shardwise.strategies.naive_mp:NaiveModelParallel",
+    "naive-mp": "shardwise.strategies.pipeline.naive_mp:NaiveModelParallel",
 }
 _EXTRA: dict[str, Callable[..., Any]] = {}
 

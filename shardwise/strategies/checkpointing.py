@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shardwise.errors import ConfigError
-from shardwise.plan.saved import SavedBytes
+from shardwise.strategies.cost.saved import SavedBytes
 
 MODES = ("off", "blocks", "blocks:K", "ops", "ops:K")
 """The values `parse` accepts (K a positive integer)."""

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.precision import Precision
 from shardwise.strategies.contract import Parallel, Placement, StepFn
+from shardwise.strategies.precision import Precision
 
 
 def accumulate_backward(

@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from shardwise.comm.collectives import WORLD, Group
+from shardwise.comm.mesh import DIM_ORDER, Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
-from shardwise.mesh import DIM_ORDER, Mesh
-from shardwise.precision import Precision
+from shardwise.strategies.precision import Precision
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 """Builds the optimizer from parameters (``lambda params: torch.optim.Adam(params, lr=1e-3)``).
@@ -77,7 +77,7 @@ class Layout:
     units: tuple[str, ...] | None = None
     """Submodules the strategy wraps or splits one by one, when the plan was given the model (FSDP's
     sharded units, the root not counted; the linears tensor parallelism splits, alone or inside a
-    pipeline's stages): what its per-step work repeats over (`shardwise.plan.cost.framework_units`)."""
+    pipeline's stages): what its per-step work repeats over (`shardwise.strategies.cost.estimate.framework_units`)."""
 
     def describe(self) -> str:
         """One line: ``ddp on 4 processes: dp4 (micro-batch 8)``."""

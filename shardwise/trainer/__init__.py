@@ -1,6 +1,6 @@
 """Layer 5: the Trainer and its configuration."""
 
-from shardwise.batches import model_inputs
+from shardwise.data.batches import model_inputs
 from shardwise.trainer.config import TrainerConfig
 from shardwise.trainer.loop import Trainer, batch_size_of, make_step_fn
 from shardwise.trainer.lr_find import LRFindResult, lr_find

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.errors import ConfigError
-from shardwise.precision import normalize
+from shardwise.strategies.precision import normalize
 
 if sys.version_info >= (3, 11):
     import tomllib

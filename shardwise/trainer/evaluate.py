@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.batches import call_model
 from shardwise.data import eval_batches, eval_shard, fetch
+from shardwise.data.batches import call_model
 from shardwise.engine import Engine
 
 EvalFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]

@@ -148,12 +148,12 @@ def batch_seq(batch: Any) -> int:
 
 
 def runtime_baseline(device: Any) -> float:
-    """The calibrated runtime baseline for ``device`` (`shardwise.plan.cluster.DeviceProfile.runtime_baseline_bytes`):
+    """The calibrated runtime baseline for ``device`` (`shardwise.strategies.cost.cluster.DeviceProfile.runtime_baseline_bytes`):
     the measured cpu profile's on CPU, 0 on a GPU (device memory holds no interpreter) or without a profile."""
     if getattr(device, "type", "cpu") != "cpu":
         return 0.0
     from shardwise.errors import ConfigError
-    from shardwise.plan.cluster import load_profile
+    from shardwise.strategies.cost.cluster import load_profile
 
     try:
         return float(load_profile("cpu").runtime_baseline_bytes)
@@ -166,11 +166,11 @@ def memory_section(
 ) -> dict[str, Any]:
     """summary.json's ``memory``: each rank's peak at fit start and at the end (one all-reduce of
     world-size rows over the training ranks, through the engine's recorder; a rank outside the loop
-    is None), each beside `shardwise.plan.peak.predict_rank` for it. Every training rank calls it."""
+    is None), each beside `shardwise.strategies.cost.peak.predict_rank` for it. Every training rank calls it."""
     import torch
 
-    from shardwise.memory import FIELDS, as_row, from_row
-    from shardwise.plan.peak import predict_rank, role
+    from shardwise.launcher.memory import FIELDS, as_row, from_row
+    from shardwise.strategies.cost.peak import predict_rank, role
 
     width = 1 + 2 * len(FIELDS)
     rows = torch.zeros(engine.world_size, width, dtype=torch.float64, device=engine.device)
@@ -214,7 +214,7 @@ def add_launcher_memory(summary: dict[str, Any], out: str | None, model: Any, re
     None); summary.json rewritten with it, and its row printed when ``show``."""
     import torch
 
-    from shardwise.memory import snapshot
+    from shardwise.launcher.memory import snapshot
 
     section = summary.get("memory")
     if not isinstance(section, dict):

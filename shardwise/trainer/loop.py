@@ -15,23 +15,23 @@ import torch
 from torch import nn
 
 from shardwise import checkpoint as ckpt
-from shardwise.batches import call_model, check_batch_fits, loss_from_output, returns_own_loss
+from shardwise.checkpoint.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.comm import monitored_barrier
 from shardwise.data import ShardedLoader, fetch, unpack_data
+from shardwise.data.batches import call_model, check_batch_fits, loss_from_output, returns_own_loss
 from shardwise.engine import Engine, call_through, seed_everything
+from shardwise.engine.loggers import Logger, Loggers, RunInfo, check_names, flatten
 from shardwise.errors import CommError, ConfigError
+from shardwise.integrations.lightning import LightningAdapter, adapter_for
 from shardwise.launcher.env import detect_env
+from shardwise.launcher.memory import snapshot
 from shardwise.launcher.spawn import check_world_size, launch, prestart, stop_if_bootstrapping
-from shardwise.loggers import Logger, Loggers, RunInfo, check_names, flatten
-from shardwise.memory import snapshot
-from shardwise.plan.peak import tensors_of
-from shardwise.rundir import check_out, describe_outputs, move_aside, new_run_id
 from shardwise.strategies import Batch, Layout, OptimizerFactory, StepFn, Strategy, checkpointing, get_strategy, materialize
 from shardwise.strategies.batchnorm import check_sync_batchnorm
+from shardwise.strategies.cost.peak import tensors_of
 from shardwise.trainer import callbacks, evaluate, handoff
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
-from shardwise.trainer.lightning_compat import LightningAdapter, adapter_for
 from shardwise.trainer.logging import Progress, RunFiles, add_launcher_memory, batch_seq, format_memory, memory_section, write_rank_comm
 from shardwise.trainer.lr_find import lr_find
 from shardwise.trainer.nonfinite import NonFiniteCheck, NonFiniteError, Verdict, stop_message
@@ -88,7 +88,7 @@ class Trainer:
     ``optimizer`` is a factory of the parameters (strategies that shard build the
     optimizer after wrapping). The loss is ``loss_fn(output, batch)`` or, without
     one, the module's ``training_step(batch)``. A module written for Lightning (``training_step``
-    and ``configure_optimizers``) trains as it is: see `shardwise.trainer.lightning_compat`. With ``nproc > 1`` (and no launcher
+    and ``configure_optimizers``) trains as it is: see `shardwise.integrations.lightning`. With ``nproc > 1`` (and no launcher
     around), ``fit`` starts the worker processes itself and, when they finish,
     loads the trained weights back into ``model``.
     """
@@ -696,7 +696,7 @@ class Trainer:
         files.close()
         if engine.is_rank_zero:
             if "memory_per_rank" in summary:
-                from shardwise.plan.memory import format_table
+                from shardwise.strategies.cost.memory import format_table
 
                 print(format_table(summary["memory_per_rank"]), flush=True)
             print(format_memory(summary["memory"]), flush=True)

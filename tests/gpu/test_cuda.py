@@ -22,7 +22,7 @@ import torch.distributed as dist
 from shardwise import Trainer, launch
 from shardwise.errors import ConfigError
 from shardwise.trainer.callbacks import Callback
-from tests.models import harness, zoo
+from tests.support import harness, zoo
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 pytest.importorskip("transformers", reason="the model tests need transformers: pip install -e '.[dev]'")

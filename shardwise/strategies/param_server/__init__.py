@@ -105,7 +105,7 @@ Design notes: ranks that serve
   checkpoint resumes under another number of servers too: each server takes its tensors and
   their optimizer state from whichever files hold them (renumbered into its own optimizer's
   order; this needs one parameter group) and the newest version. Sync resumed in new processes equals an uninterrupted run bit for bit
-  (one and two servers, `tests/dist/test_ps_resume.py`; two servers' checkpoint loaded by one
+  (one and two servers, `tests/strategies/param_server/test_ps_resume.py`; two servers' checkpoint loaded by one
   server holds exactly their tensors and Adam state). Async and ssp cannot: the servers'
   state at the save holds whichever pushes had arrived (a save is not a barrier for the other
   workers, and with several servers each shard is saved at its own moment), so a resume goes
@@ -118,7 +118,7 @@ Design notes: ranks that serve
   the summary, so its death fails the run, as does any death under sync: "rank 1 died with
   exit code -9 before reporting a result", no hang). The servers drop the dead worker after
   `worker_timeout_s`; worker 0 prints "lost worker(s) [1]", and `summary.json` lists it under
-  `ps.lost_workers`. `tests/dist/test_ps_kill.py` SIGKILLs worker 1 at step 5 under
+  `ps.lost_workers`. `tests/strategies/param_server/test_ps_kill.py` SIGKILLs worker 1 at step 5 under
   `Trainer.fit` (async): the run completes its 30 steps, the servers apply worker 0's steps
   after the death (versions 25 and 35 in the checkpoints of steps 20 and 30), evaluation counts
   every validation sample, and the summary names worker 1. Under `shardwise run` (torchrun)
@@ -152,9 +152,9 @@ from torch import nn
 
 from shardwise.comm.codecs import Codec, PowerSGD, get_codec
 from shardwise.comm.collectives import Group, new_group
+from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import CheckpointError, ConfigError
-from shardwise.mesh import Mesh
 from shardwise.strategies.common import LocalParallel
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Placement, Strategy, plan_layout
 from shardwise.strategies.param_server.client import Client, RemoteOptimizer

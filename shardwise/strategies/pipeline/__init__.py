@@ -81,7 +81,7 @@ tracer stopped at and the first layer whose output differs between the model and
 the stage that raised). A model the block-list split takes (`layers=`, tied weights, a block list)
 keeps it where the sample proves it, and is traced otherwise. An `Engine` given no sample gets
 the traced split or that refusal (`check_sample` on the strategy object gives it one).
-Tested: `tests/models/test_pipeline_own_models.py` (one 2-process launch, about 15 s): seven
+Tested: `tests/strategies/pipeline/test_own_models.py` (one 2-process launch, about 15 s): seven
 hand-written models at 2 stages and at 4 (pp 2 x 2 interleaved chunks) within 1e-9 of `single`
 (about 1e-16), the zero-scaled MLP at ln 2, tied weights started from the first owner's values
 when rank 1 builds them differently, checkpoints resumed under `single`.
@@ -143,7 +143,7 @@ has a pipeline plan, ties weights, or is a transformers model (`config`) with a 
   load (`state._relayout`), and tp's partial and role-marked gradients are summed every step
   whenever `tp > 1` (a declared plan can mark per-head norms without sequence parallelism).
 
-Tested: `tests/models/test_matrix_pipeline.py` (Llama, GPT-2 tied, nanoGPT tied, BERT, ViT
+Tested: `tests/strategies/pipeline/test_matrix_pipeline.py` (Llama, GPT-2 tied, nanoGPT tied, BERT, ViT
 under gpipe, 1f1b and interleaved (pp 2, v 2, 4 layers) within 1e-9 of `single` after 5 clipped
 float64 steps, about 1e-16 in practice, ViT 2e-13; the model's own loss; a tied checkpoint
 resumed bit for bit; evaluation; refusals). `test_pipeline_nested.py` (one 2-process launch,
@@ -242,7 +242,7 @@ most 1). Tested within 1e-9 of `single` at world size 4: pp2 x dp2 (ddp with 1F1
 interleaved, fsdp with GPipe), pp2 x tp2 with and without sequence parallelism; dp2 x pp2 x
 tp2 at world size 8 (ddp and fsdp) was checked by hand (parameters within 3e-14).
 
-**Bubble.** `shardwise.plan.bubble`: predicted `(p - 1)/(m + p - 1)` for GPipe and 1F1B and
+**Bubble.** `shardwise.strategies.cost.bubble`: predicted `(p - 1)/(m + p - 1)` for GPipe and 1F1B and
 `(p - 1)/(v m + p - 1)` interleaved, the idle share of a step with equal stage times
 (Narayanan et al. 2021, section 2.2, which states it as idle over busy: `(p - 1)/m` and
 `(1/v)(p - 1)/m`). Measured: each `PipelineStage`'s `forward_one_chunk` and
@@ -314,7 +314,7 @@ m = 8), the head's cost on the last stage. Two processes on two cores should bea
 only where the machine was quiet during the row (GPipe m = 4, 8: 1.3x and 1.6x), the other rows
 ran while other work held a core.
 
-**Naive placement** (`naive-mp`, `shardwise.strategies.naive_mp`): one process, the same split
+**Naive placement** (`naive-mp`, `shardwise.strategies.pipeline.naive_mp`): one process, the same split
 over the visible CUDA devices (`devices=` to choose), activations moved from device to device
 and the output back to the first (where the loader puts labels): the lectures' `ToyMpModel`,
 no overlap. It runs the top-level children in order, so a forward that does more (checked on its
@@ -354,13 +354,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm import Recorder, all_gather
+from shardwise.comm.mesh import Mesh
 from shardwise.errors import ConfigError
-from shardwise.mesh import Mesh
-from shardwise.precision import Precision
 from shardwise.strategies import materialize
+from shardwise.strategies.compose import _tensor_parallel, apply_data_parallel, average_grads, clip_grad_norm
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.pipeline import traced
-from shardwise.strategies.pipeline.compose import _tensor_parallel, apply_data_parallel, average_grads, clip_grad_norm
 from shardwise.strategies.pipeline.evaluate import _DTYPES, PipelineModule
 from shardwise.strategies.pipeline.nested import (
     NestedLayout,
@@ -389,6 +388,7 @@ from shardwise.strategies.pipeline.split import StageModule, balance, sequence_l
 from shardwise.strategies.pipeline.split import _register as _register  # importable from here, as before the split
 from shardwise.strategies.pipeline.state import gather_state, load_local_state, local_part
 from shardwise.strategies.pipeline.ties import Tie, _cross_stage_ties, _find_param, sync_tied
+from shardwise.strategies.precision import Precision
 
 __all__ = [
     "Pipeline",
@@ -460,7 +460,7 @@ def _needs_sample(model: nn.Module, why: str, where: str) -> ConfigError:
 def _prove(model: nn.Module, r: Route, sample: Any, where: str) -> None:
     """The stages of ``r``, on a float64 copy of ``model`` run one after another on ``sample``, give
     the model's own output exactly (`traced.check_composition`), or a `ConfigError` naming where not."""
-    from shardwise.batches import model_args
+    from shardwise.data.batches import model_args
 
     if materialize.has_meta(model):
         raise ConfigError(
@@ -702,7 +702,7 @@ class Pipeline(Strategy):
                 "cut from the traced forward, and tensor parallelism inside such stages is not supported; use tp=1, or "
                 "a model whose forward applies its layers in order (or a transformers model)"
             )
-        from shardwise.batches import model_args
+        from shardwise.data.batches import model_args
 
         if sample is not None:
             args, kwargs = model_args(sample)
@@ -857,7 +857,7 @@ class PipelineRun(Parallel):
         m = int(self.options.microbatches or 1)
         batch = concat_batches(microbatches)
         check_rows(batch_rows(batch), m, "pipeline forward_backward")  # every rank, before any send
-        from shardwise.batches import model_args
+        from shardwise.data.batches import model_args
 
         self._chunks = split_batch(batch, m)
         self._step_fn, self._precision = step_fn, precision

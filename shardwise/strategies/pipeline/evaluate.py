@@ -86,7 +86,7 @@ class PipelineModule(nn.Module):
         if not kwargs:
             return result
         # a dict batch: the model's own output has a loss too (labels given); every rank gets both
-        from shardwise.batches import output_loss
+        from shardwise.data.batches import output_loss
 
         loss = output_loss(self._stage_mods[self.num_stages - 1].output) if me == last else None
         has = torch.tensor([1 if loss is not None else 0], device=self._device)

@@ -5,7 +5,7 @@ a PNG (``write_timeline``).
 A stage's bubble is ``1 - busy / wall``: busy is the time inside ``forward_one_chunk`` and
 ``backward_one_chunk`` (waiting for activations and gradients happens outside them), wall runs
 from the earliest rank's start to the latest rank's end, on ``perf_counter`` clocks aligned at
-setup. Predicted: ``shardwise.plan.bubble`` (Narayanan et al. 2021, section 2.2).
+setup. Predicted: ``shardwise.strategies.cost.bubble`` (Narayanan et al. 2021, section 2.2).
 
 The activations and gradients a stage sends to its neighbours are posted by
 ``torch.distributed.pipelining`` itself (its schedule batches them as ``isend``/``irecv``), so
@@ -35,7 +35,7 @@ import torch
 
 from shardwise.comm import CommEvent, Group, Recorder, all_gather, barrier, wire_bytes
 from shardwise.errors import ConfigError
-from shardwise.plan.bubble import predicted_bubble, step_bubbles
+from shardwise.strategies.cost.bubble import predicted_bubble, step_bubbles
 
 
 class _Clock:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from shardwise.errors import ConfigError
-from shardwise.plan.bubble import SCHEDULES
+from shardwise.strategies.cost.bubble import SCHEDULES
 
 
 def check_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> None:
@@ -117,7 +117,7 @@ class _Replay:
     output tensor is returned."""
 
     def __init__(self, output: Any, batch: Any, full: Any = None) -> None:
-        from shardwise.batches import model_args
+        from shardwise.data.batches import model_args
 
         self.output, self.full = output, full
         self.args, self.kwargs = model_args(batch)

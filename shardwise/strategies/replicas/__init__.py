@@ -36,7 +36,7 @@ Design notes: replicas that step alone
   checkpoint without this rank's file (another world size, or another strategy's) loads rank
   0's model into every replica and starts the mixer afresh from it (a printed line says so).
   Local SGD, DiLoCo and gossip resumed mid-round in new processes equal an uninterrupted run
-  bit for bit (`tests/dist/test_ps_resume.py`: four ranks, float64, dropout, Adam inside, every
+  bit for bit (`tests/strategies/param_server/test_ps_resume.py`: four ranks, float64, dropout, Adam inside, every
   rank compared).
 """
 

@@ -36,9 +36,9 @@ from torch import nn
 
 from shardwise.checkpoint import load_file, write_file
 from shardwise.comm.collectives import Group
+from shardwise.comm.mesh import DIM_ORDER, Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
-from shardwise.mesh import DIM_ORDER, Mesh
 from shardwise.strategies.common import LocalParallel
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Placement, Strategy, plan_layout
 

@@ -36,9 +36,9 @@ from torch import nn
 from shardwise.comm.codecs import Codec, CodecState, PowerSGD, get_codec
 from shardwise.comm.collectives import Group, all_reduce
 from shardwise.comm.compressed import compressed_allreduce
+from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
-from shardwise.mesh import Mesh
 from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
     ReplicaRun,

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from shardwise.comm.collectives import Group
+from shardwise.comm.mesh import Mesh
 from shardwise.comm.p2p import Peers
 from shardwise.comm.recorder import CommEvent, Recorder
-from shardwise.mesh import Mesh
 from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
     ReplicaStrategy,

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from shardwise.comm.collectives import Group, all_reduce
+from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
-from shardwise.mesh import Mesh
 from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
     ReplicaStrategy,

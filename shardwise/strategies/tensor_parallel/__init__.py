@@ -134,7 +134,7 @@ error is a `ConfigError` naming the innermost module running when it was raised 
 hooks keep the stack), with the first line of torch's message and what to do: a CNN under the
 automatic plan splits ``fc1``/``fc2`` at the root, so the root's input becomes a DTensor and
 ``conv1 (Conv2d)`` fails with "got mixed torch.Tensor and DTensor"; an attention that reshapes with a
-width read from its whole input (``view(b, t, heads, d // heads)``, tests/models/own_models.py's
+width read from its whole input (``view(b, t, heads, d // heads)``, tests/support/own_models.py's
 ``PosTransformer``) fails on its 1/tp heads with a shape error, with and without sequence
 parallelism; a block that adds its own whole ``(T, d)`` position table to the residual stream fails
 only under sequence parallelism (each rank holds T/tp positions). A failure under sequence
@@ -295,7 +295,7 @@ gloo's latency dominate matrices this small, and sequence parallelism's 9 collec
 (against 4) cost more again; the gap narrows as d_model grows. Counting collectives costs
 5-15% of a step here.
 
-**Real models** (`tests/models/test_matrix_tp.py`): HF Llama (its declared plan), HF GPT-2 (Conv1D,
+**Real models** (`tests/strategies/tensor_parallel/test_matrix_tp.py`): HF Llama (its declared plan), HF GPT-2 (Conv1D,
 permuted `c_attn`, tied embeddings), the nanoGPT-style GPT (whole attention, split MLP, tied
 embeddings), BERT and ViT, under tp2, tp2 + sequence parallelism (one 2-process launch) and
 dp2 x tp2 (one 4-process launch): parameters within 1e-9 of `single` after 5 float64 steps with a
@@ -339,13 +339,13 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.comm.collectives import Group
+from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
-from shardwise.mesh import Mesh
-from shardwise.precision import Precision
 from shardwise.strategies import materialize
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
+from shardwise.strategies.precision import Precision
 from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout, tp_info
 from shardwise.strategies.tensor_parallel.counting import (
     StepCounts,

@@ -136,7 +136,7 @@ def shard_data_parallel(module: nn.Module, dp_mesh: Any, units: str | Sequence[s
     own placement) when ``dp_mesh`` and the tp mesh are slices of one DeviceMesh (``mesh["dp"]``,
     ``mesh["tp"]``). ``units``: ``"auto"`` (one unit per block, as ``zero3``), ``"root"``, or names.
     """
-    from shardwise.strategies.fsdp import apply_fsdp, resolve_units
+    from shardwise.strategies.sharded.fsdp import apply_fsdp, resolve_units
 
     return apply_fsdp(module, dp_mesh, units=resolve_units(module, units))
 

@@ -110,7 +110,7 @@ def fused_parts(module: nn.Module, name: str) -> int:
 def auto_plan(module: nn.Module) -> dict[str, str]:
     """The Megatron plan for a module whose linears follow the usual names (see the module docstring).
 
-    >>> from shardwise.recipes.charlm import CharGPT
+    >>> from shardwise.tools.recipes.charlm import CharGPT
     >>> for name, style in auto_plan(CharGPT(11, 8, 16, 2, 1)).items():
     ...     print(name, style)
     blocks.0.attn.q colwise

@@ -72,7 +72,7 @@ def _to_meta(x: Any) -> Any:
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
-    from shardwise.batches import output_loss
+    from shardwise.data.batches import output_loss
 
     loss = output_loss(out)
     if loss is not None:
@@ -123,7 +123,7 @@ class _Where:
 
 
 def _run(model: nn.Module, batch: Any, where: _Where | None = None) -> None:
-    from shardwise.batches import call_model
+    from shardwise.data.batches import call_model
 
     with where.watch() if where is not None else contextlib.nullcontext():
         out = call_model(model, batch)

@@ -1,0 +1,321 @@
+"""``shardwise plan``: its flags, and what it prints and writes.
+
+::
+
+    shardwise plan --model charlm|digits|PATH.json|module:factory [--params 7.5e9] \\
+                   --nproc 64 [--nodes 8] [--device cpu|h100-80gb|a100-40gb|custom.toml] \\
+                   [--global-batch 512 (or --global-batch-size)] [--seq 2048] [--precision bf16-mixed] [--json out.json] [--png out.png]
+    shardwise plan --calibrate [--out shardwise/strategies/cost/profiles/cpu.json]
+    shardwise plan --validate --model digits --nproc 2 [--steps 20]
+
+This module parses and prints; the work is in `candidates` (every candidate through its
+strategy's ``plan``, costed by `shardwise.strategies.cost.estimate`), `recommend`, `calibrate` and `validate`.
+Heavy imports happen inside `cmd_plan`, so ``shardwise --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ConfigError
+
+PLAN_HELP = "which strategy fits a model and a cluster, and what each candidate costs (memory, traffic, step time)"
+
+
+def plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``shardwise plan``."""
+    p.add_argument("--model", default="", help="a recipe (charlm, digits), a Hugging Face config .json, or module:factory")
+    p.add_argument("--params", type=float, help="a parameter count instead of --model (e.g. 7.5e9): a GPT-shaped model")
+    p.add_argument("--layers", type=int, help="with --params: transformer layers")
+    p.add_argument("--hidden", type=int, help="with --params: hidden size")
+    p.add_argument("--heads", type=int, help="with --params: attention heads")
+    p.add_argument("--nproc", type=int, default=None, help="processes in the job (all nodes)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the processes are spread over (default 1)")
+    p.add_argument("--device", default=None, help="cpu (this machine, measured), h100-80gb, a100-40gb, or a profile .toml/.json")
+    p.add_argument(
+        "--global-batch",
+        "--global-batch-size",  # train's and tune's name, which the strategies' messages give
+        dest="global_batch",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all ranks (default: the recipe's, else 512)",
+    )
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches each rank accumulates per step (default 1)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length for --params or a config .json (default 2048 / the config's)")
+    p.add_argument("--precision", default=None, choices=["32", "64", "bf16-mixed", "16-mixed"], help="default: bf16-mixed on GPU profiles, 32 on cpu")
+    p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "momentum"], help="optimizer state per parameter (default adam)")
+    p.add_argument("--unreliable", action="store_true", help="workers are unreliable or slow: recommend asynchronous or local-update strategies")
+    p.add_argument("--all", action="store_true", help="print every candidate, not only the 20 fastest that fit")
+    p.add_argument("--json", help="write every candidate (and the recommendation) to this JSON file")
+    p.add_argument("--png", help="write a picture of the candidates (memory per rank against step time; needs matplotlib)")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine (collectives' alpha and beta, matmul FLOP/s) and write a profile")
+    p.add_argument("--out", default=None, help="--calibrate: the profile file to write (default shardwise/strategies/cost/profiles/cpu.json)")
+    p.add_argument("--validate", action="store_true", help="run each candidate that fits here for a few steps and print predicted against measured")
+    p.add_argument(
+        "--steps", type=int, default=None, help="--validate: steps per candidate (default: 30, or more for a short step, about 2 s of training each)"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="--validate: runs per candidate; its step time is their median (default 1)")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="--validate: candidate labels or strategy names to run, separated by ;  --calibrate: the strategy costs to "
+        "measure again (keys of the profile's framework, such as 'local-sgd;diloco'), the rest of the profile (--out) kept",
+    )
+
+
+def si(n: float, unit: str = "B") -> str:
+    """``1.5e9 -> '1.5 GB'`` (powers of 1000, as the ZeRO paper's GB)."""
+    if n is None or not math.isfinite(n):
+        return "-"
+    for prefix in ("", "k", "M", "G", "T", "P"):
+        if abs(n) < 1000 or prefix == "P":
+            return f"{n:.3g} {prefix}{unit}"
+        n /= 1000
+    return f"{n:.3g} P{unit}"
+
+
+def seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def table(records: list[dict[str, Any]], show_all: bool, limit: int = 20) -> str:
+    fits = sorted((r for r in records if r["fits"]), key=lambda r: r["step_time_s"])
+    shown = fits if show_all else fits[:limit]
+    head = f"{'candidate':58s} {'mesh':>12s} {'mem/rank':>9s} {'state':>9s} {'activ.':>9s} {'comm/step':>10s} "
+    head += f"{'step':>9s} {'compute':>9s} {'bubble':>8s} {'exp.comm':>9s}"
+    lines = [head, "-" * len(head)]
+    for r in shown:
+        m, t = r["memory_breakdown"], r["time_breakdown"]
+        mesh = "x".join(f"{k}{v}" for k, v in r["mesh"].items() if v > 1) or "1"
+        mem = f"{si(r['memory_per_rank_bytes']):>9s} {si(m['model_state']):>9s} {si(m['activations']):>9s} {si(r['comm_bytes_per_step']):>10s}"
+        times = f"{seconds(r['step_time_s']):>9s} {seconds(t['compute_s']):>9s} {seconds(t['bubble_s']):>8s} {seconds(t['exposed_comm_s']):>9s}"
+        lines.append(f"{r['label'][:58]:58s} {mesh:>12s} {mem} {times}")
+    if len(fits) > len(shown):
+        lines.append(f"... {len(fits) - len(shown)} more that fit (--all, or --json for every candidate)")
+    refused = [r for r in records if not r["fits"]]
+    if refused:
+        lines.append(f"{len(refused)} candidate(s) do not fit or are refused:")
+        seen: set[str] = set()
+        hidden = 0
+        for r in refused:
+            key = r["strategy"] + r["reason"][:40]
+            if key in seen and not show_all:
+                hidden += 1  # the same strategy refused for the same reason: one line stands for them
+                continue
+            seen.add(key)
+            lines.append(f"  {r['label']:58s} {r['reason']}")
+        if hidden:
+            lines.append(f"  ... and {hidden} more, each refused as a line above of its strategy (--all lists every one)")
+    return "\n".join(lines)
+
+
+def write_png(records: list[dict[str, Any]], path: str, choice: str | None, title: str) -> None:
+    """Memory per rank against step time, one point per candidate (refused ones hollow)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("the plan PNG needs matplotlib (pip install 'shardwise[plot]'); the table and --json need nothing") from None
+    fig, ax = plt.subplots(figsize=(9, 6))
+    families = sorted({r["strategy"] for r in records})
+    cmap = plt.get_cmap("tab20")
+    for i, fam in enumerate(families):
+        rows = [r for r in records if r["strategy"] == fam and r["step_time_s"] > 0]
+        for fits in (True, False):
+            sel = [r for r in rows if r["fits"] == fits]
+            if sel:
+                ax.scatter(
+                    [r["step_time_s"] for r in sel],
+                    [r["memory_per_rank_bytes"] / 1e9 for r in sel],
+                    label=fam if fits else None,
+                    facecolors=cmap(i % 20) if fits else "none",
+                    edgecolors=cmap(i % 20),
+                    s=36,
+                )
+    mem = records[0].get("device_memory_bytes")
+    if mem:
+        ax.axhline(mem / 1e9, color="grey", linestyle="--", linewidth=1, label="device memory")
+    best = next((r for r in records if r["label"] == choice), None)
+    if best:
+        ax.annotate(
+            f"recommended: {best['label']}", (best["step_time_s"], best["memory_per_rank_bytes"] / 1e9), xytext=(10, 10), textcoords="offset points", fontsize=8
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted step time (s)")
+    ax.set_ylabel("memory per rank (GB)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from shardwise.strategies.cost.cluster import Cluster, load_profile
+    from shardwise.strategies.cost.estimate import Settings
+    from shardwise.tools.advisor.models import load_model
+    from shardwise.tools.recipes import available, get_recipe
+
+    if args.nproc is None:
+        raise ConfigError("shardwise plan needs --nproc N (the processes of the job, e.g. --nproc 64 --nodes 8)")
+    if not args.model and args.params is None:
+        raise ConfigError("shardwise plan needs --model (charlm, digits, PATH.json, module:factory) or --params N (e.g. --params 7.5e9)")
+    here = args.model in available() or getattr(args, "validate", False)  # --validate measures on this machine
+    device = load_profile(args.device or ("cpu" if here else "h100-80gb"))
+    cluster = Cluster(device, args.nproc, args.nodes)
+    batch = args.global_batch or (int(get_recipe(args.model).trainer_defaults["global_batch_size"]) if args.model in available() else 512)
+    if batch < 1:
+        raise ConfigError(f"--global-batch must be >= 1; got {batch}")
+    # on a profile measured here, a real module's own step is timed here too (see plan.cost.local_compute)
+    timed = batch if device.local else None
+    model = load_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, timed_batch=timed)
+    if args.accumulate < 1:
+        raise ConfigError(f"--accumulate must be >= 1; got {args.accumulate}")
+    precision = args.precision or ("32" if device.name.startswith("cpu") else "bf16-mixed")
+    return model, cluster, Settings(batch, precision, args.optimizer, args.accumulate)
+
+
+def _saves_memory(rec: dict[str, Any]) -> bool:
+    """A record of `candidates.memory_savers`: activation checkpointing or CPU offload."""
+    return rec.get("activation_checkpointing", "off") != "off" or bool(rec["options"].get("offload"))
+
+
+def saver_note(rec: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """What a record's activation checkpointing or CPU offload (`candidates.memory_savers`) buys and costs against the
+    same layout without them: how to ask for it, the memory per rank, and the step time the recompute and the copies add."""
+    ac, offload = rec.get("activation_checkpointing", "off") != "off", bool(rec["options"].get("offload"))
+    if not ac and not offload:
+        return ""
+    plain_options = {k: v for k, v in rec["options"].items() if k != "offload"}
+    plain = next(
+        (r for r in records if r["strategy"] == rec["strategy"] and r["options"] == plain_options and r.get("activation_checkpointing", "off") == "off"),
+        None,
+    )
+    t = rec["time_breakdown"]
+    asks, costs = [], []
+    if ac:
+        asks.append(f"--activation-checkpointing {rec['activation_checkpointing']}")
+        costs.append(f"recompute {seconds(t.get('recompute_s', 0.0))} (one more forward of the checkpointed blocks)")
+    if offload:
+        asks.append("--offload")
+        costs.append(f"host copies {seconds(t.get('offload_s', 0.0))} (parameters in and gradients out over the host link; the optimizer steps on the CPU)")
+    against = (
+        f" than {plain['label']}'s {seconds(plain['step_time_s'])}, which needs {si(plain['memory_per_rank_bytes'])} per rank" if plain is not None else ""
+    )
+    return (
+        f"fits only with {' and '.join(asks)}: {si(rec['memory_per_rank_bytes'])} per rank; the step takes "
+        f"{seconds(rec['step_time_s'] - plain['step_time_s']) if plain is not None else seconds(rec['step_time_s'])} "
+        f"{'longer' if plain is not None else ''}{against}: {', '.join(costs)}"
+    )
+
+
+_ACCUMULATIONS_TRIED = 24
+
+
+def fits_with_accumulation(model: Any, cluster: Any, settings: Any) -> str:
+    """What to do when nothing fits, found by planning again: with each rank's batch split into 2, 4, 8, ...
+    micro-batches (activations are held for one at a time; each accumulation that divides the global batch), the first accumulation at which a candidate
+    fits, and the fastest candidate then; or, when none fits even at one sample per micro-batch, more
+    processes or a bigger device."""
+    from dataclasses import replace
+
+    from shardwise.tools.advisor.candidates import plan_all
+
+    # Every accumulation that divides the global batch, smallest first (each plan is a few ms of formulas
+    # per candidate); a capped search says so rather than claim that nothing fits.
+    steps = [a for a in range(settings.accumulate + 1, settings.global_batch + 1) if settings.global_batch % a == 0]
+    for accumulate in steps[:_ACCUMULATIONS_TRIED]:
+        planned = plan_all(model.spec, cluster, replace(settings, accumulate=accumulate), model.module)
+        again = [r for r in planned if r["fits"] and not _saves_memory(r)]  # plain layouts: smaller micro-batches instead
+        if again:
+            best = min(again, key=lambda r: r["step_time_s"])
+            return (
+                f"With --accumulate {accumulate} (micro-batches {accumulate / settings.accumulate:.3g}x smaller) {len(again)} candidate(s) fit, "
+                f"the fastest {best['label']} at {si(best['memory_per_rank_bytes'])} per rank: run plan again with --accumulate {accumulate}"
+            )
+    if len(steps) > _ACCUMULATIONS_TRIED:
+        last = steps[_ACCUMULATIONS_TRIED - 1]
+        return f"Nothing fits with --accumulate up to {last} either: more processes (--nproc), or a device with more memory (--device)"
+    return "Nothing fits at any accumulation either: more processes (--nproc) to shard the model state over, or a device with more memory (--device)"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Run ``shardwise plan`` (or ``--calibrate`` / ``--validate``)."""
+    if args.calibrate:
+        from shardwise.tools.advisor.calibrate import cmd_calibrate
+
+        return cmd_calibrate(args.out, args.only.split(";") if args.only else None)
+    model, cluster, settings = _settings_and_cluster(args)
+    if args.validate:
+        from shardwise.tools.advisor.validate import cmd_validate
+
+        return cmd_validate(args, model, cluster, settings)
+    from shardwise.tools.advisor.candidates import plan_all
+    from shardwise.tools.advisor.recommend import recommend
+
+    records = plan_all(model.spec, cluster, settings, model.module)
+    for r in records:
+        r["device_memory_bytes"] = cluster.device.memory_bytes
+    advice = recommend(records, model.spec, cluster, settings, unreliable=args.unreliable)
+    if advice["choice"] is None:
+        advice["why"] += ". " + fits_with_accumulation(model, cluster, settings)
+    elif _saves_memory(advice["choice_record"]) and not any(r["fits"] and not _saves_memory(r) for r in records):
+        # the alternative that costs no recompute or host copies: smaller micro-batches, where they are enough
+        advice["why"] += ". Without activation checkpointing or offload: " + fits_with_accumulation(model, cluster, settings)
+    spec = model.spec
+    print(
+        f"model {spec.name}: {si(spec.params, '')} parameters, {spec.layers} layers, hidden {spec.hidden}, seq {spec.seq}, "
+        f"{si(spec.flops_per_sample, 'FLOP')} per sample (forward + backward)"
+    )
+    dev = cluster.device
+    print(
+        f"cluster: {cluster.nproc} processes on {cluster.nodes} node(s), {dev.name}: {si(dev.memory_bytes)}, "
+        f"{si(dev.flops_for(settings.precision) * dev.efficiency, 'FLOP/s')} sustained; "
+        f"global batch {settings.global_batch} (accumulate {settings.accumulate}), precision {settings.precision}, {settings.optimizer}"
+    )
+    print(table(records, args.all))
+    print(f"recommendation: {advice['choice'] or 'none fits'}  ({advice['why']})")
+    rec = advice["choice_record"]
+    if rec:
+        m, t = rec["memory_breakdown"], rec["time_breakdown"]
+        print(
+            f"  memory per rank {si(m['total'])}: params {si(m['params'])}, grads {si(m['grads'])}, optimizer {si(m['optimizer'])}, "
+            f"activations {si(m['activations'])}, buffers {si(m['buffers'])}; sends {si(rec['comm_bytes_per_step'])} per step; "
+            f"step {seconds(t['step_s'])} = compute {seconds(t['compute_s'])} + bubble {seconds(t['bubble_s'])} + optimizer {seconds(t['optimizer_s'])} "
+            f"+ exposed comm {seconds(t['exposed_comm_s'])} + overhead {seconds(t['overhead_s'])}"
+            + (f" + host copies {seconds(t['offload_s'])}" if t.get("offload_s") else "")
+        )
+    if rec and (saving := saver_note(rec, records)):
+        print(f"  {saving}")
+    if advice["fastest"] and advice["fastest"] != advice["choice"]:
+        print(f"  fastest that fits: {advice['fastest']}")
+    if args.json:
+        out = {
+            "model": spec.to_json(),
+            "cluster": {"nproc": cluster.nproc, "nodes": cluster.nodes, "device": dev.to_json()},
+            "settings": {
+                "global_batch": settings.global_batch,
+                "accumulate": settings.accumulate,
+                "precision": settings.precision,
+                "optimizer": settings.optimizer,
+            },
+            "recommendation": {k: v for k, v in advice.items() if k != "choice_record"},
+            "candidates": records,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json} ({len(records)} candidates)")
+    if args.png:
+        write_png(records, args.png, advice["choice"], f"{spec.name} on {cluster.nproc} x {dev.name}, batch {settings.global_batch}")
+        print(f"wrote {args.png}")
+    return 0

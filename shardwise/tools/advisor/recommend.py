@@ -1,0 +1,135 @@
+"""The recommendation: the guide's rule that applies, and the fastest candidate that fits under it.
+
+The guide (the course's order of resort, each step the cheapest that removes the constraint):
+
+1. the whole training state fits on one device: **DDP** (replicate; only gradients move);
+2. parameters and gradients fit but the optimizer state does not: **ZeRO-1/2** (shard the
+   optimizer state, then the gradients; same traffic as DDP, Rajbhandari et al. 2020, section 7);
+3. the parameters themselves do not fit: **ZeRO-3 / FSDP** (or HSDP across nodes);
+4. one layer does not fit, or the batch is too small to give every process a sample:
+   **tensor parallelism** (Shoeybi et al. 2019);
+5. many layers and slow links (data parallelism's exposed communication above half its step):
+   **pipeline parallelism** (point-to-point activations instead of whole-model allreduces);
+6. unreliable or slow workers (``--unreliable``): **asynchronous parameter servers or local SGD**.
+
+The rule picks the family; the candidate is the fastest one of that family that fits. The
+numbers behind the rule (bytes per category against the device's memory) are returned with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shardwise.strategies.cost.cluster import Cluster
+from shardwise.strategies.cost.estimate import Settings
+from shardwise.strategies.cost.model_spec import ModelSpec
+
+FAMILIES = {
+    "ddp": ("ddp",),
+    "zero12": ("zero1", "zero2"),
+    "zero3": ("zero3", "fsdp", "hsdp"),
+    "tp": ("tp", "pipeline"),
+    "pipeline": ("pipeline",),
+    "unreliable": ("ps", "local-sgd", "diloco"),
+}
+
+
+def _fastest(records: Sequence[dict[str, Any]], names: Sequence[str], need: str = "") -> dict[str, Any] | None:
+    ok = [r for r in records if r["fits"] and r["strategy"] in names and r["world_size"] > 1]
+    if need == "tp":
+        ok = [r for r in ok if r["mesh"].get("tp", 1) > 1]
+    if need == "async":
+        ok = [r for r in ok if r["options"].get("mode") != "sync"]
+    return min(ok, key=lambda r: r["step_time_s"]) if ok else None
+
+
+def recommend(records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Cluster, settings: Settings, unreliable: bool = False) -> dict[str, Any]:
+    """``{rule, why, choice, fastest, numbers}`` for ``records`` (the candidates' records)."""
+    mem = cluster.device.memory_bytes
+    per = settings.per_param
+    single = next(r for r in records if r["strategy"] == "single")
+    state = single["memory_breakdown"]
+    gb = 1e9
+    numbers = {
+        "device_memory_bytes": mem,
+        "single_total_bytes": state["total"],
+        "params_bytes": state["params"],
+        "params_grads_bytes": state["params"] + state["grads"],
+        "optimizer_bytes": state["optimizer"],
+        "layer_state_bytes": spec.layer_params * (per.params + per.grads + per.optimizer),
+        "samples_per_process": settings.global_batch / cluster.nproc,
+    }
+    ddp = _fastest(records, ("ddp",))
+    ddp_ref = next((r for r in records if r["strategy"] == "ddp"), None)  # the replicated layout at this world size
+    act = (ddp_ref or single)["memory_breakdown"]["activations"] + (ddp_ref or single)["memory_breakdown"]["buffers"]
+    if unreliable:
+        rule, why, need = "unreliable", "workers are unreliable or slow: asynchronous parameter servers or local SGD / DiLoCo tolerate them", "async"
+    elif numbers["layer_state_bytes"] > mem or numbers["samples_per_process"] < 1:
+        rule, need = "tp", "tp"
+        why = (
+            f"one layer's state ({numbers['layer_state_bytes'] / gb:.3g} GB) exceeds the device ({mem / gb:.3g} GB)"
+            if numbers["layer_state_bytes"] > mem
+            else f"the batch gives {numbers['samples_per_process']:.2g} samples per process: split each layer (tensor parallelism)"
+        )
+    elif ddp_ref is not None and ddp_ref["memory_breakdown"]["total"] <= mem:
+        rule, need = "ddp", ""
+        why = f"the model fits on one device ({ddp_ref['memory_breakdown']['total'] / gb:.3g} GB per rank of {mem / gb:.3g} GB under DDP): replicate it (DDP)"
+    elif state["params"] + state["grads"] + act <= mem:
+        rule, need = "zero12", ""
+        why = (
+            f"parameters, gradients and activations fit ({(numbers['params_grads_bytes'] + act) / gb:.3g} GB) but not with the optimizer state "
+            f"({state['optimizer'] / gb:.3g} GB): shard the optimizer state (ZeRO-1/2)"
+        )
+    elif act <= mem:
+        rule, need = "zero3", ""
+        why = (
+            f"the parameters and gradients ({numbers['params_grads_bytes'] / gb:.3g} GB) with activations ({act / gb:.3g} GB) "
+            f"exceed the device ({mem / gb:.3g} GB): shard them too (ZeRO-3/FSDP)"
+        )
+    else:
+        rule, need = "tp", ""
+        why = (
+            f"a data-parallel rank's activations alone ({act / gb:.3g} GB) exceed the device ({mem / gb:.3g} GB): "
+            "split the layers (tensor / pipeline parallelism)"
+        )
+    if rule in ("ddp", "zero12") and cluster.nodes > 1 and ddp is not None and spec.layers >= 8:
+        t = ddp["time_breakdown"]
+        if t["exposed_comm_s"] > 0.5 * t["step_s"]:
+            rule, need = "pipeline", ""
+            why = f"many layers ({spec.layers}) and slow links: DDP's exposed communication is {t['exposed_comm_s']:.3g} s of its {t['step_s']:.3g} s step"
+    choice = _fastest(records, FAMILIES[rule], need)
+    fastest = _fastest(records, sorted({r["strategy"] for r in records}))
+    if choice is None and fastest is not None:
+        why += "; no candidate of that family fits here, so the fastest candidate that fits is named instead"
+        choice = fastest
+    elif choice is None:
+        why = f"no candidate fits: {why}. {nothing_fits(records, mem)}"
+    return {
+        "rule": rule,
+        "why": why,
+        "choice": choice["label"] if choice else None,
+        "choice_record": choice,
+        "fastest": fastest["label"] if fastest else None,
+        "numbers": numbers,
+    }
+
+
+def nothing_fits(records: Sequence[dict[str, Any]], device_bytes: float) -> str:
+    """Why no candidate fits, told by the candidate that needs the least memory per rank: its model state
+    alone is too big (more processes to shard over, or a bigger device), or its activations are (smaller
+    micro-batches: ``shardwise plan`` then tries more accumulation steps, `commands.fits_with_accumulation`)."""
+    gb = 1e9
+    sized = [r for r in records if r.get("memory_per_rank_bytes") and r["memory_per_rank_bytes"] > 0 and r["world_size"] > 0]
+    if not sized:
+        return "Every candidate was refused by its strategy (the reasons are listed above)."
+    best = min(sized, key=lambda r: r["memory_per_rank_bytes"])
+    m = best["memory_breakdown"]
+    head = f"The least memory per rank is {best['label']}'s, {best['memory_per_rank_bytes'] / gb:.3g} GB of the device's {device_bytes / gb:.3g} GB"
+    rest = m["total"] - m["activations"]  # model state and buffers: what a smaller micro-batch does not shrink
+    if rest >= device_bytes:
+        return (
+            f"{head}, and its model state alone ({m['model_state'] / gb:.3g} GB) does not fit: more processes (--nproc) "
+            "to shard it over, or a device with more memory (--device)"
+        )
+    return f"{head}; its activations ({m['activations'] / gb:.3g} GB) are what does not fit (they shrink with the micro-batch)"

@@ -1,0 +1,165 @@
+"""``shardwise tune lr`` and ``shardwise tune batch-size``: the tuners on a built-in recipe.
+
+::
+
+    shardwise tune lr --recipe digits [--strategy ddp --nproc 2] [--min-lr 1e-6 --max-lr 10 --steps 100]
+                      [--png lr_find.png] [--json FILE] [--config FILE.toml] [--set section.key=value ...]
+    shardwise tune batch-size --recipe digits --memory-budget 2GB [--strategy ddp --nproc 2] [--steps 5]
+                      [--max-batch N] [--json FILE]
+
+The run's settings come from the recipe's defaults, then ``--config`` and ``--set`` (as for
+``shardwise train``; strategy options go through ``--set trainer.strategy_options.KEY=VALUE``),
+then the flags here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from shardwise.errors import ConfigError
+
+TUNE_HELP = "find a learning rate (range test) or the largest batch that fits memory"
+
+_SETTINGS = ("strategy", "nproc", "precision", "accelerator", "global_batch_size", "accumulate", "seed")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``shardwise tune``'s two subcommands and their flags."""
+    sub = parser.add_subparsers(dest="tune_command", required=True, metavar="{lr,batch-size}")
+    lr = sub.add_parser(
+        "lr",
+        help="learning-rate range test: sweep the rate up, suggest the steepest descent of the loss",
+        description="Learning-rate range test (Smith 2017, section 3.3): the rate rises geometrically over a short run; "
+        "the suggestion is where the smoothed loss falls fastest; the run stops when the loss diverges.",
+    )
+    _common(lr)
+    lr.add_argument("--min-lr", type=float, default=1e-6, help="rate of the first step (default 1e-6)")
+    lr.add_argument("--max-lr", type=float, default=10.0, help="rate of the last step (default 10)")
+    lr.add_argument("--steps", type=int, default=100, help="steps of the sweep (default 100)")
+    lr.add_argument("--smoothing", type=float, default=0.9, help="weight of the past in the loss's moving average (default 0.9)")
+    lr.add_argument("--diverge", type=float, default=4.0, help="stop when the smoothed loss exceeds this many times its lowest (default 4)")
+    lr.add_argument("--png", default="lr_find.png", help="picture of loss against rate (default lr_find.png; needs matplotlib; '' for none)")
+    bs = sub.add_parser(
+        "batch-size",
+        help="the largest micro-batch per rank that fits a memory budget, and the throughput of each size tried",
+        description="Try micro-batch sizes (doubling, then bisecting) in fresh processes, a few training steps each; "
+        "a size fits when every rank's peak memory is within the budget (CUDA memory on GPU, resident memory on CPU).",
+    )
+    _common(bs)
+    bs.add_argument("--memory-budget", help="per process, e.g. 2GB or 512MiB (required on CPU; on GPU the default is what fits CUDA memory)")
+    bs.add_argument("--steps", type=int, default=8, help="training steps per size (default 8; the first is not timed)")
+    bs.add_argument("--max-batch", type=int, help="largest micro-batch to try (default: what the training set holds)")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
+    p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
+    p.add_argument("--nproc", type=int, help="local worker processes (default 1)")
+    p.add_argument("--precision", help="32, 64, bf16-mixed, 16-mixed")
+    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--global-batch-size", type=int)
+    p.add_argument("--accumulate", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
+    p.add_argument("--json", help="write the result as JSON to this file")
+
+
+def _recipe_trainer(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The recipe's parts and a Trainer with its settings, the config file's, ``--set`` and the flags."""
+    from shardwise.engine import seed_everything
+    from shardwise.strategies.options import resolve
+    from shardwise.tools.recipes import get_recipe
+    from shardwise.trainer import Trainer
+    from shardwise.trainer.config import TrainerConfig, apply_overrides, from_mapping, load_toml
+
+    recipe = get_recipe(args.recipe)
+    sections = apply_overrides(load_toml(args.config) if args.config else {}, args.set)
+    unknown = sorted(set(sections) - {"trainer", "recipe"})
+    if unknown:
+        raise ConfigError(f"unknown config sections {unknown}; use [trainer] and [recipe] (strategy options go under [trainer.strategy_options])")
+    settings: dict[str, Any] = {**recipe.trainer_defaults, **sections.get("trainer", {})}
+    settings.update({name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None})
+    options = settings.get("strategy_options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(f"trainer.strategy_options must be a table of option = value; got {options!r}")
+    if options:
+        settings["strategy_options"] = resolve(str(settings.get("strategy", TrainerConfig.strategy)), options)
+    config = from_mapping(settings)
+    seed_everything(config.seed)  # the model starts as `shardwise train` would start it
+    parts = recipe.parts(sections.get("recipe"))
+    trainer = Trainer(config=config, optimizer=parts.optimizer, loss_fn=parts.loss_fn, lr_scheduler=parts.lr_scheduler)
+    return trainer, parts
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.tune_command == "lr":
+        return _lr(args)
+    return _batch_size(args)
+
+
+def _lr(args: argparse.Namespace) -> int:
+    from shardwise.trainer.lr_find import check_settings
+
+    check_settings(args.min_lr, args.max_lr, args.steps, args.smoothing, args.diverge)  # before the recipe is built
+    trainer, parts = _recipe_trainer(args)
+    cfg = trainer.config
+    print(
+        f"learning-rate range test: {args.recipe}, {cfg.strategy} on {cfg.nproc} process{'es' if cfg.nproc > 1 else ''}, "
+        f"global batch {cfg.global_batch_size}, {args.steps} steps from {args.min_lr:g} to {args.max_lr:g}",
+        flush=True,
+    )
+    from shardwise.trainer.lr_find import lr_find
+
+    result = lr_find(
+        trainer,
+        parts.model,
+        parts.train,
+        min_lr=args.min_lr,
+        max_lr=args.max_lr,
+        steps=args.steps,
+        smoothing=args.smoothing,
+        diverge=args.diverge,
+        png=args.png or None,
+    )
+    n = len(result.lrs)
+    if result.stopped_early:
+        print(f"stopped at step {n} of {args.steps} (lr {result.lrs[-1]:.3g}): the smoothed loss passed {args.diverge:g}x its lowest")
+    low = min(range(n), key=lambda i: result.smoothed[i])
+    print(f"smoothed loss {result.smoothed[0]:.4g} at the start, lowest {result.smoothed[low]:.4g} at lr {result.lrs[low]:.3g}")
+    print(f"suggested learning rate: {result.suggestion:.3g} (steepest descent of the smoothed loss, step {result.suggestion_index + 1})")
+    if result.png:
+        print(f"wrote {result.png}")
+    _write_json(args.json, result.to_dict())
+    return 0
+
+
+def _batch_size(args: argparse.Namespace) -> int:
+    from shardwise.tools.tune.batch_size import find_batch_size, format_bytes, parse_bytes
+
+    if args.memory_budget is not None:
+        parse_bytes(args.memory_budget)  # a misspelt budget is said before the recipe is built
+    trainer, parts = _recipe_trainer(args)
+    cfg = trainer.config
+    budget = f"a budget of {args.memory_budget} per process" if args.memory_budget else "CUDA memory"
+    print(
+        f"batch-size finder: {args.recipe}, {cfg.strategy} on {cfg.nproc} process{'es' if cfg.nproc > 1 else ''}, {budget}, {args.steps} steps per size",
+        flush=True,
+    )
+    result = find_batch_size(trainer, parts.model, parts.train, memory_budget=args.memory_budget, steps=args.steps, max_batch=args.max_batch)
+    print(result.table())
+    cap = " (the most the training set allows: larger sizes were not tried)" if result.capped_by_data else ""
+    budget_text = f" within {args.memory_budget} ({format_bytes(result.budget_bytes)})" if result.budget_bytes is not None else ""
+    print(f"largest micro-batch per rank that fits{budget_text}: {result.micro_batch} (global batch {result.global_batch}){cap}")
+    _write_json(args.json, result.to_dict())
+    return 0
+
+
+def _write_json(path: str | None, doc: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
