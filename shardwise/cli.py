@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardwise.tools.compress.commands import add_arguments as compress_arguments
 
     compress_arguments(sub.add_parser("compress", help=COMPRESS_HELP, description=COMPRESS_HELP[0].upper() + COMPRESS_HELP[1:] + "."))
-    from shardwise import predict, preprocess
+    from shardwise.tools import predict, preprocess
 
     predict.add_arguments(sub.add_parser("predict", help=predict.HELP, description=predict.HELP[0].upper() + predict.HELP[1:] + "."))
     preprocess.add_arguments(sub.add_parser("preprocess", help=preprocess.HELP, description=preprocess.HELP[0].upper() + preprocess.HELP[1:] + "."))
