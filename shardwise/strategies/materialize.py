@@ -1,46 +1,8 @@
 """Models built on the meta device, materialized on each rank as that rank's share only.
 
-Design notes
-============
-
-A model built under ``torch.device("meta")`` (or `meta_init`) holds shapes and no bytes. Each rank
-gives it storage only where it keeps a tensor: the strategy first wraps or splits the meta model
-(FSDP2's shards, tp's DTensor shards, a pipeline stage's own blocks), then `fill` allocates what
-this rank holds and writes its share of every value; replicas (single, ddp, zero1, ps, local SGD)
-get the whole model (`fill` on the whole module, before the strategy sees it). Nothing is sent.
-
-**The same weights as the eager model, bit for bit.** The values must equal those of the same model
-built eagerly from the same generator state. Eager construction draws from the CPU generator in a
-fixed order: each module's constructor initializes its own tensors (torch's modules call
-``reset_parameters`` last in ``__init__``; `nn.MultiheadAttention` and `nn.Transformer` call
-``_reset_parameters``), children before the parent that creates them; a transformers model then runs
-``post_init`` at the end of its own constructor, which calls its ``_init_weights`` on every module of
-its subtree not yet initialized (children first, a nested pretrained model with its own), so an
-inner model (``LlamaModel``) is initialized before the outer one's later modules (``lm_head``) are
-even built. `plan_init` writes that order down as a list of events on the meta model, and finds
-which parameter and buffer slots each event writes by running it on meta tensors under a dispatch
-mode that notes every in-place write (no memory, no arithmetic, and meta kernels draw nothing from
-the generator). `fill` replays the events from the generator state of the build, one module at a
-time on temporary CPU tensors of the full shape: an event's values are kept only for the slots
-whose last event it is, written into this rank's share, then dropped; earlier events only advance
-the generator (their values are overwritten later). A temporary starts as NaN: a floating slot
-still NaN after its last event depended on an earlier value (``mul_``) or was written by another
-module's event, and its events are replayed again, from the generator states recorded before
-each, on one temporary. So no rank holds more than one module's tensors whole (an event that
-writes many slots, such as `nn.Transformer`'s, holds those). Tied weights: a slot that is not the
-first name of its tensor (GPT-2's ``lm_head.weight``) was the module's own tensor when its
-constructor and ``_init_weights`` ran (transformers ties after initializing), so events write it
-to a throwaway temporary; the first name holds the value.
-
-**The generator state.** `meta_init` records the CPU generator's state where the model is built; a
-model built under ``torch.device("meta")`` directly takes the state where ``Trainer.fit`` (or
-``Engine.setup``) receives it, as if it had been built there. The replay restores the generator
-afterwards, so the run's own randomness is unchanged.
-
-**Refused before launch** (`plan_init(...).check()`): a parameter no event writes (a bare
-``nn.Parameter(torch.randn(...))`` in a constructor: its initializer cannot be replayed), and a
-buffer left on the meta device that nothing writes (a causal mask built in ``__init__`` under
-``torch.device("meta")``: `meta_init` keeps buffers real).
+`plan_init` records how the eager model would have drawn its weights; `fill` replays that on each
+rank into the tensors the strategy left it. Design notes (why the values equal the eager model's
+bit for bit, what is refused): docs/strategies/meta_init.md.
 """
 
 from __future__ import annotations
