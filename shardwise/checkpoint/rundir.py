@@ -1,43 +1,10 @@
 """The run directory's rules: one run per directory, and nothing another run wrote is lost.
 
-A run writes ``metrics.jsonl``, ``summary.json`` and ``checkpoints/`` into its ``out``
-directory. A second run into the same directory would mix with the first (keep-last pruning
-by step number deleting the new run's checkpoints, ``resume="auto"`` picking the old run), so:
-
-- a directory that already holds a run is refused before anything starts, unless
-  ``resume`` says to continue it or ``overwrite=True`` says to replace it;
-- ``overwrite`` moves the old run's files aside into ``replaced-<time>/`` (nothing is
-  deleted), and says so;
-- every checkpoint records its run lineage (``run_id``; a resumed run keeps the id of the
-  checkpoint it resumed from), and pruning deletes only checkpoints of the same lineage.
-
-Design notes: Run outputs
-=========================
-
-One directory holds one run (`shardwise.checkpoint.rundir`): an `out` that holds `metrics.jsonl`,
-`summary.json` or checkpoints is refused before launch unless `resume` continues it or
-`overwrite=True` moves its files into `out/replaced-<time>/` (nothing is deleted). Each
-checkpoint's manifest records its `run_id` (a resume takes the id of the checkpoint it resumed
-from), and keep-last pruning deletes only checkpoints of the same id. The first printed line
-says where metrics, summary and checkpoints go, or that nothing is saved without `out`. A
-resume drops `metrics.jsonl` lines of steps after the resumed checkpoint (the replayed steps log
-again, once); a run stopped between log steps logs its last step; every key `validation_step`
-returns is logged as `val_<key>`; resuming a run that already reached its last step trains
-nothing and says so (`already_finished` in its summary, no NaN). Under data parallelism,
-`sync_batchnorm=True` replaces BatchNorm with `strategies.batchnorm.SyncBatchNorm` (statistics
-of the global batch: one differentiable all-reduce of sum, sum of squares and count per layer in
-forward and the same in backward; torch's own is CUDA-only), and a model with BatchNorm trained
-data-parallel without it gets a warning at start. ddp's own C++ bucket allreduce is not timed,
-so its `comm` entry has no `seconds` (it was a misleading 0.0; `record_buckets=True` times it).
-
-Rank 0 writes `metrics.jsonl` (a line per log step and per evaluation) and `summary.json`
-(`strategy`, `world_size`, `precision`, `global_batch_size`, `accumulate`, `steps`,
-`steps_this_run`, `samples`, `wall_s`, `train_s`, `samples_per_s`, `train_loss`, `val_loss`,
-`val_<metric>`, `val_samples`, `resumed_from`, `last_checkpoint`, `comm` and each strategy's
-own section). `comm.by_op` is keyed `group/op` with count, payload bytes, bytes sent and
-received per rank, seconds. For library collectives the sent/received bytes are the
-bandwidth-optimal figures nccl-tests uses (allreduce `2(p-1)/p n`), stated as such in
-`shardwise/comm/recorder.py`.
+A directory that already holds a run is refused before anything starts, unless ``resume``
+continues it or ``overwrite=True`` moves its files aside into ``replaced-<time>/`` (nothing is
+deleted); every checkpoint records its run lineage (``run_id``), and pruning deletes only
+checkpoints of the same lineage. Design notes (why, and what a run writes: ``metrics.jsonl``,
+``summary.json``): docs/checkpoint.md, "The run directory" and "Run outputs".
 """
 
 from __future__ import annotations

@@ -1,61 +1,10 @@
 """Exact traffic of each allreduce algorithm: bytes sent, bytes received and rounds, per rank.
 
-Pure functions of (algorithm, number of elements, element size, world size, rank):
-no process group. The algorithms in `shardwise.comm.algorithms` record what they
-actually send; the tests check, byte for byte, that it equals what is written here.
-
-Conventions (the same ones the implementations follow):
-
-- A tensor of ``n`` elements is cut into ``q`` pieces as ``torch.tensor_split``
-  does: the first ``n % q`` pieces hold ``n // q + 1`` elements, the rest ``n // q``
-  (`split_sizes`). Ring cuts into ``p`` pieces, Rabenseifner into ``p'`` (below).
-- A *round* (``steps``) is one communication step of the schedule in which this
-  rank sends at most one message and receives at most one (the single-port,
-  full-duplex model of Thakur, Rabenseifner & Gropp 2005, "Optimization of
-  Collective Communication Operations in MPICH", IJHPCA 19(1)). A rank counts the
-  rounds it takes part in; the largest count over ranks is the critical path that
-  the latency term alpha multiplies. Empty messages (pieces of zero elements when
-  ``n < p``) are skipped but their round still counts.
-- World sizes that are not powers of two (recursive doubling, Rabenseifner) are
-  handled as MPICH does: with ``p' = 2^floor(lg p)`` and ``r = p - p'``, among the
-  first ``2r`` ranks each even rank sends its whole vector to the odd rank above it
-  and sits out; the ``p'`` remaining ranks run the power-of-two algorithm; the odd
-  ranks send the result back (two extra rounds, ``n`` each way).
-
-Closed forms for ``n`` elements of ``b`` bytes (``N = n b``) and ``p`` ranks:
-
-=====================  ==========================================  ======================
-algorithm              bytes sent by rank ``k``                     rounds
-=====================  ==========================================  ======================
-ring                   ``(2n - c[k] - c[k+1]) b``; ``2(p-1)/p N``   ``2(p-1)``
-                       when ``p`` divides ``n``
-recursive-doubling     ``N lg p`` (``p`` a power of two)            ``lg p``
-rabenseifner           ``(n - c[k] + S(k)) b``; ``2(p-1)/p N``      ``2 lg p``
-                       when ``p`` divides ``n`` (power of two)
-tree                   ``N (children(k) + [k != 0])``               ``2 (children + [k != 0])``
-master-worker          root ``(p-1) N``, worker ``N``               root ``2(p-1)``, worker 2
-all-to-all             ``(p-1) N``                                  ``p-1``
-native                 ``2(p-1) N // p`` (nccl-tests' bus figure)   0 (hidden in the library)
-=====================  ==========================================  ======================
-
-Ring: rank ``k`` ends the reduce-scatter owning piece ``k``; it sends every piece
-but its own in the reduce-scatter and every piece but ``k+1`` in the all-gather,
-and receives every piece but ``k-1`` and then every piece but its own.
-
-Rabenseifner: ``S(k) = sum_{j < lg p'} |block of 2^j pieces containing k|`` (aligned
-blocks), which is ``(p'-1) n/p'`` when ``p'`` divides ``n``; sent equals received.
-
-Tree (binomial, root 0): ``children(k)`` is the number of ``m = 2^i`` below the
-lowest set bit of ``k`` (any ``m`` for the root) with ``k + m < p``. Every edge of
-the tree carries ``N`` up (reduce) and ``N`` down (broadcast), so the ``p - 1``
-edges carry ``2(p-1) N`` in all: on average ``2(p-1)/p N`` per rank, like ring,
-but the root sends ``N ceil(lg p)`` and rounds are ``2 ceil(lg p)`` on its path.
-
-Master-worker (root 0): every worker sends ``N`` to the root and receives the
-result back; the root receives and sends ``(p-1) N``, one message per round.
-
-All-to-all: each rank sends its whole vector to every other rank (``p-1``
-pairwise rounds) and reduces all ``p`` vectors locally.
+Pure functions of (algorithm, number of elements, element size, world size, rank): no process
+group. The algorithms in `shardwise.comm.algorithms` record what they actually send; the tests
+check, byte for byte, that it equals what is written here. The conventions (pieces cut as
+``torch.tensor_split`` cuts them, rounds in the single-port model, non-powers of two folded as
+MPICH does) and the closed forms per algorithm: docs/comm.md, "Exact traffic per rank".
 """
 
 from __future__ import annotations

@@ -1,64 +1,11 @@
 """Global-batch data loading: a stateful sharded sampler and exact-once evaluation.
 
-The user sets the *global* batch. Each step, a seeded permutation of the epoch
-gives the global batch's indices; rank r takes the r-th contiguous slice of it,
-and splits that into ``accumulate`` micro-batches. The global batch is the same
-whatever the world size, so results do not depend on how many processes run.
-
-The loader's position (epoch, steps taken in the epoch) is all the state it has:
-the order is a pure function of (seed, epoch), so a resume mid-epoch continues
-with exactly the next samples, at any world size.
-
-``shardwise.data.map(fn, dataset, workers=N)`` (in `shardwise.data.parallel`) is the other
-side of data: preprocessing before training, in worker processes or on Ray, cached by content.
-
-Design notes: Data: global-batch semantics
-==========================================
-
-The user sets the global batch `B`. Epoch `e`'s order is `randperm(n)` seeded by `(seed, e)`;
-step `s` takes `perm[s*B:(s+1)*B]`; rank `r` takes the `r`-th contiguous slice of `B/world`
-and splits it into `accumulate` micro-batches. The global batch is therefore the same at any
-world size (tested), and the loader's whole state is `(epoch, steps taken in the epoch)`:
-a resume continues with exactly the next samples, even at another world size. The last
-partial global batch of an epoch is dropped (the Trainer says how many samples that leaves out),
-unless ``drop_last=False``: then its `r = n % B` samples are one more, smaller step, split into the
-`world x accumulate` parts as evenly as they go (contiguous, sizes differing by at most one; a part
-left empty gets a copy of the step's first sample), and `step_weights` gives each micro-batch's weight
-`size x parts / r` (0 for a copy). The strategies divide each micro-batch's mean loss by `accumulate` and
-average over the ranks, so the weighted losses add up to the mean over the `r` samples: the step is the
-one a loop over the whole data set takes on its last, smaller batch (tested against one by hand). Tensor datasets are indexed in one call (no
-per-sample collation); other datasets go sample by sample (`seeded_fetch`): before each sample,
-torch's CPU generator, Python's `random` and NumPy's global generator are seeded from
-`(seed, epoch, index)`, inside a saved-and-restored generator state, so augmentation is a
-function of the sample alone, the same in the main process or any data-loading worker, and the
-caller's generators (dropout) do not move. With `num_workers > 0` one DataLoader serves the
-whole run: its batch sampler walks the epochs endlessly from the loader's position, so workers
-start once and prefetch across epoch ends (a new DataLoader per epoch paid the workers' start
-every epoch: the 130x slowdown); it has its own generator, so starting workers draws nothing
-from the global one. The position still counts what was consumed; a resume (a position that
-moved) starts a new pool; `ShardedLoader.close()` stops the workers at the end of a run. Runs
-with 0 and 2 workers are bitwise equal, resume included (`tests/data/test_data_workers.py`).
-Per-sample seeding costs about 25 us a sample (`torch.default_generator.manual_seed`, not
-`torch.manual_seed`, which seeds every device and costs ~250 us); `benchmarks/dataloading.py`
-measures it against a plain DataLoader loop. An `IterableDataset` is refused before launch: the
-loader picks global batches by index.
-
-Batches: a tuple `(x..., y)` calls `model(x...)`, a mapping calls `model(**batch)`, a tensor
-`model(batch)` (`shardwise.data.batches`). Without `loss_fn` or `training_step` the loss is the one
-the model returns (`output.loss`, transformers' models with `labels`). In the parent, before
-launch, one collated sample is bound against `forward`'s signature: a mapping for a positional
-forward, or a key the forward does not take, is a ConfigError naming both sides.
-
-Evaluation gives rank `r` the contiguous range `[r*n/world, (r+1)*n/world)`: every sample
-exactly once, no padding; sums of loss and metrics (weighted by batch size) are reduced across
-ranks and divided once. Under FSDP and pipelines a forward is collective, so every rank
-makes the same number of forward calls: each rank computes every rank's batch count from `n`,
-the world size and the batch size (no communication), and a rank with fewer batches runs one
-more forward on a real sample and drops its result. This is generic (no strategy branch); for
-ddp it costs at most one extra forward per rank, and `val_samples` still counts each sample once.
-The pipeline and tensor-parallel ranks of one data-parallel replica all see the same shard (the
-loader splits by the `dp` coordinate), so the reduced sums are divided by the number of ranks
-that share a shard (`copies_per_shard`: loop ranks / dp; 1 for data-parallel strategies).
+The user sets the *global* batch; each step rank r takes the r-th contiguous slice of a seeded
+permutation of the epoch and splits it into ``accumulate`` micro-batches, so results do not
+depend on the world size, and the loader's position (epoch, steps) is all its state: a resume
+continues with exactly the next samples. ``batches.py`` turns a batch into a call and a loss;
+``shardwise.data.map`` (``parallel.py``) preprocesses before training. Design notes (the last
+smaller batch, per-sample seeding, one worker pool per run, evaluation shards): docs/data.md.
 """
 
 from __future__ import annotations
