@@ -46,6 +46,7 @@ class Single(Strategy):
     """The single-process reference strategy (no options)."""
 
     name: ClassVar[str] = "single"
+    needs_process_group: ClassVar[bool] = False  # one process, no group: the Trainer runs it in the caller's process
     smaller_last_batch: ClassVar[bool] = True
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
