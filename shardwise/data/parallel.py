@@ -40,6 +40,8 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -221,6 +223,9 @@ def _run_ray(fn: Callable[[Any], Any], chunks: list[list[Any]], workers: int) ->
     except ImportError:
         raise ConfigError("backend='ray' needs Ray; install it with: pip install 'shardwise[ray]'") from None
     started = not ray.is_initialized()
+    # ray.init replaces the caller's SIGTERM handler (with sys.exit) and ray.shutdown leaves it there
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if started and main_thread else {}
     if started:
         # A cluster that ray.init finds (RAY_ADDRESS, a running head) is joined; else a local
         # instance with `workers` CPUs starts here and stops after.
@@ -234,6 +239,9 @@ def _run_ray(fn: Callable[[Any], Any], chunks: list[list[Any]], workers: int) ->
             ray.shutdown()
             os.environ.clear()  # the local instance is gone: its variables go with it
             os.environ.update(environ)
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
 
 
 def map(  # noqa: A001 - shardwise.data.map is the name the public API asked for

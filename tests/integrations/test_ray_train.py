@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +107,9 @@ def ray_session() -> Iterator[Any]:
     )
     import ray
 
+    # ray.init sets its own SIGTERM handler (sys.exit) and ray.shutdown leaves it: the handlers go
+    # back with the environment, or every later test of this worker would run under it.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         assert imported_before or ray.util.get_node_ip_address() == "127.0.0.1"
@@ -114,6 +118,9 @@ def ray_session() -> Iterator[Any]:
         ray.shutdown()
         os.environ.clear()
         os.environ.update(environ)
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="module")
