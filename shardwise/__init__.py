@@ -9,7 +9,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from shardwise.integrations import moved as _moved
+
 __version__ = "0.1.0"
+
+# The 0.1 import paths that step 1 of issue 38 moved (shardwise.recipes, shardwise.ray_train, ...)
+# still import, with a DeprecationWarning naming the new path: shardwise/integrations/moved.py.
+_moved.install()
 
 _EXPORTS = {
     "Trainer": "shardwise.trainer.loop",
@@ -52,6 +58,8 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
+    if name == "Trainer":  # the integrations whose model adapters the Trainer takes register themselves when imported
+        importlib.import_module("shardwise.integrations.lightning")
     value = getattr(module, "available" if name == "available_strategies" else name)
     globals()[name] = value
     return value
