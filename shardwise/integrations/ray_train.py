@@ -1,13 +1,9 @@
 """Ray Train: the Trainer inside ``ray.train.torch.TorchTrainer``'s workers, its metrics and
 checkpoints reported to Ray.
 
-For users whose jobs outgrow hand-started processes: Ray places the workers (one per
-``ScalingConfig(num_workers=N)``), restarts them after a failure (``FailureConfig``), and keeps
-the checkpoints in its storage. Inside each worker, `fit` runs the same ``Trainer.fit``::
+Ray places the workers, restarts them after a failure and keeps the checkpoints; inside each worker
+`fit` runs the same ``Trainer.fit``::
 
-    import ray.train
-    from ray.train.torch import TorchTrainer
-    from shardwise import Trainer
     from shardwise.integrations.ray_train import fit
 
     def train_loop(config):
@@ -16,41 +12,10 @@ the checkpoints in its storage. Inside each worker, `fit` runs the same ``Traine
 
     result = TorchTrainer(train_loop, train_loop_config={"out": "/shared/run"},
                           scaling_config=ray.train.ScalingConfig(num_workers=2)).fit()
-    result.metrics["train_loss"], result.checkpoint.path    # a shardwise checkpoint directory
 
-What it does, on every worker:
-
-- **Joins Ray's process group and spawns nothing.** Ray's torch backend has already called
-  ``init_process_group`` (gloo on CPU workers, NCCL with ``use_gpu=True``) and set RANK,
-  WORLD_SIZE, LOCAL_RANK; the launcher sees the group and uses it as it is
-  (``DistEnv.source == "existing"``). The job's size is Ray's: a ``Trainer(nproc=K)`` with K other
-  than ``num_workers`` is refused (leave ``nproc`` out).
-- **Reports to Ray** through a `RayReport` callback added for the fit: every log step's and every
-  evaluation's record (``train_loss``, ``val_loss``, ...) with ``ray.train.report(metrics)``, and
-  every checkpoint the Trainer writes with ``ray.train.report(metrics, checkpoint=...)``, the
-  metrics being everything logged so far (Ray Train 2's ``Result.metrics`` is the metrics of the
-  latest checkpoint). Ray requires every worker to call ``report`` the same number of times (it
-  is a barrier): the hooks run on every rank at the same points of the loop, and rank 0 alone
-  hands the checkpoint directory over (the other ranks report ``checkpoint=None``), since a
-  shardwise checkpoint is one directory that every rank wrote into: ``out`` must be storage all
-  workers share, as for any multi-machine shardwise run. Ray copies it to its storage
-  (``RunConfig(storage_path=...)``); the Trainer's own copy stays in ``out/checkpoints/``.
-- **Resumes from Ray's checkpoint** when Ray restarts the workers (``ray.train.get_checkpoint()``,
-  the latest one reported): it takes the place of ``resume=``, and the run continues as a
-  shardwise resume does, bitwise where an uninterrupted run would be. Ray Train 2 also hands the
-  latest checkpoint to a run started again under the same ``RunConfig(name=...)`` and
-  ``storage_path``: a finished run then says so, trains nothing, and reports its last checkpoint
-  with the metrics logged before it (kept in the callback's checkpoint state).
-
-A plain ``trainer.fit`` inside a Ray worker trains too (Ray's group is an existing group), but
-reports nothing to Ray and does not resume from Ray's checkpoints: call `fit` instead.
-
-Strategies with serving ranks (parameter servers: ``ps``, ``central``) are refused: a server
-rank never reaches the loop's reports, so Ray's barrier would wait for it forever.
-
-Layer 7, beside `shardwise.integrations.torchx` and `shardwise.integrations.flyte`: it imports the trainer (layer 5) and
-Ray (``pip install 'shardwise[ray]'``), and reads no environment variable (Ray's context says
-where this worker stands).
+It joins Ray's process group (spawning nothing), reports every record and checkpoint to Ray
+(`RayReport`, a barrier every rank reaches), and resumes from Ray's checkpoint when Ray restarts
+the workers. What it does on each worker, and why: docs/integrations.md, "Ray Train".
 """
 
 from __future__ import annotations

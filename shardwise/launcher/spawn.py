@@ -149,13 +149,7 @@ def launch(
     [0, 1]
     """
     stop_if_bootstrapping()
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ConfigError(f"nproc must be a whole number >= 1; got {nproc!r}")
-    lost_ok = set(expendable)
-    if 0 in lost_ok or any(not isinstance(r, int) or not 0 <= r < nproc for r in lost_ok):
-        raise ConfigError(f"expendable ranks must be in 1 .. {nproc - 1} (rank 0 reports the result); got {sorted(expendable)}")
-    if start_method not in ("spawn", "fork", "forkserver"):
-        raise ConfigError(f"start_method must be 'spawn', 'fork' or 'forkserver'; got {start_method!r}")
+    lost_ok = _check_launch(nproc, expendable, start_method)
     from shardwise.launcher.env import check_gpus, detect_env
 
     env = detect_env()
@@ -164,24 +158,24 @@ def launch(
     check_gpus(accelerator, nproc)
     try:
         extra_env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug_collectives else {}
-        return _spawn(
-            fn,
-            args,
-            kwargs,
-            nproc,
-            timeout,
-            threads_per_proc or _default_threads(nproc),
-            accelerator,
-            collective_timeout_s,
-            lost_ok,
-            error_dir,
-            extra_env,
-            start_method,
-        )
+        threads = threads_per_proc or _default_threads(nproc)
+        return _spawn(fn, args, kwargs, nproc, timeout, threads, accelerator, collective_timeout_s, lost_ok, error_dir, extra_env, start_method)
     except _WorkerFailed as failed:
         # Raised here, not where it was found: the user's traceback then shows their own call
         # and this line, not the supervisor's internals.
         raise failed.exc from RemoteTraceback(failed.report)
+
+
+def _check_launch(nproc: int, expendable: Collection[int], start_method: str) -> set[int]:
+    """``launch``'s arguments, refused with one line each; the ranks the job may lose."""
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f"nproc must be a whole number >= 1; got {nproc!r}")
+    lost_ok = set(expendable)
+    if 0 in lost_ok or any(not isinstance(r, int) or not 0 <= r < nproc for r in lost_ok):
+        raise ConfigError(f"expendable ranks must be in 1 .. {nproc - 1} (rank 0 reports the result); got {sorted(expendable)}")
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise ConfigError(f"start_method must be 'spawn', 'fork' or 'forkserver'; got {start_method!r}")
+    return lost_ok
 
 
 def check_world_size(nproc: int, world_size: int, source: str, what: str = "launch(nproc=...)") -> None:

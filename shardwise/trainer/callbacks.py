@@ -10,35 +10,8 @@ points of the loop, with the trainer and the `Engine` first::
 
     Trainer(callbacks=[PrintEveryEpoch(), EarlyStopping("val_loss", patience=3)], ...)
 
-Hooks (all optional; the base class's do nothing):
-
-=============================================  ==========================================================
-``on_fit_start(trainer, engine)``              the model is placed, the run about to train (after a resume)
-``on_train_epoch_start(trainer, engine, e)``   before the first step of epoch ``e`` (0-based)
-``on_train_step_start(trainer, engine, s)``    before optimizer step ``s`` (1-based: the step it will complete)
-``on_train_step_end(trainer, engine, s, loss)``after step ``s``, its local (unreduced) loss
-``on_train_epoch_end(trainer, engine, e)``     after the last step of epoch ``e``
-``on_validation_start(trainer, engine)``       before an evaluation pass
-``on_validation_end(trainer, engine, m)``      after it, ``m`` the metrics reduced over every rank
-``on_metrics(trainer, engine, record)``        each record before it is logged (training log steps and
-                                               evaluations; values already agreed across ranks); a
-                                               callback may add keys to ``record``
-``on_save_checkpoint(trainer, engine, path)``  after a checkpoint was written (periodic or best)
-``on_load_checkpoint(trainer, engine, path)``  after a resume restored everything, this callback's state too
-``on_fit_end(trainer, engine, summary)``       at the end, before summary.json is written: may add keys
-=============================================  ==========================================================
-
-Every rank runs every hook, so a hook may call a collective (``engine.all_reduce``) as long as it
-does so unconditionally. ``trainer.should_stop = True`` ends training after the current step on
-the rank that sets it: set it from an agreed value (as `EarlyStopping` does with `agree`), or every
-rank will not stop at the same step and the next collective hangs.
-
-State: ``state_dict()`` / ``load_state_dict(state)`` are saved with every checkpoint (rank 0's, under
-``state_key``) and restored on resume, so a callback continues exactly where it was. A state holds
-plain values (numbers, strings, lists, dicts): checkpoints load with ``weights_only=True``.
-
-Objects that are not `Callback` subclasses work too when they define some hooks (the older
-duck-typed callbacks such as `shardwise.trainer.straggler.Straggler`).
+The hooks, when each runs, what a hook may do (a collective, ``trainer.should_stop``) and how a
+callback's state is saved with every checkpoint: docs/trainer.md, "Callbacks".
 """
 
 from __future__ import annotations

@@ -25,9 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardwise.comm.mesh import DIM_ORDER
 from shardwise.data import eval_batches, eval_shard, fetch
 from shardwise.data.batches import call_model
 from shardwise.engine import Engine
+
+DATA_DIM = DIM_ORDER[0]
+"""The mesh dimension along which data-parallel replicas lie (a replica's ranks differ in the others)."""
 
 EvalFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 """``(module, batch) -> {"loss": ..., metric: ...}``: one batch's means."""
@@ -178,7 +182,7 @@ def predict(engine: Engine, module: nn.Module, dataset: Any, collate: Any, batch
                 pieces.append([_full(t)[:0] for t in _leaves(out)])  # the shapes, no rows
     module.train(was_training)
     # One rank per data-parallel replica writes its rows (the others of the replica hold the same).
-    writes = all(engine.mesh.coordinate(d) == 0 for d in engine.mesh.degrees if d != "dp")
+    writes = all(engine.mesh.coordinate(d) == 0 for d in engine.mesh.degrees if d != DATA_DIM)
     results = []
     for i in range(len(pieces[0])):
         mine = torch.cat([p[i] for p in pieces])

@@ -236,8 +236,6 @@ def lr_find(
     picture of loss against rate (needs matplotlib, the ``plot`` extra; drawn on rank 0). The
     model and the process's random states are left as they were.
     """
-    from shardwise.trainer.loop import Trainer  # the loop module imports this one's caller, not this module
-
     check_settings(min_lr, max_lr, steps, smoothing, diverge)
     if png is not None:
         _pyplot()  # a missing matplotlib is said before the sweep runs, not after
@@ -246,7 +244,7 @@ def lr_find(
         rows_path = str(Path(tmp) / "rows.jsonl")
         monitor = SweepMonitor(rows_path, smoothing, diverge)
         config = trainer.config.probe(steps)
-        sweep = Trainer(
+        sweep = type(trainer)(  # a fresh Trainer of the caller's class (this module is imported by the loop, not the other way)
             config=config,
             optimizer=trainer.optimizer_factory,
             loss_fn=trainer.loss_fn,

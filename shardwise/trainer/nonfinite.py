@@ -1,57 +1,24 @@
 """Non-finite losses and gradients: caught at the step they appear, on every rank, agreed.
 
-Each training step, after backward and before the optimizer, every training rank checks its own
-loss and its own gradients (the local shard of a sharded one) with ``isfinite``: the gradients
-through one ``torch._foreach_norm(grads)`` (one norm per tensor, a fused kernel; a NaN or an infinity
-propagates), taken before clipping so that the first bad tensor can be named (clipping multiplies
-every gradient by a NaN norm). The norms accumulate in float64 (``dtype=torch.float64``), so a
-finite float32 or bf16 gradient has a finite norm at any magnitude (3e38 squares to 1e77): a run
-that diverged to huge but finite values is not stopped by the check (a first version accumulated in
-float32 and stopped the planner's timing runs at lr 1.0). The max-magnitude norm would never
-overflow either but costs 7-20 times as much on CPU (measured: 270 against 36 us for six 64 x 64
-tensors, 77 against 3.7 ms for six 1000 x 1000). The loss plus the sum of those norms is one number,
-finite exactly when each of them is. Where the training ranks take every step together
-(`Placement.steps_together`: data, tensor and pipeline parallelism, synchronous parameter servers)
-one all-reduce (sum, float64) of that number over the loop's group makes the verdict the same
-everywhere (a NaN on one rank makes the sum NaN on all): the only collective added, and the
-single-process path syncs only to read it. Where each rank steps alone between rounds (local SGD,
-DiLoCo, gossip; asynchronous parameter-server workers loop in a group of one) the verdict is the
-rank's own and adds no collective: a replica that stops fails its run as any failing rank does,
-and one that skips skips its own step. When the flag is up (the failure path) each rank finds its first non-finite tensor and one
-more small reduction tells every rank what every rank found, so all of them say the same. ``benchmarks/nonfinite.py``
-measures the per-step cost side by side.
-
-``on_nonfinite`` (a `TrainerConfig` field) says what then happens:
-
-- ``"stop"`` (the default): no optimizer step is taken and every rank raises `NonFiniteError`
-  naming the step, the ranks and the first non-finite tensor (the loss, or the first parameter whose
-  gradient is not finite, by name). No checkpoint is written after it, so the newest one is finite.
-- ``"skip"``: the step is skipped as torch's ``GradScaler`` skips an overflowing one: no optimizer
-  step, and the learning-rate scheduler does not step either (the loop steps the scheduler only
-  after a step the optimizer took, as after a grad scaler's skip); the gradients are dropped, the
-  data is consumed, the step counter advances. Counted as ``nonfinite_skipped`` in the log and
-  ``summary.json``; its loss is left out of the logged mean.
-- ``"warn"``: the step is trained on (the behaviour before this check), with one line per step.
-
-Under ``precision="16-mixed"`` the grad scaler checks the gradients itself and skips the steps that
-overflow, lowering its scale: that is its job, so the gradients are not checked here (a skip of the
-scaler is not an error); the loss still is.
-
-Checkpoints record whether the weights they hold came only from finite steps (``finite`` and
-``loss`` in the manifest); pruning keeps the newest finite one and ``resume="auto"`` takes it
-(`shardwise.checkpoint.files`).
+Each training step, after backward and before the optimizer, every training rank checks its loss and
+its gradients (`NonFiniteCheck`); ``on_nonfinite`` (a `TrainerConfig` field: "stop", "skip" or "warn")
+says what then happens (`act_on`). The design, its cost and each mode: docs/trainer.md, "Non-finite
+steps".
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardwise import checkpoint as ckpt
 from shardwise.comm import Group, Recorder, all_reduce
 from shardwise.errors import ShardwiseError
 
@@ -186,3 +153,19 @@ def stop_message(verdict: Verdict, newest_finite: Any) -> str:
         "Lower the learning rate or set clip_grad_norm=..., or set on_nonfinite='skip' (skip such steps, as a grad scaler does) "
         "or 'warn' (train on them)"
     )
+
+
+def act_on(mode: str, verdict: Verdict, counters: dict[str, Any], write: Callable[[str], None], ckpt_root: Path | None) -> bool:
+    """What ``on_nonfinite`` (``mode``) does with a step the check found non-finite; True when the step
+    is to be skipped. Every rank gets the same verdict and does the same; ``write`` says the line."""
+    if mode == "stop":
+        newest = next((p for p in reversed(ckpt.list_checkpoints(ckpt_root)) if ckpt.is_finite(p)), None) if ckpt_root is not None else None
+        raise NonFiniteError(stop_message(verdict, newest))
+    if mode == "skip":
+        counters["nonfinite_skipped"] = int(counters["nonfinite_skipped"]) + 1
+        write(f"shardwise: {verdict.describe()}; on_nonfinite='skip': step skipped ({counters['nonfinite_skipped']} so far)")
+        return True
+    counters["nonfinite_trained"] = int(counters["nonfinite_trained"]) + 1
+    counters["weights_finite"] = False
+    write(f"shardwise: warning: {verdict.describe()}; on_nonfinite='warn': trained on it")
+    return False

@@ -1,0 +1,139 @@
+"""The checks before anything runs: ``fit``, ``validate``, ``test`` and ``predict`` refuse what cannot
+work in the parent, with one line each, and plan the strategy once (`shardwise.engine.plan`); the
+workers receive the plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from shardwise.checkpoint.rundir import check_out
+from shardwise.data import fetch, unpack_data
+from shardwise.data.batches import check_batch_fits, returns_own_loss
+from shardwise.engine.loggers import check_names
+from shardwise.engine.plan import plan_strategy
+from shardwise.errors import ConfigError
+from shardwise.launcher.env import detect_env
+from shardwise.launcher.spawn import check_world_size
+from shardwise.strategies import Batch, Layout, Strategy, available, checkpointing, get_strategy, materialize
+from shardwise.trainer import callbacks
+from shardwise.trainer.adapters import adapter_for
+
+if TYPE_CHECKING:
+    from shardwise.trainer.loop import Trainer
+
+__all__ = ["check_evaluate", "check_fit", "check_tools", "plan", "world_size"]
+
+
+def world_size(trainer: Trainer) -> int:
+    """The job's world size: the launcher's (checked against ``nproc``), else ``nproc``."""
+    env = detect_env()
+    if env.distributed and trainer.config.nproc > 1:
+        check_world_size(trainer.config.nproc, env.world_size, env.source, "Trainer(nproc=...)")
+    return env.world_size if env.distributed else trainer.config.nproc
+
+
+def plan(trainer: Trainer, model: nn.Module, dl_batch: int | None) -> None:
+    """Resolve, plan and check the strategy for ``model`` (once: the workers receive both) and keep them
+    on the trainer (``trainer.layout``)."""
+    cfg = trainer.config
+    trainer._strategy, trainer._layout = plan_strategy(
+        cfg.strategy,
+        cfg.strategy_options,
+        world_size(trainer),
+        precision=cfg.precision,
+        sync_batchnorm=cfg.sync_batchnorm,
+        mesh=cfg.mesh,
+        model=model,
+        batch=Batch(trainer._global_batch(dl_batch), cfg.accumulate),
+    )
+
+
+def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any = None) -> None:
+    """Everything ``fit`` can refuse before a process starts; sets the trainer's adapter and plan."""
+    cfg = trainer.config
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"fit needs a torch.nn.Module; got {type(model).__name__}")
+    has_step = callable(getattr(model, "training_step", None))
+    if trainer.loss_fn is None and not has_step and not returns_own_loss(model):
+        raise ConfigError(
+            f"no loss: pass loss_fn=... (a function of the model output and the batch) to the Trainer, "
+            f"or define a training_step(batch) method on {type(model).__name__} (a model whose forward "
+            "takes `labels`, as transformers' models do, trains on its own loss with no loss_fn)"
+        )
+    dataset, collate, _, dl_batch = unpack_data(train_data)
+    if dataset is None:
+        raise ConfigError("fit needs training data: a Dataset or a DataLoader")
+    per_epoch = len(dataset) // trainer._global_batch(dl_batch) if hasattr(dataset, "__len__") else 0
+    estimate = cfg.fast_dev_run or cfg.max_steps or (cfg.max_epochs or 1) * per_epoch
+    trainer._adapter = adapter_for(trainer, model, "fit", has_val=val_data is not None, total=estimate or None)
+    plan(trainer, model, dl_batch)
+    strategy, layout = trainer._strategy, trainer._layout
+    assert strategy is not None and layout is not None
+    checkpointing.check(model, cfg.activation_checkpointing)  # a bad value, or a model with no block list to checkpoint
+    if materialize.has_meta(model):
+        materialize.plan_init(model).check()  # a meta tensor no initializer sets: refused here, not in every worker
+    if not cfg.drop_last:
+        check_drop_last(strategy, layout)
+    check_tools(trainer, val_data, model)
+    if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
+        check_out(cfg.out, cfg.resume, cfg.overwrite)
+    if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
+        sample = fetch(dataset, [0], collate)
+        check_batch_fits(model, sample)
+        strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
+
+
+def check_evaluate(trainer: Trainer, kind: str, model: nn.Module, data: Any, ckpt_path: str | None) -> None:
+    """Everything ``validate`` (``kind`` "val"), ``test`` and ``predict`` can refuse before a process
+    starts; sets the trainer's adapter and plan."""
+    what = "validate" if kind == "val" else kind
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{what} needs a torch.nn.Module; got {type(model).__name__}")
+    if materialize.has_meta(model) and ckpt_path is None:
+        raise ConfigError(
+            f"{what} got {type(model).__name__} on the meta device: it holds no weights here "
+            "(a meta-built model's trained weights are in its run's checkpoints). Pass ckpt_path= (fit's summary "
+            "'last_checkpoint', or trainer.best_model_path)"
+        )
+    dataset, _, _, dl_batch = unpack_data(data)
+    if dataset is None or len(dataset) == 0:
+        raise ConfigError(f"{what} needs a non-empty Dataset or DataLoader; got {data!r}")
+    if kind != "predict" and trainer.loss_fn is None and not callable(getattr(model, "validation_step", None)) and not returns_own_loss(model):
+        if not callable(getattr(model, "training_step", None)):
+            raise ConfigError("no loss to evaluate: pass loss_fn=... to the Trainer or define validation_step(batch) on the model")
+    if ckpt_path is not None and not Path(ckpt_path).exists():
+        raise ConfigError(f"ckpt_path={ckpt_path!r}: no such checkpoint directory")
+    trainer._adapter = adapter_for(trainer, model, kind)
+    plan(trainer, model, dl_batch)
+
+
+def check_tools(trainer: Trainer, val_data: Any, model: nn.Module | None = None) -> None:
+    """Loggers and callbacks that cannot work, in the parent before launch (one line each)."""
+    cfg = trainer.config
+    check_names(cfg.loggers)
+    if (cfg.loggers or trainer.logger_objects) and cfg.out is None and cfg.tracking_uri is None:
+        named = ", ".join([*cfg.loggers, *(type(x).__name__ for x in trainer.logger_objects)])
+        if any(n != "mlflow" for n in cfg.loggers):
+            raise ConfigError(f"loggers ({named}) write into the run directory: set out=... (--out DIR)")
+    has_val = val_data is not None
+    for cb in trainer.callbacks:
+        if isinstance(cb, callbacks.Callback):
+            cb.check(trainer, has_val)
+            if model is not None:
+                cb.check_model(trainer, model)
+
+
+def check_drop_last(strategy: Strategy, layout: Layout) -> None:
+    """``drop_last=False`` where the strategy takes a smaller batch exactly (`Strategy.smaller_last_batch`),
+    refused before launch elsewhere."""
+    if not strategy.smaller_last_batch or layout.degrees.get("pp", 1) > 1:
+        able = [n for n in available() if get_strategy(n).smaller_last_batch]
+        raise ConfigError(
+            f"drop_last=False: strategy {layout.strategy!r} cannot take the epoch's smaller last batch exactly "
+            "(a pipeline splits each batch into a fixed number of micro-batches; parameter servers and replicas do not average "
+            f"every rank's gradient of a step); it works with {', '.join(able)} (without a pipeline dimension). Leave drop_last=True "
+            "(on the command line, leave out --keep-last-batch: the remainder is left out) or choose a global batch that divides the data set"
+        )
