@@ -60,8 +60,6 @@ def __getattr__(name: str) -> Any:
     module = importlib.import_module(_EXPORTS[name])
     if name == "Trainer":  # the integrations whose model adapters the Trainer takes register themselves when imported
         importlib.import_module("shardwise.integrations.lightning")
-    if name == "Trainer":  # the integrations whose model adapters the Trainer takes register themselves when imported
-        importlib.import_module("shardwise.integrations.lightning")
     value = getattr(module, "available" if name == "available_strategies" else name)
     globals()[name] = value
     return value
