@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class Callback:
-    """Base class of Trainer callbacks: override the hooks you need (see the module docstring)."""
+    """Base class of Trainer callbacks: override the hooks you need (docs/trainer.md, "Callbacks", lists them)."""
 
     @property
     def state_key(self) -> str:

@@ -1,4 +1,9 @@
-"""Layer 5: the training loop. No strategy-specific branches: everything goes through `Engine`."""
+"""Layer 5: the `Trainer`. ``fit``, ``validate``, ``test`` and ``predict`` check and plan in the caller's
+process (`shardwise.trainer.plan`), start the worker processes when the job needs them, and run the loop
+in each (`shardwise.trainer.fit.FitRun`; evaluation in `shardwise.trainer.evaluate`). Map: docs/trainer.md.
+
+The constructor starts the launcher's zygote early (`shardwise.launcher.spawn.prestart`), on purpose: the
+ranks' interpreter imports torch while the caller builds its model and data."""
 
 from __future__ import annotations
 

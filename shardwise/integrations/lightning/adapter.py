@@ -162,7 +162,7 @@ class LightningAdapter:
         metric_attribute: str | None = None,
         rank_zero_only: bool = False,
     ) -> None:
-        """``self.log`` as in Lightning (see the module docstring for where each value goes)."""
+        """``self.log`` as in Lightning (docs/integrations.md, "Lightning", says where each value goes)."""
         context = self._context
         if context is None or context == "end":
             raise ConfigError(
