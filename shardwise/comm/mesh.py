@@ -57,7 +57,7 @@ class Mesh:
             raise ConfigError(
                 f"degrees dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp} do not multiply to the world size {world_size}; valid shapes: {_shapes_text(world_size)}"
             )
-        return Mesh(world_size=world_size, rank=rank, device=device or torch.device("cpu"), degrees={"dp": dp, "pp": pp, "tp": tp})
+        return Mesh(world_size=world_size, rank=rank, device=device or torch.device("cpu"), degrees=dict(zip(DIM_ORDER, (dp, pp, tp), strict=True)))
 
     def size(self, dim: str) -> int:
         return self.degrees.get(dim, 1)

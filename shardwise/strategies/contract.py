@@ -167,6 +167,7 @@ class Strategy(ABC):
     smaller_last_batch: ClassVar[bool] = False
     shards_meta: ClassVar[bool] = False  # apply takes a meta-built model and fills this rank's share (materialize.fill_share)
     needs_process_group: ClassVar[bool] = True  # runs in a process group even alone: the Trainer starts one worker for it at nproc=1
+    whole_model: ClassVar[bool] = True  # every training rank holds the whole model (what rewrites weights in place, such as pruning, needs)
 
     @abstractmethod
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:

@@ -263,15 +263,10 @@ def predict_checkpoint(
     model, data = _data(job)
     check_checkpoint_model(path, manifest, model, recipe)
     # The strategy's refusals (world size, degrees, a model it cannot split), here, in one line.
-    get_strategy(strategy, **job.strategy_options).plan(nproc, model=model, batch=Batch(batch_size * nproc, 1), mesh=None)
-    root = Path(out)
-    if (root / "index.json").exists() and not overwrite:
-        raise ConfigError(f"{root} already holds predictions (index.json); choose another --out or pass --overwrite")
-    (root / "predictions").mkdir(parents=True, exist_ok=True)
-    for old in (root / "predictions").glob("part-*.pt"):
-        old.unlink()
+    (chosen := get_strategy(strategy, **job.strategy_options)).plan(nproc, model=model, batch=Batch(batch_size * nproc, 1), mesh=None)
+    root = _fresh_out(Path(out), overwrite)
     wall = time.perf_counter()
-    result = launch(_predict_parts, job, nproc=nproc)[0] if nproc > 1 or strategy != "single" else _predict_parts(job)
+    result = launch(_predict_parts, job, nproc=nproc)[0] if nproc > 1 or chosen.needs_process_group else _predict_parts(job)
     wall = time.perf_counter() - wall
     assert result is not None  # rank 0's
     throughput: dict[str, Any] = {

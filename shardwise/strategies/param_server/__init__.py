@@ -285,6 +285,7 @@ class PS(Strategy):
     """Parameter servers: ``servers`` of the ranks hold the parameters and their optimizer state, the rest compute gradients."""
 
     name: ClassVar[str] = "ps"
+    whole_model: ClassVar[bool] = False  # the servers hold the parameters
 
     servers: int = 1
     """Processes that hold the parameters and their optimizer state (the last ranks); the others are workers."""

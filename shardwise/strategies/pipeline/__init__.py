@@ -65,6 +65,7 @@ __all__ = [
     "balance",
     "batch_rows",
     "check_rows",
+    whole_model: ClassVar[bool] = False
     "check_schedule",
     "concat_batches",
     "mean",

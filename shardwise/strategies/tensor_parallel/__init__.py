@@ -123,6 +123,7 @@ class TensorParallel(Strategy):
     name: ClassVar[str] = "tp"
     shards_meta: ClassVar[bool] = True  # split on the meta model, then each rank fills its shards
     smaller_last_batch: ClassVar[bool] = True
+    whole_model: ClassVar[bool] = False
 
     tp: int | None = None
     """Tensor-parallel degree: how many ranks split each linear pair (default: the mesh's tp, else the world size)."""

@@ -46,8 +46,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.comm.traffic import ALGORITHMS
+from shardwise.strategies.cost.families import all_costs, cost_of
+from shardwise.strategies.cost.family import CALIBRATION_LAYERS, Point
 from shardwise.strategies.cost.model_spec import measured_spec
+from shardwise.strategies.data_parallel.cost import CALIBRATION_CODECS
 from shardwise.tools.advisor.models import time_step
 
 WIDTH = 64
@@ -104,33 +106,12 @@ def _data(samples: int = SAMPLES) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(torch.randn(samples, FEATURES, generator=g), torch.randint(0, CLASSES, (samples,), generator=g))
 
 
-CODECS = ("fp16", "bf16", "int8", "sign", "topk:0.01", "randomk:0.2", "powersgd:4")
-"""Each codec is its own calibration point: their encode and decode costs differ by several times;
-so is each of shardwise's allreduce algorithms (`ALGORITHMS`)."""
+CODECS = CALIBRATION_CODECS
+LAYERS = CALIBRATION_LAYERS
 
-LAYERS = (1, 4, 8)
-"""The calibration network's depths: 8, 20 and 36 parameter tensors (digits has 6, charlm 69)."""
-
-# key -> (strategy, options, what varies: "layers" or "microbatches", its values)
-POINTS: dict[str, tuple[str, dict[str, Any], str, tuple[int, ...]]] = {
-    "single": ("single", {}, "layers", LAYERS),
-    "ddp": ("ddp", {}, "layers", LAYERS),
-    **{f"ddp/algorithm/{a}": ("ddp", {"allreduce": a}, "layers", LAYERS) for a in ALGORITHMS if a != "native"},
-    **{f"ddp/codec/{c.partition(':')[0]}": ("ddp", {"compression": c}, "layers", LAYERS) for c in CODECS},
-    "zero1": ("zero1", {}, "layers", LAYERS),
-    "zero2": ("zero2", {}, "layers", LAYERS),
-    "zero3": ("zero3", {}, "layers", LAYERS),
-    "fsdp": ("fsdp", {}, "layers", LAYERS),
-    "hsdp": ("hsdp", {}, "layers", LAYERS),
-    "tp": ("tp", {"tp": 2}, "layers", LAYERS),
-    "pipeline/gpipe": ("pipeline", {"pp": 2, "schedule": "gpipe"}, "microbatches", (2, 4, 8)),
-    "pipeline/1f1b": ("pipeline", {"pp": 2, "schedule": "1f1b"}, "microbatches", (2, 4, 8)),
-    "pipeline/interleaved": ("pipeline", {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, "microbatches", (2, 4, 8)),
-    "ps/sync": ("ps", {"servers": 1, "mode": "sync"}, "layers", LAYERS),
-    "ps/async": ("ps", {"servers": 1, "mode": "async"}, "layers", LAYERS),
-    "local-sgd": ("local-sgd", {"sync_every": 8}, "layers", LAYERS),
-    "diloco": ("diloco", {"sync_every": 8}, "layers", LAYERS),
-}
+POINTS: dict[str, Point] = {key: point for cost in all_costs().values() for key, point in cost.calibration_points().items()}
+"""key -> (strategy, options, what varies: "layers" or "microbatches", its values): every costed strategy's
+own (`StrategyCost.calibration_points`), in the planner's order."""
 PIPELINE_DEPTH = 4
 
 
@@ -178,7 +159,7 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
     spec = _spec(depth, width, batch, {} if specs is None else specs)
     torch.manual_seed(0)
     model = CalibrationNet(depth, width)
-    candidate = Candidate(strategy, opts, world_size=1 if strategy == "single" else None)
+    candidate = Candidate(strategy, opts, world_size=cost_of(strategy).world_size)
     record = evaluate(candidate, spec, Cluster(profile, world), Settings(batch), model)
     if not record["fits"]:
         raise RuntimeError(f"calibration point {key} at {size} {varies} does not plan: {record['reason']}")
@@ -221,23 +202,10 @@ def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     return [float(x) for x in torch.linalg.lstsq(a, b).solution.squeeze(1)]
 
 
-COMPUTE_FAMILIES = ("tp", "pipeline", "zero2", "zero3", "fsdp", "hsdp")
-"""Strategies whose own work runs beside the compute and grows with it: tensor parallelism's
-allreduces and a pipeline's sends carry activations, and FSDP's gathers and reduce-scatters
-interleave with every unit's forward and backward (two processes to two cores here). Their third term
-is `Framework.per_compute`. The others' own work goes over their gradients and weights once a step
-(DDP's bucket copies and averaging, a codec's encode and decode, ZeRO-1's sharded step, a parameter
-server's push and pull, an outer step) and grows with the parameters whatever the compute:
-`Framework.per_param_s`. Both fit the calibration points alike (the wide point has about charlm's
-parameters and ten times the deep points' compute); the split was chosen on charlm's and digits'
-validation runs: fitted on compute, DDP's and the codecs' cost on charlm (a step computes 3.4 times as
-long as the wide point's) came out 2-4 times what its runs measured, fitted on parameters, FSDP's and
-ZeRO-3's came out 20-40% short."""
-
-
 def scaling(key: str) -> str:
-    """The third term of ``key``'s fit: ``"per_compute"`` or ``"per_param_s"`` (`COMPUTE_FAMILIES`)."""
-    return "per_compute" if key.split("/")[0] in COMPUTE_FAMILIES else "per_param_s"
+    """The third term of ``key``'s fit: ``"per_compute"`` or ``"per_param_s"``, as its strategy's cost says
+    (`StrategyCost.fit_against`; why each: docs/planner.md, "Calibration")."""
+    return cost_of(POINTS[key][0] if key in POINTS else key.split("/")[0]).fit_against
 
 
 def fit_framework(points: list[dict[str, Any]], third: str = "per_compute") -> dict[str, Any]:
@@ -303,8 +271,7 @@ def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: in
         f["runs"] = runs[key]
         out[key] = f
         notes = " " + "; ".join(f["notes"]) if f["notes"] else ""
-        family = key.split("/")[0]
-        unit = "unit" if family in ("zero2", "zero3", "fsdp", "hsdp", "tp") else "microbatch" if family == "pipeline" else "tensor"
+        unit = cost_of(POINTS[key][0]).unit
         print(
             f"{key:22s} {f['step_s'] * 1e3:7.2f} ms + {f['per_unit_s'] * 1e3:6.3f} ms/{unit} + "
             + (f"{f['per_compute']:.3f} x compute, " if scaling(key) == "per_compute" else f"{f['per_param_s'] * 1e9:.2f} ns/parameter, ")

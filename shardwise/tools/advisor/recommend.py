@@ -12,7 +12,8 @@ The guide (the course's order of resort, each step the cheapest that removes the
    **pipeline parallelism** (point-to-point activations instead of whole-model allreduces);
 6. unreliable or slow workers (``--unreliable``): **asynchronous parameter servers or local SGD**.
 
-The rule picks the family; the candidate is the fastest one of that family that fits. The
+The rule picks the family (the strategies whose cost names the step in its ``advised_for``,
+`shardwise.strategies.cost.family.StrategyCost`); the candidate is the fastest one of that family that fits. The
 numbers behind the rule (bytes per category against the device's memory) are returned with it.
 """
 
@@ -23,21 +24,19 @@ from typing import Any
 
 from shardwise.strategies.cost.cluster import Cluster
 from shardwise.strategies.cost.estimate import Settings
+from shardwise.strategies.cost.families import cost_of
+from shardwise.strategies.cost.family import PIPELINE, REFERENCE, REPLICATE, SHARD_ALL, SHARD_STATE, SPLIT_LAYERS, UNRELIABLE
 from shardwise.strategies.cost.model_spec import ModelSpec
 
-FAMILIES = {
-    "ddp": ("ddp",),
-    "zero12": ("zero1", "zero2"),
-    "zero3": ("zero3", "fsdp", "hsdp"),
-    "tp": ("tp", "pipeline"),
-    "pipeline": ("pipeline",),
-    "unreliable": ("ps", "local-sgd", "diloco"),
-}
+
+def _advised(record: dict[str, Any], rule: str | None) -> bool:
+    """Whether ``record``'s strategy is recommended under the guide's step ``rule`` (None: any)."""
+    return rule is None or rule in cost_of(record["strategy"]).advised_for
 
 
-def _fastest(records: Sequence[dict[str, Any]], names: Sequence[str], need: str = "") -> dict[str, Any] | None:
-    ok = [r for r in records if r["fits"] and r["strategy"] in names and r["world_size"] > 1]
-    if need == "tp":
+def _fastest(records: Sequence[dict[str, Any]], rule: str | None, need: str = "") -> dict[str, Any] | None:
+    ok = [r for r in records if r["fits"] and _advised(r, rule) and r["world_size"] > 1]
+    if need == "split":  # a mesh that splits each layer
         ok = [r for r in ok if r["mesh"].get("tp", 1) > 1]
     if need == "async":
         ok = [r for r in ok if r["options"].get("mode") != "sync"]
@@ -48,7 +47,7 @@ def recommend(records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Clust
     """``{rule, why, choice, fastest, numbers}`` for ``records`` (the candidates' records)."""
     mem = cluster.device.memory_bytes
     per = settings.per_param
-    single = next(r for r in records if r["strategy"] == "single")
+    single = next(r for r in records if _advised(r, REFERENCE))
     state = single["memory_breakdown"]
     gb = 1e9
     numbers = {
@@ -60,46 +59,46 @@ def recommend(records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Clust
         "layer_state_bytes": spec.layer_params * (per.params + per.grads + per.optimizer),
         "samples_per_process": settings.global_batch / cluster.nproc,
     }
-    ddp = _fastest(records, ("ddp",))
-    ddp_ref = next((r for r in records if r["strategy"] == "ddp"), None)  # the replicated layout at this world size
+    ddp = _fastest(records, REPLICATE)
+    ddp_ref = next((r for r in records if _advised(r, REPLICATE)), None)  # the replicated layout at this world size
     act = (ddp_ref or single)["memory_breakdown"]["activations"] + (ddp_ref or single)["memory_breakdown"]["buffers"]
     if unreliable:
-        rule, why, need = "unreliable", "workers are unreliable or slow: asynchronous parameter servers or local SGD / DiLoCo tolerate them", "async"
+        rule, why, need = UNRELIABLE, "workers are unreliable or slow: asynchronous parameter servers or local SGD / DiLoCo tolerate them", "async"
     elif numbers["layer_state_bytes"] > mem or numbers["samples_per_process"] < 1:
-        rule, need = "tp", "tp"
+        rule, need = SPLIT_LAYERS, "split"
         why = (
             f"one layer's state ({numbers['layer_state_bytes'] / gb:.3g} GB) exceeds the device ({mem / gb:.3g} GB)"
             if numbers["layer_state_bytes"] > mem
             else f"the batch gives {numbers['samples_per_process']:.2g} samples per process: split each layer (tensor parallelism)"
         )
     elif ddp_ref is not None and ddp_ref["memory_breakdown"]["total"] <= mem:
-        rule, need = "ddp", ""
+        rule, need = REPLICATE, ""
         why = f"the model fits on one device ({ddp_ref['memory_breakdown']['total'] / gb:.3g} GB per rank of {mem / gb:.3g} GB under DDP): replicate it (DDP)"
     elif state["params"] + state["grads"] + act <= mem:
-        rule, need = "zero12", ""
+        rule, need = SHARD_STATE, ""
         why = (
             f"parameters, gradients and activations fit ({(numbers['params_grads_bytes'] + act) / gb:.3g} GB) but not with the optimizer state "
             f"({state['optimizer'] / gb:.3g} GB): shard the optimizer state (ZeRO-1/2)"
         )
     elif act <= mem:
-        rule, need = "zero3", ""
+        rule, need = SHARD_ALL, ""
         why = (
             f"the parameters and gradients ({numbers['params_grads_bytes'] / gb:.3g} GB) with activations ({act / gb:.3g} GB) "
             f"exceed the device ({mem / gb:.3g} GB): shard them too (ZeRO-3/FSDP)"
         )
     else:
-        rule, need = "tp", ""
+        rule, need = SPLIT_LAYERS, ""
         why = (
             f"a data-parallel rank's activations alone ({act / gb:.3g} GB) exceed the device ({mem / gb:.3g} GB): "
             "split the layers (tensor / pipeline parallelism)"
         )
-    if rule in ("ddp", "zero12") and cluster.nodes > 1 and ddp is not None and spec.layers >= 8:
+    if rule in (REPLICATE, SHARD_STATE) and cluster.nodes > 1 and ddp is not None and spec.layers >= 8:
         t = ddp["time_breakdown"]
         if t["exposed_comm_s"] > 0.5 * t["step_s"]:
-            rule, need = "pipeline", ""
+            rule, need = PIPELINE, ""
             why = f"many layers ({spec.layers}) and slow links: DDP's exposed communication is {t['exposed_comm_s']:.3g} s of its {t['step_s']:.3g} s step"
-    choice = _fastest(records, FAMILIES[rule], need)
-    fastest = _fastest(records, sorted({r["strategy"] for r in records}))
+    choice = _fastest(records, rule, need)
+    fastest = _fastest(records, None)
     if choice is None and fastest is not None:
         why += "; no candidate of that family fits here, so the fastest candidate that fits is named instead"
         choice = fastest

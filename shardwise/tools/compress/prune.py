@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from shardwise.errors import ConfigError
+from shardwise.strategies import get_strategy
 from shardwise.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ class ModelPruning(Callback):
 
     def check(self, trainer: Trainer, has_val: bool) -> None:
         strategy = trainer.config.strategy
-        if isinstance(strategy, str) and strategy in ("zero3", "fsdp", "hsdp", "tp", "pipeline", "ps"):
+        if isinstance(strategy, str) and not get_strategy(strategy, **trainer.config.strategy_options).whole_model:
             raise ConfigError(f"ModelPruning needs the whole model on every rank; strategy {strategy!r} splits it; use single, ddp, zero1 or zero2")
 
     def check_model(self, trainer: Trainer, model: nn.Module) -> None:

@@ -72,7 +72,9 @@ from shardwise.comm.traffic import children, fold_role, pow2_floor, real_rank, s
 from shardwise.errors import ConfigError
 from shardwise.tools.simulate.events import collective_loop, ps_loop
 
-ALGORITHMS = ("ring", "tree", "recursive_doubling", "hierarchical", "ps")
+SERVERS = "ps"
+"""The exchange through parameter servers (push and pull), beside the allreduce algorithms."""
+ALGORITHMS = ("ring", "tree", "recursive_doubling", "hierarchical", SERVERS)
 MODES = ("sync", "async", "local_sgd")
 BACKWARD_SHARE = 2 / 3
 """The backward's share of a step's compute (about twice the forward; see *Overlap* above)."""
@@ -174,14 +176,19 @@ class Exchange:
     overlap: float = 0.0
     """Share of the backward during which gradient buckets are already reduced (0 to 1)."""
 
+    @property
+    def through_servers(self) -> bool:
+        """Whether gradients go through parameter servers (`SERVERS`) rather than an allreduce."""
+        return self.algorithm == SERVERS
+
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"--algorithm {self.algorithm!r} is not simulated; choose one of {', '.join(ALGORITHMS)}")
         if self.mode not in MODES:
             raise ConfigError(f"--mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
-        if self.mode == "async" and self.algorithm != "ps":
+        if self.mode == "async" and not self.through_servers:
             raise ConfigError(f"--mode async needs parameter servers (--algorithm ps); got --algorithm {self.algorithm}")
-        if self.mode == "local_sgd" and self.algorithm == "ps":
+        if self.mode == "local_sgd" and self.through_servers:
             raise ConfigError("--mode local_sgd averages with an allreduce; choose --algorithm ring, tree, recursive_doubling or hierarchical")
         if self.servers < 1:
             raise ConfigError(f"--servers must be >= 1; got {self.servers}")
@@ -189,7 +196,7 @@ class Exchange:
             raise ConfigError(f"--sync-every must be >= 1; got {self.sync_every}")
         if not 0 <= self.overlap <= 1:
             raise ConfigError(f"--overlap is a fraction of the backward, from 0 to 1; got {self.overlap}")
-        if self.overlap and self.algorithm == "ps":
+        if self.overlap and self.through_servers:
             raise ConfigError("--overlap models an allreduce overlapping the backward; use ring, tree, recursive_doubling or hierarchical, or drop --overlap")
 
 
@@ -327,7 +334,7 @@ def simulate(
     nbytes = params * bytes_per_param
     compute = compute_s * straggler.factors(steps, p, np.random.default_rng(seed))
     g = min(net.gpus_per_node, p)
-    if exchange.algorithm == "ps":
+    if exchange.through_servers:
         k = exchange.servers
         shard_s, nic_s = nbytes / k * net.beta_s_per_byte, g * nbytes * net.beta_s_per_byte
         end = ps_loop(compute, net.alpha_s, shard_s, nic_s, exchange.mode == "async")
