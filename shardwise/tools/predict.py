@@ -264,7 +264,12 @@ def predict_checkpoint(
     check_checkpoint_model(path, manifest, model, recipe)
     # The strategy's refusals (world size, degrees, a model it cannot split), here, in one line.
     (chosen := get_strategy(strategy, **job.strategy_options)).plan(nproc, model=model, batch=Batch(batch_size * nproc, 1), mesh=None)
-    root = _fresh_out(Path(out), overwrite)
+    root = Path(out)
+    if (root / "index.json").exists() and not overwrite:
+        raise ConfigError(f"{root} already holds predictions (index.json); choose another --out or pass --overwrite")
+    (root / "predictions").mkdir(parents=True, exist_ok=True)
+    for old in (root / "predictions").glob("part-*.pt"):
+        old.unlink()
     wall = time.perf_counter()
     result = launch(_predict_parts, job, nproc=nproc)[0] if nproc > 1 or chosen.needs_process_group else _predict_parts(job)
     wall = time.perf_counter() - wall

@@ -65,7 +65,6 @@ __all__ = [
     "balance",
     "batch_rows",
     "check_rows",
-    whole_model: ClassVar[bool] = False
     "check_schedule",
     "concat_batches",
     "mean",
@@ -186,6 +185,7 @@ class Pipeline(Strategy):
 
     name: ClassVar[str] = "pipeline"
     shards_meta: ClassVar[bool] = True  # split on the meta model, then each rank fills its own stages
+    whole_model: ClassVar[bool] = False
 
     pp: int = 2
     """Pipeline stages, one per rank along the mesh's pp dimension."""

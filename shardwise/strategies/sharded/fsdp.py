@@ -216,7 +216,6 @@ def _fsdp_counter(counter: type, replicate_group: str | None, fsdp_ops: bool = T
 
         def _record(self, kind: str, func: Any, args: Any) -> None:
             if func.namespace == "c10d":
-    whole_model: ClassVar[bool] = False
                 op = func._schema.name.split("::")[-1]
                 fsdp_allreduce = op == "allreduce_" and replicate_group is not None and group_of(args) == replicate_group
                 if not fsdp_ops or (op not in _FSDP_C10D_OPS and not fsdp_allreduce):
@@ -300,7 +299,6 @@ class CollectiveTraffic:
                 traffic._record("reduce_scatter", group, input_tensor)  # the payload is the whole gradient
                 return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
-    whole_model: ClassVar[bool] = True  # parameters whole between steps
         for m in modules:
             m.set_custom_all_gather(RecordedAllGather())
             m.set_custom_reduce_scatter(RecordedReduceScatter())
@@ -544,6 +542,7 @@ class ShardedDataParallel(Strategy):
     name: ClassVar[str] = "zero3"
     smaller_last_batch: ClassVar[bool] = True
     shards_meta: ClassVar[bool] = True  # fully_shard on the meta model, then each rank fills its shards
+    whole_model: ClassVar[bool] = False
     reshard_after_forward: ClassVar[bool] = True
     """Free each unit's gathered parameters after its forward (zero3, hsdp) or keep them (zero2)."""
 
@@ -627,6 +626,7 @@ class Zero2(ShardedDataParallel):
 
     name: ClassVar[str] = "zero2"
     reshard_after_forward: ClassVar[bool] = False
+    whole_model: ClassVar[bool] = True  # parameters whole between steps
 
 
 @dataclass(frozen=True, kw_only=True)
