@@ -167,7 +167,7 @@ MUTANTS = [
            'all_reduce(flat, "mean", group=group, recorder=recorder)  # a sum, then a division by the group size',
            'all_reduce(flat, "sum", group=group, recorder=recorder)',
            ("tests/strategies/tensor_parallel/test_tensor_parallel.py",)),
-    Mutant("the pipeline schedule sums micro-batch gradients (a wrong scale)", "shardwise/strategies/pipeline/__init__.py",
+    Mutant("the pipeline schedule sums micro-batch gradients (a wrong scale)", "shardwise/strategies/pipeline/run.py",
            "                    p.grad.div_(m)", "                    pass", ("tests/strategies/pipeline/test_pipeline.py",)),
     # -- tune and plot --------------------------------------------------------------------------------
     Mutant("the range test suggests the lowest loss's rate, not the steepest descent", "shardwise/trainer/lr_find.py",
@@ -236,7 +236,7 @@ MUTANTS = [
            "            entry = osd[\"state\"].get(name)\n            if isinstance(entry, dict):",
            "            entry = osd[\"state\"].get(name)\n            if isinstance(entry, dict) and not name.endswith(\".bias\"):",
            ("tests/strategies/tensor_parallel/test_matrix_tp.py::test_gpt2_fused_optimizer_state_is_saved_in_the_original_layout_and_resumes_under_single",)),
-    Mutant("hsdp with its mesh dimensions swapped (the DeviceMesh built shard x replicate)", "shardwise/strategies/sharded/fsdp.py",
+    Mutant("hsdp with its mesh dimensions swapped (the DeviceMesh built shard x replicate)", "shardwise/strategies/sharded/units.py",
            "init_device_mesh(mesh.device.type, (replicate, dp // replicate), mesh_dim_names=(\"replicate\", \"shard\"))",
            "init_device_mesh(mesh.device.type, (dp // replicate, replicate), mesh_dim_names=(\"replicate\", \"shard\"))",
            (HSDP_SHAPES,)),

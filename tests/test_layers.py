@@ -159,3 +159,76 @@ def test_no_strategy_is_probed_with_getattr() -> None:
                 if isinstance(target, ast.Name) and target.id == "strategy" or isinstance(target, ast.Attribute) and target.attr == "strategy":
                     bad.append(f"{rel}:{node.lineno}")
     assert not bad, "getattr/hasattr on a strategy (every hook is part of the contract, shardwise/strategies/contract.py):\n" + "\n".join(bad)
+
+
+# The strategy families (docs/strategies/): each a folder of strategies/ that
+# imports no other family; families meet only in strategies/compose.py (torchtitan's order: tp
+# inside the pipeline, data parallel around it), and the registry (strategies/__init__.py) names
+# them as "module:Class" strings.
+FAMILIES = ("data_parallel", "sharded", "tensor_parallel", "pipeline", "param_server", "replicas")
+MEETING_POINTS = ("compose.py", "__init__.py")  # strategies/compose.py; the registry names modules, imports none
+
+
+def families_imported(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, family) for every import in ``tree`` of a module of a strategy family, in any spelling."""
+    return [(line, family) for line, family, _ in _family_imports(tree)]
+
+
+def _family_imports(tree: ast.Module) -> list[tuple[int, str, str]]:
+    """(line, family, module) for every import of a family's module (``module``: the dotted path under the family)."""
+    found = []
+    for node in ast.walk(tree):
+        modules: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [f"{node.module}.{a.name}" for a in node.names] if node.module == "shardwise.strategies" else [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        for m in modules:
+            parts = m.split(".")
+            if parts[:2] == ["shardwise", "strategies"] and len(parts) > 2 and parts[2] in FAMILIES:
+                found.append((node.lineno, parts[2], ".".join(parts[3:])))
+    return found
+
+
+def _strategy_modules() -> list[tuple[Path, ast.Module]]:
+    return [(rel, tree) for top, rel, tree in _modules() if top == "strategies"]
+
+
+def test_a_strategy_family_imports_no_other_family() -> None:
+    bad = []
+    for rel, tree in _strategy_modules():
+        own = rel.parts[1] if len(rel.parts) > 2 and rel.parts[1] in FAMILIES else None
+        if own is None:
+            continue
+        # A family's cost.py (its terms in the planner's cost model) may price another family's inside its
+        # own through that family's cost.py, as compose.py composes their runs: pipeline's prices tp in its stages.
+        pricing = rel.name == "cost.py"
+        bad += [
+            f"{rel}:{line} ({own}) imports {family}"
+            for line, family, module in _family_imports(tree)
+            if family != own and not (pricing and module.split(".")[0] == "cost")
+        ]
+    assert not bad, "a family importing another (compose them in shardwise/strategies/compose.py):\n" + "\n".join(bad)
+
+
+def test_only_compose_references_several_families() -> None:
+    bad = []
+    for rel, tree in _strategy_modules():
+        if rel.parts[1] in FAMILIES or rel.parts[1:] in [(m,) for m in MEETING_POINTS]:
+            continue  # a family's own module (checked above), compose.py, the registry
+        families = sorted({family for _, family in families_imported(tree)})
+        if len(families) > 1:
+            bad.append(f"{rel} imports {', '.join(families)}")
+    assert not bad, "modules of strategies/ other than compose.py that reach several families:\n" + "\n".join(bad)
+
+
+def test_the_family_check_sees_each_spelling() -> None:
+    """The checker itself: every way of naming a family's module is found, a shared module is not."""
+    src = (
+        "from shardwise.strategies.tensor_parallel.relayout import fused_layout\n"
+        "from shardwise.strategies import sharded\n"
+        "import shardwise.strategies.pipeline.state\n"
+        "from shardwise.strategies.compose import apply_data_parallel\n"
+        "from shardwise.strategies import materialize, replicas\n"
+    )
+    assert sorted(f for _, f in families_imported(ast.parse(src))) == ["pipeline", "replicas", "sharded", "tensor_parallel"]

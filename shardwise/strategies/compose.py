@@ -1,11 +1,17 @@
-"""How a pipeline composes with the other parallelisms, in torchtitan's order: tensor parallel
-inside each stage (``_tensor_parallel``, applied in ``Pipeline.apply``), then the pipeline, then
-data parallel over the mesh's ``dp`` dimension (``apply_data_parallel`` before the schedule,
-``average_grads`` after it), and the global gradient norm over all of them (``clip_grad_norm``).
+"""Where the strategy families meet: every composition of one family with another goes through here.
+
+torchtitan's order (its ``parallelize``): tensor parallel inside each pipeline stage
+(`require_tensor_parallel`, `parallelize_stage`, `fused_layout`, `relayout_whole`), then the pipeline,
+then data parallel over the mesh's ``dp`` dimension (`apply_data_parallel` before the schedule,
+`average_grads` after it), and the global gradient norm over all of them (`clip_grad_norm`). Tensor
+parallel over FSDP2 (`shard_data_parallel`) and zero1's optimizer over DDP (`replicate_with_ddp`) are
+compositions too. A family module imports no other family (tests/test_layers.py); the families are
+imported here when a composition is used, so this module stays importable on its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -16,12 +22,63 @@ from shardwise.comm.mesh import Mesh
 from shardwise.errors import ConfigError
 
 
-def _tensor_parallel() -> Any:
+def require_tensor_parallel() -> Any:
+    """The tensor-parallel package (`shardwise.strategies.tensor_parallel`), or a `ConfigError` saying tp > 1 needs it."""
     try:
         from shardwise.strategies import tensor_parallel
     except ImportError as exc:
         raise ConfigError("pipeline with tp > 1 needs shardwise.strategies.tensor_parallel, which this installation does not have; use tp=1") from exc
     return tensor_parallel
+
+
+# -- tensor parallel inside a pipeline stage ---------------------------------------------------------
+
+
+def check_tp_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, sequence_parallel: bool, dp_strategy: str) -> tuple[str, ...]:
+    """The linears tensor parallelism splits in ``model`` (tp's plan resolved and checked), or tp's `ConfigError`."""
+    return tuple(require_tensor_parallel().check_model_fits(model, plan, tp, sequence_parallel, dp_strategy))
+
+
+def parallelize_stage(stage_mod: nn.Module, mesh: Mesh, plan: dict[str, str] | None, sequence_parallel: bool) -> None:
+    """Tensor parallel first, inside a pipeline stage, in place (original names: the plan matches as on the whole model)."""
+    require_tensor_parallel().parallelize(stage_mod, mesh.device_mesh("tp"), plan=plan, sequence_parallel=sequence_parallel)
+
+
+def fused_layout(*modules: nn.Module) -> Any:
+    """For `materialize.fill_share`: tp's fused q|k|v permutation over a pipeline rank's stages (None: nothing fused)."""
+    return require_tensor_parallel().relayout.fused_layout(*modules)
+
+
+def relayout_whole(modules: Iterable[nn.Module], model_state: dict[str, Any], optimizer_state: dict[str, Any] | None, *, invert: bool) -> None:
+    """Whole tensors of tp's fused q|k|v projections moved in place between the run's layout and the
+    model's (``invert``: run -> model), by name: a pipeline state holds whole tensors (`tensor_parallel.relayout.relayout_whole`)."""
+    from shardwise.strategies.tensor_parallel.relayout import relayout_whole as tp_relayout_whole
+
+    tp_relayout_whole(modules, model_state, optimizer_state, invert=invert)
+
+
+# -- data parallel around tensor parallel, the pipeline, or a sharded optimizer -----------------------
+
+
+def shard_data_parallel(module: nn.Module, dp_mesh: Any, units: str | Sequence[str] = "auto") -> nn.Module:
+    """FSDP2 ``fully_shard`` of ``module`` over the data-parallel DeviceMesh ``dp_mesh``, in place.
+
+    Apply after tensor parallelism's ``parallelize``: parameters that are tp DTensors become 2D (dp
+    ``Shard(0)``, tp's own placement) when ``dp_mesh`` and the tp mesh are slices of one DeviceMesh
+    (``mesh["dp"]``, ``mesh["tp"]``). ``units``: ``"auto"`` (one unit per block, as ``zero3``),
+    ``"root"``, or names.
+    """
+    from shardwise.strategies.sharded.units import apply_fsdp, resolve_units
+
+    return apply_fsdp(module, dp_mesh, units=resolve_units(module, units))
+
+
+def replicate_with_ddp(model: nn.Module, mesh: Mesh, recorder: Recorder, **ddp_kwargs: Any) -> Any:
+    """``model`` (on its device) in ddp's DistributedDataParallel over the mesh's dp group, its
+    bucket reductions recorded (`data_parallel.ddp.apply_ddp`): what zero1 shards its optimizer under."""
+    from shardwise.strategies.data_parallel.ddp import apply_ddp
+
+    return apply_ddp(model, mesh, recorder, **ddp_kwargs)
 
 
 def apply_data_parallel(stage_mod: nn.Module, mesh: Mesh, dp_strategy: str, tp: int) -> nn.Module:
@@ -36,7 +93,7 @@ def apply_data_parallel(stage_mod: nn.Module, mesh: Mesh, dp_strategy: str, tp: 
         return stage_mod
     if tp > 1:
         # One FSDP unit per stage (its "auto" units would pick the ModuleDict holding the stage's blocks).
-        return cast(nn.Module, _tensor_parallel().shard_data_parallel(stage_mod, mesh.device_mesh("dp"), units="root"))
+        return shard_data_parallel(stage_mod, mesh.device_mesh("dp"), units="root")
     from torch.distributed.fsdp import fully_shard
 
     return cast(nn.Module, fully_shard(stage_mod, mesh=mesh.device_mesh("dp")))
@@ -50,11 +107,11 @@ def average_grads(module: nn.Module, mesh: Mesh, *, dp_strategy: str, tp: int, s
     can leave replicated parameters that see one rank's heads (per-head q/k norms), whose gradients
     tp's roles mark for summing; with nothing marked or partial it sends nothing."""
     if tp > 1:
-        _tensor_parallel().reduce_partial_grads(module, recorder)
+        require_tensor_parallel().reduce_partial_grads(module, recorder)
     if mesh.size("dp") == 1 or dp_strategy != "ddp":
         return
     if tp > 1:  # gradients are DTensors: average their local shards
-        _tensor_parallel().replicate_grads(module, mesh.group("dp"), recorder)
+        require_tensor_parallel().replicate_grads(module, mesh.group("dp"), recorder)
         return
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:

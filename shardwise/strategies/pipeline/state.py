@@ -17,6 +17,7 @@ from torch import nn
 
 from shardwise import checkpoint as ckpt
 from shardwise.comm import Group, Recorder
+from shardwise.strategies.compose import relayout_whole
 from shardwise.strategies.pipeline.evaluate import PipelineModule
 from shardwise.strategies.pipeline.exchange import all_gather_tree
 
@@ -58,8 +59,8 @@ def local_part(model: nn.Module, optimizer: torch.optim.Optimizer | None, aliase
         local_opt = {"state": {k: {n: _full(t) for n, t in s.items()} for k, s in named["state"].items()}, "param_groups": named["param_groups"]}
         local_opt = _to_cpu(local_opt)
     for sd in local_model.values():  # a fused q|k|v split by heads: saved in the model's own layout
-        _relayout(stage_mods, sd, None, invert=True)
-    _relayout(stage_mods, {}, local_opt, invert=True)
+        relayout_whole(stage_mods.values(), sd, None, invert=True)
+    relayout_whole(stage_mods.values(), {}, local_opt, invert=True)
     if local_opt is not None:
         local_opt = _canonical(local_opt, aliases)
     flat: dict[str, Any] = {}
@@ -85,7 +86,7 @@ def load_local_state(
     if ckpt.has_dtensor(own):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        _relayout(stage_mods, mine, None, invert=False)
+        relayout_whole(stage_mods.values(), mine, None, invert=False)
         set_model_state_dict(model, mine, options=StateDictOptions(full_state_dict=True))
     else:
         model.load_state_dict(mine)
@@ -104,32 +105,10 @@ def load_local_state(
         # Sharded parameters (tp, fsdp): torch slices each whole tensor to this rank's shard (state keyed by name).
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        _relayout(stage_mods, {}, sub, invert=False)
+        relayout_whole(stage_mods.values(), {}, sub, invert=False)
         set_optimizer_state_dict(model, optimizer, cast(Any, sub), options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(ckpt.optimizer_state_by_number(sub, local_names))
-
-
-def _relayout(stage_mods: dict[int, nn.Module], model_state: dict[str, Any], optimizer_state: dict[str, Any] | None, *, invert: bool) -> None:
-    """Whole tensors of fused q|k|v projections (split by heads under tp, so permuted in the run)
-    moved in place between the run's layout and the model's (``invert``: run -> model), by name.
-
-    tp's own ``to_original`` / ``to_run`` re-shard what they move; a pipeline state holds whole
-    tensors, so the same permutation is applied here to plain tensors (``like=None``)."""
-    from shardwise.strategies.tensor_parallel.relayout import _apply, _fused_tensors
-
-    for mod in stage_mods.values():
-        info = getattr(mod, "_shardwise_tp", None)
-        if not info or not info.get("fused"):
-            continue
-        for name, (dim, parts) in _fused_tensors(mod).items():
-            if name in model_state:
-                model_state[name] = _apply(model_state[name], dim, parts, info["degree"], invert)
-            entry = (optimizer_state or {}).get("state", {}).get(name)
-            if isinstance(entry, dict):
-                for k, v in entry.items():
-                    if isinstance(v, torch.Tensor) and v.dim() > dim:
-                        entry[k] = _apply(v, dim, parts, info["degree"], invert)
 
 
 def _canonical(named: dict[str, Any], aliases: dict[str, str]) -> dict[str, Any]:

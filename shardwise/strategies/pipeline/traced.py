@@ -1,39 +1,7 @@
 """Pipeline stages cut from the model's traced ``forward``: the code between and around the layers
 (activations, pooling, reshapes, residual adds, scaling, a bare parameter read in ``forward``)
-runs on the stage it belongs to, instead of being skipped.
-
-The model is traced with ``torch.fx`` by a tracer whose leaves are the **layers** (the top-level
-children, ``nn.ModuleList`` and ``nn.ModuleDict`` children expanded into their items) plus torch's
-own leaf modules. Layers are ordered by their first call in the graph and cut into contiguous
-stages by the existing balance (parameter count) or ``split_points``; then every graph node gets
-a stage:
-
-- a layer's call: its layer's stage (or later, where its inputs are: a module called again after
-  a later layer, ``sharednet``'s ``mix``, runs where its input is, and is then held by two stages);
-- any other node: the latest stage among its tensor inputs (functional code follows the layer
-  that produced its input);
-- nodes with no tensor input (a ``get_attr`` of a parameter, ``torch.arange(t)``) and values that
-  are not tensors (sizes read from ``x.shape``) are *recomputed* on every stage that uses them, so
-  only tensors cross a boundary (what a recomputation needs crosses instead; a layer's call is
-  never recomputed).
-
-A tensor computed on stage ``a`` and used on stage ``b > a + 1`` crosses every boundary in
-between (the intermediate stages pass it through): each stage receives and sends a tuple of
-tensors in graph order, which torch's ``PipelineStage`` carries (integer tensors and tensors
-without gradient cross too; only the floating ones that require grad get a gradient back).
-
-Each stage is an ``fx.GraphModule`` over the model's own modules and tensors, registered under
-their original dotted names (``blocks.2.attn.q.weight``, ``pos``), so checkpoints move between
-``pipeline`` and every other strategy. A module or parameter a stage uses but does not own (a
-module called on two stages, a root parameter read by two) is held by both: a weight tied across
-stages, handled by `ties` (copies broadcast at start, gradients summed before clipping, one
-optimizer state, the checkpoint under every name).
-
-Which node is a tensor is learnt by running the traced graph once on a sample batch (the
-Trainer's first sample); without one (an `Engine` loop), from the ops (``size``, ``shape``,
-``dim``... and arithmetic on them are not tensors). With a sample, `check_composition` runs the
-stages one after another on a float64 copy of the model and requires their output to equal the
-model's own forward exactly, naming the first layer whose output differs.
+runs on the stage it belongs to, instead of being skipped. How nodes get a stage, what crosses a
+boundary, and the float64 check: docs/strategies/pipeline.md, "The traced split".
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@
 - `ReplicaRun`, the `Parallel` of the three: plain module and optimizer per rank (`LocalParallel`:
   nothing synchronizes in backward, each rank clips its own gradient), a round every
   ``sync_every`` optimizer steps in ``after_step``, and each rank's own replica in checkpoints.
-  A subclass says what its round does (`ReplicaRun.mix`) and what state the round keeps.
+  A subclass says what its round does (`ReplicaRun.mix`) and, when the round keeps state between
+  rounds (DiLoCo), what that state is.
 
 The round is ``after_step`` and not an optimizer post-hook: a skipped fp16 step never calls the
 optimizer, and every rank must still reach the same rounds. Replicas differ between rounds, and
@@ -141,7 +142,8 @@ class ReplicaRun(LocalParallel):
 
     ``after_step`` counts optimizer steps and runs `mix` after steps H, 2H, ... (every rank of
     the group at the same step). The subclass says what a round does and what it keeps between
-    rounds (`mix_state`, `load_mix_state`, `restart_mix`) and reports its options (`report`).
+    rounds (`mix_state`, `load_mix_state`, `restart_mix`: nothing unless overridden) and reports its
+    options (`report`).
     """
 
     def __init__(
@@ -160,17 +162,18 @@ class ReplicaRun(LocalParallel):
     def mix(self) -> None:
         """One round over ``self.group`` (every rank of it calls this at the same step)."""
 
-    @abstractmethod
     def mix_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the round (DiLoCo's outer parameters and momentum)."""
+        """What a checkpoint keeps of the round (DiLoCo's outer parameters and momentum); nothing by default
+        (local SGD's average and gossip's neighbour mean keep nothing between rounds)."""
+        return {}
 
-    @abstractmethod
     def load_mix_state(self, state: dict[str, Any]) -> None:
         """Inverse of `mix_state`."""
+        return None  # nothing kept
 
-    @abstractmethod
     def restart_mix(self) -> None:
         """Start the round's state afresh from the current model (a checkpoint without this rank's replica)."""
+        return None  # nothing kept
 
     @abstractmethod
     def report(self) -> dict[str, Any]:
@@ -217,16 +220,3 @@ class ReplicaRun(LocalParallel):
 
     def summary(self) -> dict[str, Any]:
         return {self.section: {"sync_every": self.sync_every, "rounds": self.rounds, "steps": self.steps, **self.report()}}
-
-
-class StatelessRun(ReplicaRun):
-    """A replica whose round keeps nothing between rounds (local SGD's average, gossip's neighbour mean)."""
-
-    def mix_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_mix_state(self, state: dict[str, Any]) -> None:
-        return None  # nothing kept
-
-    def restart_mix(self) -> None:
-        return None  # nothing kept

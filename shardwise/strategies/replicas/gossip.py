@@ -32,8 +32,8 @@ from shardwise.comm.p2p import Peers
 from shardwise.comm.recorder import CommEvent, Recorder
 from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
+    ReplicaRun,
     ReplicaStrategy,
-    StatelessRun,
     by_dtype,
     flatten,
     place_replica,
@@ -75,7 +75,7 @@ def gossip_round(model: nn.Module, group: Group, recorder: Recorder | None) -> N
         recorder.add(CommEvent("gossip", group.name, p, payload, peers.sent, peers.received, time.perf_counter() - start, peers.steps))
 
 
-class GossipRun(StatelessRun):
+class GossipRun(ReplicaRun):
     """A replica mixed with its ring neighbours every ``sync_every`` steps."""
 
     def mix(self) -> None:

@@ -30,8 +30,8 @@ from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.strategies.contract import OptimizerFactory
 from shardwise.strategies.replicas.base import (
+    ReplicaRun,
     ReplicaStrategy,
-    StatelessRun,
     by_dtype,
     flatten,
     place_replica,
@@ -49,7 +49,7 @@ def average_replicas(model: nn.Module, group: Group, recorder: Recorder | None) 
             unflatten_into(flat, tensors)
 
 
-class LocalSGDRun(StatelessRun):
+class LocalSGDRun(ReplicaRun):
     """A replica averaged with all the others every ``sync_every`` steps."""
 
     def mix(self) -> None:

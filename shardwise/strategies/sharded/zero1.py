@@ -49,6 +49,7 @@ from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict
+from shardwise.strategies.compose import replicate_with_ddp
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.cost.memory import STAGE_OF, BytesPerParam, compare, model_state_bytes
 from shardwise.strategies.precision import Precision
@@ -240,9 +241,7 @@ def zero_redundancy(params: Any, make_optimizer: OptimizerFactory, group: Group,
 def apply_zero1(model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> tuple[DistributedDataParallel, ZeroRedundancyOptimizer]:
     """DDP (gradients allreduced, recorded) with the optimizer state partitioned across the dp group
     (the parameter broadcasts after each step recorded too)."""
-    from shardwise.strategies.data_parallel.ddp import apply_ddp  # the flat function of the other data-parallel strategy
-
-    wrapped = apply_ddp(model.to(mesh.device), mesh, recorder, gradient_as_bucket_view=True)
+    wrapped = replicate_with_ddp(model.to(mesh.device), mesh, recorder, gradient_as_bucket_view=True)
     return wrapped, zero_redundancy(list(wrapped.parameters()), make_optimizer, mesh.group("dp"), recorder)
 
 

@@ -27,18 +27,19 @@ from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.strategies import materialize
 from shardwise.strategies.common import accumulate_backward
+from shardwise.strategies.compose import shard_data_parallel  # tp over FSDP2: a composition with the sharded family
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
-from shardwise.strategies.precision import Precision
-from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout, tp_info
-from shardwise.strategies.tensor_parallel.counting import (
+from shardwise.strategies.counting import (
     StepCounts,
-    _collective_counter_mode,
     batch_signature,
+    collective_counter_mode,
     count_collectives,
     group_names,
     ns_is_input_shard,
 )
-from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads, shard_data_parallel
+from shardwise.strategies.precision import Precision
+from shardwise.strategies.tensor_parallel.apply import parallelize, synchronize_dropout, tp_info
+from shardwise.strategies.tensor_parallel.grads import clip_grad_norm_, reduce_partial_grads, replicate_grads
 from shardwise.strategies.tensor_parallel.plan import (
     ATTN_COLWISE,
     ATTN_ROWWISE,
@@ -122,8 +123,8 @@ class TensorParallel(Strategy):
 
     name: ClassVar[str] = "tp"
     shards_meta: ClassVar[bool] = True  # split on the meta model, then each rank fills its shards
-    smaller_last_batch: ClassVar[bool] = True
     whole_model: ClassVar[bool] = False
+    smaller_last_batch: ClassVar[bool] = True
 
     tp: int | None = None
     """Tensor-parallel degree: how many ranks split each linear pair (default: the mesh's tp, else the world size)."""
@@ -318,7 +319,7 @@ class TensorParallelRun(Parallel):
         if self._strategy.count_collectives:
             signature = batch_signature(microbatches)
             if self._sampler.must_count(signature):
-                mode = _collective_counter_mode()(self._recorder, self._names)
+                mode = collective_counter_mode()(self._recorder, self._names)
             else:
                 self._sampler.replay(signature, self._recorder, self.counts)
         if mode is not None:

@@ -1,5 +1,5 @@
 """Gradients of tensor-parallel modules: the partial sums sequence parallelism leaves, data
-parallel over the dp dimension (an allreduce of local shards, or FSDP2 for 2D), and the global
+parallel over the dp dimension (an allreduce of local shards; FSDP2 for 2D is `compose.shard_data_parallel`), and the global
 norm for clipping over gradients of any placement.
 
 Sequence-parallel norm weights' gradients are partial sums over the sequence shards; Megatron
@@ -13,7 +13,7 @@ so the run's `Recorder`, when one is passed, sees each byte.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -127,18 +127,6 @@ def replicate_grads(module: nn.Module, dp_group: Any, recorder: Recorder | None 
         for t in tensors:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def shard_data_parallel(module: nn.Module, dp_mesh: Any, units: str | Sequence[str] = "auto") -> nn.Module:
-    """FSDP2 ``fully_shard`` of ``module`` over the data-parallel DeviceMesh ``dp_mesh``, in place.
-
-    Apply after `parallelize`: parameters that are tp DTensors become 2D (dp ``Shard(0)``, tp's
-    own placement) when ``dp_mesh`` and the tp mesh are slices of one DeviceMesh (``mesh["dp"]``,
-    ``mesh["tp"]``). ``units``: ``"auto"`` (one unit per block, as ``zero3``), ``"root"``, or names.
-    """
-    from shardwise.strategies.sharded.fsdp import apply_fsdp, resolve_units
-
-    return apply_fsdp(module, dp_mesh, units=resolve_units(module, units))
 
 
 # -- the global gradient norm ------------------------------------------------------------------

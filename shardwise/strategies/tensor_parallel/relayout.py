@@ -10,6 +10,7 @@ under `single` and a consolidated state dict loads into the original model.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -100,6 +101,26 @@ def to_original(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 def to_run(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """The inverse of `to_original`: a saved state laid out for this run's split."""
     return _walk(model, state, invert=False)
+
+
+def relayout_whole(modules: Iterable[nn.Module], model_state: dict[str, Any], optimizer_state: dict[str, Any] | None, *, invert: bool) -> None:
+    """Whole tensors of fused q|k|v projections (split by heads under tp, so permuted in the run)
+    moved in place between the run's layout and the model's (``invert``: run -> model), by name.
+
+    `to_original` / `to_run` re-shard what they move; a pipeline state holds whole tensors of a
+    pipeline rank's stages (``modules``), so the same permutation is applied to plain tensors here."""
+    for mod in modules:
+        info = tp_info(mod)
+        if not info or not info.get("fused"):
+            continue
+        for name, (dim, parts) in _fused_tensors(mod).items():
+            if name in model_state:
+                model_state[name] = _apply(model_state[name], dim, parts, info["degree"], invert)
+            entry = (optimizer_state or {}).get("state", {}).get(name)
+            if isinstance(entry, dict):
+                for k, v in entry.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > dim:
+                        entry[k] = _apply(v, dim, parts, info["degree"], invert)
 
 
 def check_replicas(model: nn.Module, group: Any, *, recorder: Recorder | None = None) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 
 from shardwise.comm.recorder import CommEvent, Recorder
-from shardwise.strategies.tensor_parallel.counting import StepCounts, batch_signature
+from shardwise.strategies.counting import StepCounts, batch_signature
 
 
 def _log(n: int, size: int = 64) -> list[tuple[tuple[str, str, str], CommEvent | None]]:

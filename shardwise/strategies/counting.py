@@ -58,7 +58,7 @@ Logged = list[tuple[tuple[str, str, str], CommEvent | None]]
 """The collectives of one step, in order: (name, kind, phase) and what was recorded for it."""
 
 
-def _collective_counter_mode() -> type:
+def collective_counter_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CollectiveCounter(TorchDispatchMode):
@@ -143,7 +143,7 @@ def count_collectives(recorder: Recorder | None = None, **groups: Any) -> Iterat
     >>> counts[("tp", "all_reduce", "forward")]                             # doctest: +SKIP
     4
     """
-    mode = _collective_counter_mode()(recorder, group_names(**groups))
+    mode = collective_counter_mode()(recorder, group_names(**groups))
     with mode:
         yield mode.counts
 
