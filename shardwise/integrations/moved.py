@@ -58,6 +58,7 @@ MOVED = {
     "shardwise.strategies.naive_mp": "shardwise.strategies.pipeline.naive_mp",
     "shardwise.strategies.pipeline.compose": "shardwise.strategies.compose",
     "shardwise.strategies.single": "shardwise.strategies.data_parallel.single",
+    "shardwise.strategies.tensor_parallel.counting": "shardwise.strategies.counting",
     "shardwise.strategies.zero": "shardwise.strategies.sharded.zero1",
     "shardwise.torchx": "shardwise.integrations.torchx",
     "shardwise.trainer.lightning_compat": "shardwise.integrations.lightning",
