@@ -326,37 +326,12 @@ def _block_list(model: nn.Module) -> list[nn.Module]:
     return best or [model]
 
 
-def measured_spec(
-    name: str,
-    model: nn.Module,
-    example: Any,
-    samples: int,
-    act_bytes: int = 4,
-    *,
-    loss: Callable[[Any], torch.Tensor] | None = None,
-    tp_plan: Mapping[str, str] | None = None,
-) -> ModelSpec:
-    """Counts from one forward and backward of ``model`` on ``example`` (``samples`` samples in it).
-
-    FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions and
-    attention; element-wise work is not counted), activations from what autograd saves for
-    backward in the forward (`shardwise.strategies.cost.saved.SavedBytes`: floating-point tensors at
-    ``act_bytes`` an element, masks and indices as stored; the input batch when a layer saves it),
-    inside the blocks per block, the rest apart. ``loss`` (the model's output -> the training
-    loss) counts what the loss saves too (a cross-entropy keeps its log-softmax); without it the
-    output is summed. ``tp_plan`` (``{linear name: "colwise" | "rowwise"}``, as tensor parallelism
-    resolves it) sets apart the bytes tp splits (`ModelSpec.act_bytes_tp_split_per_layer_sample`):
-    those saved from a colwise linear's output up to the rowwise linear's input.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from shardwise.strategies.cost.saved import SavedBytes
-
-    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    tensors = sum(1 for p in model.parameters() if p.requires_grad)
-    blocks = _block_list(model)
-    layer_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
-    saved = SavedBytes(model.parameters(), act_bytes=act_bytes)
+def _label_hooks(
+    model: nn.Module, blocks: list[nn.Module], saved: Any, tp_plan: Mapping[str, str] | None, act_bytes: int
+) -> tuple[list[Any], list[int], dict[int, int], int]:
+    """Hooks that label what autograd saves (``saved.where``: inside a block, tensor parallelism's split
+    part of one, or outside), record each block's output width and the bytes blocks are called with.
+    Returns (handles, widths, kept bytes by storage, parameters ``tp_plan`` splits)."""
     widths: list[int] = []
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -393,6 +368,14 @@ def measured_spec(
             handles += [sub.register_forward_pre_hook(whole), sub.register_forward_hook(split)]
         else:
             handles.append(sub.register_forward_hook(whole))
+    return handles, widths, kept, split_params
+
+
+def _forward_backward(model: nn.Module, example: Any, saved: Any, loss: Callable[[Any], torch.Tensor] | None) -> tuple[float, torch.Tensor]:
+    """One forward and backward of ``model`` in training mode, FLOPs counted and saved tensors labelled:
+    (FLOPs, the output's logits). The model's mode is restored and its gradients cleared."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     inputs = example if isinstance(example, tuple | list) else (example,)
     was_training = model.training
     model.train()
@@ -405,10 +388,46 @@ def measured_spec(
             logits = out if isinstance(out, torch.Tensor) else out[0]
             (value if value is not None else logits.float().sum()).backward()
     finally:
-        for h in handles:
-            h.remove()
         model.train(was_training)
         model.zero_grad(set_to_none=True)
+    return counter.get_total_flops(), logits
+
+
+def measured_spec(
+    name: str,
+    model: nn.Module,
+    example: Any,
+    samples: int,
+    act_bytes: int = 4,
+    *,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
+) -> ModelSpec:
+    """Counts from one forward and backward of ``model`` on ``example`` (``samples`` samples in it).
+
+    FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions and
+    attention; element-wise work is not counted), activations from what autograd saves for
+    backward in the forward (`shardwise.strategies.cost.saved.SavedBytes`: floating-point tensors at
+    ``act_bytes`` an element, masks and indices as stored; the input batch when a layer saves it),
+    inside the blocks per block, the rest apart. ``loss`` (the model's output -> the training
+    loss) counts what the loss saves too (a cross-entropy keeps its log-softmax); without it the
+    output is summed. ``tp_plan`` (``{linear name: "colwise" | "rowwise"}``, as tensor parallelism
+    resolves it) sets apart the bytes tp splits (`ModelSpec.act_bytes_tp_split_per_layer_sample`):
+    those saved from a colwise linear's output up to the rowwise linear's input.
+    """
+    from shardwise.strategies.cost.saved import SavedBytes
+
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    blocks = _block_list(model)
+    layer_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    saved = SavedBytes(model.parameters(), act_bytes=act_bytes)
+    handles, widths, kept, split_params = _label_hooks(model, blocks, saved, tp_plan, act_bytes)
+    try:
+        flops, logits = _forward_backward(model, example, saved, loss)
+    finally:
+        for h in handles:
+            h.remove()
     seq = int(logits.shape[1]) if logits.dim() == 3 else 1
     hidden = widths[0] if widths else int(logits.shape[-1])
     return ModelSpec(
@@ -419,7 +438,7 @@ def measured_spec(
         hidden=hidden,
         seq=seq,
         vocab=int(logits.shape[-1]) if seq > 1 else 0,
-        flops_per_sample=counter.get_total_flops() / samples,
+        flops_per_sample=flops / samples,
         act_bytes_per_layer_sample=(saved.by_label.get("block", 0) + saved.by_label.get("block/split", 0)) / samples / max(1, len(blocks)),
         act_bytes_tp_split_per_layer_sample=saved.by_label.get("block/split", 0) / samples / max(1, len(blocks)) if tp_plan else None,
         act_bytes_other_sample=saved.by_label.get("other", 0) / samples,

@@ -1,8 +1,7 @@
 """The event loops of `shardwise.tools.simulate.network`: one heap of (time, sequence, kind, who, round).
 
 Split from `simulate.py` along its seam: that module turns a cluster and an algorithm into round
-times and message costs; this one plays them out worker by worker. The model is stated in
-`shardwise.tools.simulate.network`'s docstring.
+times and message costs; this one plays them out worker by worker. The model: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -52,14 +51,14 @@ def collective_loop(
             else:
                 end[w] = t_w
 
-    def start_post(t: float) -> None:
+    def start_post(t: float, who: int = 0) -> None:
         for grp in range(len(members)):
             if post:
                 push(t + post[0], _POST, grp, 0)
             else:
                 release(t, members[grp])
 
-    def group_ready(t: float) -> None:
+    def group_ready(t: float, who: int = 0) -> None:
         nonlocal ready
         ready += 1
         if ready == len(members):
@@ -69,6 +68,7 @@ def collective_loop(
             else:
                 start_post(t)
 
+    phases = {_PRE: (pre, group_ready), _GLOBAL: (glob, start_post), _POST: (post, lambda t, grp: release(t, members[grp]))}
     while heap:
         t, _, kind, who, r = heapq.heappop(heap)
         if kind == _COMPUTE:
@@ -83,21 +83,12 @@ def collective_loop(
                     push(t + pre[0], _PRE, grp, 0)
                 else:
                     group_ready(t)
-        elif kind == _PRE:
-            if r + 1 < len(pre):
-                push(t + pre[r + 1], _PRE, who, r + 1)
+        else:  # a round of a phase ends: its next round, or the next phase
+            rounds, then = phases[kind]
+            if r + 1 < len(rounds):
+                push(t + rounds[r + 1], kind, who, r + 1)
             else:
-                group_ready(t)
-        elif kind == _GLOBAL:
-            if r + 1 < len(glob):
-                push(t + glob[r + 1], _GLOBAL, 0, r + 1)
-            else:
-                start_post(t)
-        elif kind == _POST:
-            if r + 1 < len(post):
-                push(t + post[r + 1], _POST, who, r + 1)
-            else:
-                release(t, members[who])
+                then(t, who)
     return end
 
 

@@ -1,64 +1,11 @@
 """A discrete-event simulation of data-parallel training steps on 1 to thousands of workers.
 
 What it answers: how throughput, step time and scaling efficiency change with the worker count,
-the gradient-exchange algorithm, the network and stragglers, before any cluster is rented.
-`shardwise simulate` is its command (`shardwise.tools.simulate.commands`); `simulate_presets` holds
-two published scaling results it reproduces; `simulate_pipeline` simulates pipeline schedules.
-
-The model
----------
-Each worker repeats a step: compute (forward and backward, ``compute_s`` times a per-step factor
-drawn from a straggler distribution), then the gradient exchange of ``N = params x bytes`` bytes.
-Events sit in one heap, ordered by time: a worker finishing its compute, one round of a
-collective finishing for one group, a parameter-server message arriving.
-
-*Collectives* are simulated at the level of rounds (one event per round per group, never per
-byte), so 4,096 workers take seconds. A round is one step of the schedule in which every rank
-sends at most one message (the single-port, full-duplex model of Thakur, Rabenseifner & Gropp
-2005, "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1)); its time is
-the alpha-beta cost of its slowest message (Hockney 1994, "The communication challenge for MPP",
-Parallel Computing 20(3)): ``alpha + bytes x beta``. The schedules and their round counts are
-those of `shardwise.comm.traffic` (ring pieces from its ``split_sizes``, the binomial tree from its
-``children``, the recursive-doubling fold from its ``fold_role``/``real_rank``). Closed forms on one
-link kind (Thakur et al. 2005, section 4): ring ``2(p-1) alpha + 2(p-1)/p N beta`` (bandwidth
-optimal: Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations", JPDC 69(2)); recursive doubling ``lg p (alpha + N beta)``; binomial tree
-(reduce then broadcast) ``2 ceil(lg p) (alpha + N beta)``.
-
-*Placement and contention.* Ranks fill nodes of ``gpus_per_node`` in order. A message between
-two ranks of one node uses the intra-node link (NVLink/PCIe: ``intra_alpha``, ``intra_beta``,
-assumed non-blocking); a message between nodes goes through both nodes' NICs, and when ``f``
-messages of a round leave (or enter) one node its NIC is shared ``f`` ways: that message takes
-``alpha + bytes x f x beta``. So a flat ring across nodes puts one flow on each NIC, recursive
-doubling at distances of a node or more puts ``gpus_per_node`` flows on it, and the hierarchical
-allreduce (intra-node reduce-scatter, one inter-node ring per local rank on ``1/g`` of the
-gradient, intra-node all-gather) shares each NIC among ``g`` rings of ``N/g`` bytes.
-
-*Parameter servers* (``ps``): ``k`` servers on their own nodes each hold ``1/k`` of the
-parameters. A worker pushes ``N/k`` to each server and pulls ``N/k`` back. A server's NIC takes
-one message at a time (first come, first served): with ``p`` workers pushing at once it needs
-``p N/k beta`` (the incast); a worker's own NIC, shared by the ``g`` workers of its node, bounds
-its push and pull at ``g N beta``. The ``k`` servers see the same arrivals in the same order and
-serve equal shards, so one representative server queue is simulated (exactly, under this model).
-Synchronous: the servers wait for every push, then send the pulls in arrival order; a worker
-computes again when its pull arrives. Asynchronous: a server answers each push at once.
-
-*Overlap* (``overlap = F``, data-parallel collectives only; default 0): a bucketed allreduce
-starts reducing the first buckets while the backward still runs. Modelled as: a worker's
-exchange may begin ``F x t_b`` before its compute ends, ``t_b = 2/3`` of its compute (the
-backward costs about twice the forward: Kaplan et al. 2020, "Scaling Laws for Neural Language
-Models", arXiv:2001.08361, section 2.1), and the worker starts its next step at the later of the
-exchange's end and its own backward's end. So with every worker equal a step takes
-``max(c, c - F t_b + E)`` for compute ``c`` and exchange ``E``. Not modelled: the exchange of
-the last bucket, which can only start when the backward ends (one bucket of many), and any
-slowdown of the backward by the communication it overlaps.
-
-*Local SGD* (Stich 2019, "Local SGD Converges Fast and Communicates Little", ICLR): workers take
-``sync_every`` steps without waiting and average with the chosen allreduce after every H-th.
-
-Outputs per worker count: step time (wall time over steps), samples/s, scaling efficiency
-(samples/s over ``p`` times one worker's ``batch / compute_s``), the exchange time and each
-worker's idle time per step (wall time not spent computing).
+the gradient exchange (an allreduce's rounds, or parameter servers' pushes and pulls), the network
+and stragglers, before any cluster is rented. `shardwise simulate` is its command
+(`shardwise.tools.simulate.commands`); its event loops are `shardwise.tools.simulate.events`. The
+model (rounds, placement and contention, parameter servers, overlap, local SGD) and its sources:
+docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -77,7 +24,7 @@ SERVERS = "ps"
 ALGORITHMS = ("ring", "tree", "recursive_doubling", "hierarchical", SERVERS)
 MODES = ("sync", "async", "local_sgd")
 BACKWARD_SHARE = 2 / 3
-"""The backward's share of a step's compute (about twice the forward; see *Overlap* above)."""
+"""The backward's share of a step's compute (about twice the forward; docs/simulator.md, *Overlap*)."""
 
 
 @dataclass(frozen=True, kw_only=True)

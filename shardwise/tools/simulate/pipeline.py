@@ -4,51 +4,8 @@ What it answers: how long one training step of a pipeline takes, how much of it 
 idle (the bubble), and how many micro-batches' activations each stage holds at its peak, when
 stages are unequal, some straggle, or the point-to-point sends between stages cost time: the
 cases the closed form of `shardwise.strategies.cost.bubble` (equal stages, free sends) does not cover.
-``shardwise simulate --pipeline ...`` is its command (`shardwise.tools.simulate.commands`).
-
-The model
----------
-Rank ``s`` of ``p`` holds ``v`` model chunks (``v = 1`` except interleaved); model chunk
-``g = c p + s`` is rank ``s``'s local chunk ``c``, so a micro-batch visits ranks
-``0, 1, ..., p-1, 0, 1, ...`` ``v`` times (Narayanan et al. 2021, "Efficient Large-Scale Language
-Model Training on GPU Clusters Using Megatron-LM", SC 2021, section 2.2.2 and figure 4). An
-*action* is one (rank, chunk, micro-batch, direction); a chunk's forward takes ``t_f[s] / v``
-and its backward ``t_b[s] / v`` (times a straggler factor per stage and micro-batch). A forward
-of chunk ``g`` needs the forward of ``g - 1`` on the same micro-batch; a backward of ``g`` needs
-the backward of ``g + 1`` (the last chunk's backward needs its own forward). Each rank runs its
-actions in the fixed order of its schedule, one at a time, starting an action when the previous
-one is done and its input has arrived. Events are action completions, in one heap by time.
-
-*Sends.* An activation (forward) or gradient (backward) of ``activation_bytes`` crossing from one
-rank to the next costs ``alpha + bytes x beta`` (Hockney 1994, "The communication challenge for
-MPP", Parallel Computing 20(3)); the link of a node's NIC between nodes, the intra-node link
-within one (ranks fill nodes of ``gpus_per_node`` in order). Sends are asynchronous (the sender
-computes on) but one directed link carries one message at a time: a send starts when the link
-is free and occupies it for ``bytes x beta``.
-
-*Schedules* (each rank's order; ``F j`` / ``B j`` the forward / backward of micro-batch ``j``):
-
-- ``gpipe`` (Huang et al. 2019, "GPipe", NeurIPS): ``F 0 .. F m-1``, then ``B 0 .. B m-1``.
-- ``1f1b`` (Narayanan et al. 2021, section 2.2.1): a warm-up of ``p - s - 1`` forwards on
-  rank ``s``, then one forward and one backward in turn, then the remaining backwards.
-- ``interleaved`` (section 2.2.2): micro-batches go through the chunks in groups of ``p``: the
-  ``k``-th forward of a rank is chunk ``(k // p) mod v`` of micro-batch ``(k // pv) p + k mod p``;
-  backwards in the same groups with the chunks reversed. Warm-up on rank ``s``:
-  ``(v - 1) p + 2 (p - s - 1)`` forwards (at most ``v m``), then one forward and one backward in
-  turn, then the remaining backwards. Why ``2 (p - s - 1)`` where 1F1B has ``p - s - 1``: with
-  free sends both give the same bubble (checked), but the extra forwards keep a rank busy while
-  activations and gradients are in flight (here, sends of ``0.2 t_f``, ``p = 4``, ``m = 8``,
-  ``v = 2``, ``t_b = 2 t_f``: a step of ``31.3 t_f`` against ``34.5 t_f``) at the price of more
-  activations held (``5.5`` micro-batches on rank 0 against ``4``). Needs ``m`` a
-  multiple of ``p``.
-
-Outputs: the step time (first action's start to last action's end, the schedule flushed at the
-end of each step), each stage's bubble (idle share of the step, as `shardwise.strategies.cost.bubble`
-measures it) and each stage's peak in-flight micro-batches: forwards started minus backwards
-finished, in micro-batches of the whole stage (a chunk holds ``1 / v`` of a stage's
-activations). With equal stages and free sends the bubble is ``(p - 1) / (m + p - 1)`` (``v m``
-interleaved) and 1F1B holds ``p - s`` micro-batches on rank ``s`` where GPipe holds ``m``
-(Narayanan et al. 2021, sections 2.2.1 and 2.2.2); `tests/tools/simulate/test_simulate_pipeline.py` checks both.
+``shardwise simulate --pipeline ...`` is its command (`shardwise.tools.simulate.commands`). The
+model (chunks, sends, each schedule's order) and its sources: docs/simulator.md.
 """
 
 from __future__ import annotations
