@@ -302,6 +302,8 @@ MUTANTS = [
            "        if not t.is_meta and t.numel():", "        if False and not t.is_meta and t.numel():", ("tests/trainer/test_handoff.py",)),
     Mutant("a pipeline checkpoint's parts merged without the model's key order", "shardwise/checkpoint/parts.py",
            "    if order is not None:\n        known = set(order)", "    if False:\n        known = set(order)", ("tests/strategies/pipeline/test_nested.py",)),
+    Mutant("the config machine gives a number field's flag no type (its value stays a string)", "shardwise/config.py",
+           "        if base in (int, float):\n            kw[\"type\"] = base", "        pass", ("tests/test_config.py",)),
 ]
 
 

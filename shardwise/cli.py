@@ -22,51 +22,75 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from shardwise.config import add_arguments, flag
 from shardwise.errors import ConfigError, ShardwiseError
-
-# Command-line flags that map onto trainer settings (flag dest -> TrainerConfig field).
-_TRAINER_FLAGS = {
-    "strategy": "strategy",
-    "nproc": "nproc",
-    "max_steps": "max_steps",
-    "max_epochs": "max_epochs",
-    "out": "out",
-    "resume": "resume",
-    "overwrite": "overwrite",
-    "precision": "precision",
-    "accelerator": "accelerator",
-    "global_batch_size": "global_batch_size",
-    "accumulate": "accumulate",
-    "seed": "seed",
-    "clip_grad_norm": "clip_grad_norm",
-    "checkpoint_every": "checkpoint_every",
-    "log_every": "log_every",
-    "val_every": "val_every",
-    "logger": "loggers",
-    "profile": "profile",
-    "debug_collectives": "debug_collectives",
-    "fast_dev_run": "fast_dev_run",
-    "overfit_batches": "overfit_batches",
-    "limit_train_batches": "limit_train_batches",
-    "limit_val_batches": "limit_val_batches",
-}
-
-
-def _train_parser(sub: Any, strategy_flags: bool = True) -> None:
-    train_arguments(sub.add_parser("train", help="train a built-in recipe or your own model", description=_TRAIN_DESCRIPTION), strategy_flags)
-
 
 _TRAIN_DESCRIPTION = (
     "Train a built-in recipe (--recipe) or your own model (--model and --data, functions of a module of yours: "
     "--model mymodels:make_model for make_model in ./mymodels.py) with any strategy."
 )
+_OWN = (
+    "your own model (instead of --recipe)",
+    "MODULE:NAME is imported as `python -m` would, from the current directory first (a module file here, or a package); "
+    'also keys of the config\'s [recipe] section (model = "mymodels:make_model").',
+)
 _OWN_KEYS = {"model": "--model", "data": "--data", "val_data": "--val-data", "loss": "--loss", "optimizer": "--optimizer"}
 """Your own model's parts: flags of `shardwise train`, and keys of the config's [recipe] section (the flag wins)."""
+_TRAINER_GROUP = ("trainer settings", "Each sets the [trainer] key of its name in a --config file (--max-steps: max_steps).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainCommand:
+    """``shardwise train``'s own flags (the trainer settings' are `TrainerConfig`'s, the strategies' their options)."""
+
+    recipe: str | None = flag(None, "recipe name (see `shardwise recipes`); or your own model with --model and --data")
+    model: str | None = flag(
+        None,
+        "called with no arguments; returns the torch.nn.Module to train (or (module, example_input), as `shardwise plan` takes)",
+        metavar="MODULE:FACTORY",
+        group=_OWN,
+    )
+    data: str | None = flag(
+        None, "called with no arguments; returns the training data (a map-style Dataset, or a DataLoader over one)", metavar="MODULE:FACTORY", group=_OWN
+    )
+    val_data: str | None = flag(
+        None, "as --data, for the validation data (evaluated every --val-every steps and at the end)", metavar="MODULE:FACTORY", group=_OWN
+    )
+    loss: str | None = flag(
+        None,
+        "the loss itself, loss(output, batch) -> scalar tensor, output = model(x) for an (x, y) batch; "
+        "default: the model's own (training_step, or the loss a transformers model returns for a batch with labels)",
+        metavar="MODULE:FN",
+        group=_OWN,
+    )
+    optimizer: str | None = flag(None, "called with the parameters, returns the optimizer (default: AdamW, lr 1e-3)", metavar="MODULE:FACTORY", group=_OWN)
+    straggler: str | None = flag(None, "slow rank RANK down FACTOR times on purpose (demonstrations, benchmarks)", metavar="RANK:FACTOR")
+    config: str | None = flag(None, "TOML file with [trainer] and [recipe] sections")
+    set: list[str] = flag(help="override one setting (repeatable)", action="append", metavar="SECTION.KEY=VALUE", default_factory=list)
+    print_summary: bool = flag(False, "print summary.json to stdout at the end")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportCommand:
+    """``shardwise export``'s arguments."""
+
+    checkpoint: str = flag(help="a checkpoint directory (e.g. runs/x/checkpoints/step-00000300)", positional=True)
+    out: str = flag(help="the .safetensors file to write", positional=True)
+    key: str = flag("model", "which saved model to export (default: model)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategiesCommand:
+    """``shardwise strategies``'s argument."""
+
+    name: str | None = flag(None, "one strategy only", positional=True, nargs="?")
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -77,59 +101,11 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def train_arguments(p: argparse.ArgumentParser, strategy_flags: bool) -> None:
-    """The trainer's flags, then (``strategy_flags``) one per strategy option."""
-    p.add_argument("--recipe", help="recipe name (see `shardwise recipes`); or your own model with --model and --data")
-    own = p.add_argument_group(
-        "your own model (instead of --recipe)",
-        "MODULE:NAME is imported as `python -m` would, from the current directory first (a module file here, or a package); "
-        'also keys of the config\'s [recipe] section (model = "mymodels:make_model").',
-    )
-    own.add_argument(
-        "--model",
-        metavar="MODULE:FACTORY",
-        help="called with no arguments; returns the torch.nn.Module to train (or (module, example_input), as `shardwise plan` takes)",
-    )
-    own.add_argument(
-        "--data", metavar="MODULE:FACTORY", help="called with no arguments; returns the training data (a map-style Dataset, or a DataLoader over one)"
-    )
-    own.add_argument("--val-data", metavar="MODULE:FACTORY", help="as --data, for the validation data (evaluated every --val-every steps and at the end)")
-    own.add_argument(
-        "--loss",
-        metavar="MODULE:FN",
-        help="the loss itself, loss(output, batch) -> scalar tensor, output = model(x) for an (x, y) batch; "
-        "default: the model's own (training_step, or the loss a transformers model returns for a batch with labels)",
-    )
-    own.add_argument("--optimizer", metavar="MODULE:FACTORY", help="called with the parameters, returns the optimizer (default: AdamW, lr 1e-3)")
-    p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
-    p.add_argument(
-        "--nproc", type=int, help="local worker processes (default 1); under torchrun/srun the job's processes are used, and a different N > 1 is an error"
-    )
-    p.add_argument("--max-steps", type=int, help="optimizer steps (default: the recipe's, 300 for digits and charlm)")
-    p.add_argument("--max-epochs", type=int)
-    p.add_argument("--out", help="run directory: metrics.jsonl, summary.json, checkpoints/")
-    p.add_argument("--resume", help="'auto' (newest valid checkpoint in --out) or a checkpoint directory")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        default=None,
-        help="start afresh in an --out that holds an earlier run (its files are moved to OUT/replaced-<time>/)",
-    )
-    p.add_argument("--precision", help="32, 64, bf16-mixed, 16-mixed")
-    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--global-batch-size", type=int)
-    p.add_argument("--accumulate", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--clip-grad-norm", type=float)
-    p.add_argument("--checkpoint-every", type=int)
-    p.add_argument("--log-every", type=int)
-    p.add_argument("--val-every", type=int)
-    from shardwise.trainer.config import add_run_tool_flags
+    """The command's own flags, the trainer settings' (`TrainerConfig`), then (``strategy_flags``) one per strategy option."""
+    from shardwise.trainer.config import TrainerConfig
 
-    add_run_tool_flags(p)
-    p.add_argument("--straggler", metavar="RANK:FACTOR", help="slow rank RANK down FACTOR times on purpose (demonstrations, benchmarks)")
-    p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
-    p.add_argument("--print-summary", action="store_true", help="print summary.json to stdout at the end")
+    add_arguments(p, TrainCommand)
+    add_arguments(p, TrainerConfig, unset=True, marked_only=True, group=_TRAINER_GROUP)
     if strategy_flags:
         add_strategy_flags(p)
 
@@ -190,7 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from shardwise.engine import seed_everything
     from shardwise.launcher.spawn import prestart
     from shardwise.tools.recipes import get_recipe
-    from shardwise.trainer.config import apply_overrides, from_mapping, load_toml
+    from shardwise.trainer.config import apply_overrides, flag_values, from_mapping, load_toml
     from shardwise.trainer.loop import Trainer
 
     sections = load_toml(args.config) if args.config else {}
@@ -201,13 +177,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ShardwiseError(f"unknown config sections {unknown}; use [trainer] and [recipe]{hint}")
     own = _own_model_specs(args, sections.get("recipe", {}))
     recipe = get_recipe(args.recipe) if own is None else None
-    settings: dict[str, Any] = {**(recipe.trainer_defaults if recipe is not None else {}), **sections.get("trainer", {})}
-    for dest, name in _TRAINER_FLAGS.items():
-        value = getattr(args, dest)
-        if value is not None:
-            settings[name] = value
-    settings = _resolve_strategy_options(settings, strategy_flag_values(args))
-    config = from_mapping(settings)  # validates before anything is built or started
+    values: dict[str, Any] = {**(recipe.trainer_defaults if recipe is not None else {}), **sections.get("trainer", {})}
+    values.update(flag_values(args))
+    values = _resolve_strategy_options(values, strategy_flag_values(args))
+    config = from_mapping(values)  # validates before anything is built or started
     prestart(config.nproc, config.start_method, config.accelerator, even_one_off=True)  # the ranks' zygote imports torch while the recipe is built
     seed_everything(config.seed)  # every rank (under an external launcher) builds the same initial model
     parts = recipe.parts(sections.get("recipe")) if recipe is not None else _own_parts(own or {})
@@ -405,6 +378,44 @@ def cmd_run(argv: Sequence[str]) -> int:
     return run(argv)
 
 
+_TOOLS = {  # command -> (its module, the module's help text, its flags function, its entry point)
+    "plan": ("shardwise.tools.advisor.commands", "PLAN_HELP", "plan_arguments", "cmd_plan"),
+    "simulate": ("shardwise.tools.simulate.commands", "SIMULATE_HELP", "add_arguments", "main"),
+    "tune": ("shardwise.tools.tune.commands", "TUNE_HELP", "add_arguments", "main"),
+    "plot": ("shardwise.tools.plot.commands", "PLOT_HELP", "add_arguments", "main"),
+    "compress": ("shardwise.tools.compress.commands", "COMPRESS_HELP", "add_arguments", "main"),
+    "predict": ("shardwise.tools.predict", "HELP", "add_arguments", "main"),
+    "preprocess": ("shardwise.tools.preprocess", "HELP", "add_arguments", "main"),
+}
+
+
+def build_parser(strategy_flags: bool = False) -> argparse.ArgumentParser:
+    """The ``shardwise`` parser with every subcommand (``strategy_flags``: train's generated strategy flags,
+    which import every strategy module)."""
+    from shardwise import __version__
+
+    parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training on PyTorch: every strategy behind one flag.")
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train_arguments(sub.add_parser("train", help="train a built-in recipe or your own model", description=_TRAIN_DESCRIPTION), strategy_flags)
+    sub.add_parser("run", help="run a script under torchrun with working defaults")
+    sub.add_parser("bench", help="benchmarks shipped with the package (`shardwise bench comm --help`)")
+    export_help = "write a checkpoint's consolidated model weights to one safetensors file"
+    export_description = (
+        "Consolidate a checkpoint's model weights (sharded or not) into one .safetensors file "
+        "for use outside shardwise (needs the safetensors package: pip install safetensors)."
+    )
+    add_arguments(sub.add_parser("export", help=export_help, description=export_description), ExportCommand)
+    strategies_help = "List each strategy with its options: flag, TOML key, default and help."
+    add_arguments(sub.add_parser("strategies", help="list the strategies and their options", description=strategies_help), StrategiesCommand)
+    sub.add_parser("recipes", help="list the built-in recipes")
+    for name, (module_name, help_name, arguments, _) in _TOOLS.items():
+        module = importlib.import_module(module_name)
+        text = getattr(module, help_name)
+        getattr(module, arguments)(sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + "."))
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "run":
@@ -414,79 +425,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shardwise.tools.bench import main as bench_main  # loaded only for this command
 
         return _guard(lambda: bench_main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training on PyTorch: every strategy behind one flag.")
-    from shardwise import __version__
-
-    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub, strategy_flags=argv[:1] == ["train"])  # the flags import every strategy module: only for train
-    sub.add_parser("run", help="run a script under torchrun with working defaults")
-    sub.add_parser("bench", help="benchmarks shipped with the package (`shardwise bench comm --help`)")
-    ex = sub.add_parser(
-        "export",
-        help="write a checkpoint's consolidated model weights to one safetensors file",
-        description="Consolidate a checkpoint's model weights (sharded or not) into one .safetensors file "
-        "for use outside shardwise (needs the safetensors package: pip install safetensors).",
-    )
-    ex.add_argument("checkpoint", help="a checkpoint directory (e.g. runs/x/checkpoints/step-00000300)")
-    ex.add_argument("out", help="the .safetensors file to write")
-    ex.add_argument("--key", default="model", help="which saved model to export (default: model)")
-    st = sub.add_parser(
-        "strategies", help="list the strategies and their options", description="List each strategy with its options: flag, TOML key, default and help."
-    )
-    st.add_argument("name", nargs="?", help="one strategy only")
-    sub.add_parser("recipes", help="list the built-in recipes")
-    from shardwise.tools.advisor.commands import PLAN_HELP, plan_arguments
-
-    plan_arguments(sub.add_parser("plan", help=PLAN_HELP, description=PLAN_HELP[0].upper() + PLAN_HELP[1:] + "."))
-    from shardwise.tools.simulate.commands import add_arguments as simulate_arguments
-
-    simulate_arguments(sub.add_parser("simulate", help="throughput and scaling efficiency against worker count, by simulation"))
-    from shardwise.tools.tune.commands import TUNE_HELP
-    from shardwise.tools.tune.commands import add_arguments as tune_arguments
-
-    tune_arguments(sub.add_parser("tune", help=TUNE_HELP, description=TUNE_HELP[0].upper() + TUNE_HELP[1:] + "."))
-    from shardwise.tools.plot.commands import PLOT_HELP
-    from shardwise.tools.plot.commands import add_arguments as plot_arguments
-
-    plot_arguments(sub.add_parser("plot", help=PLOT_HELP, description=PLOT_HELP[0].upper() + PLOT_HELP[1:] + "."))
-    from shardwise.tools.compress.commands import COMPRESS_HELP
-    from shardwise.tools.compress.commands import add_arguments as compress_arguments
-
-    compress_arguments(sub.add_parser("compress", help=COMPRESS_HELP, description=COMPRESS_HELP[0].upper() + COMPRESS_HELP[1:] + "."))
-    from shardwise.tools import predict, preprocess
-
-    predict.add_arguments(sub.add_parser("predict", help=predict.HELP, description=predict.HELP[0].upper() + predict.HELP[1:] + "."))
-    preprocess.add_arguments(sub.add_parser("preprocess", help=preprocess.HELP, description=preprocess.HELP[0].upper() + preprocess.HELP[1:] + "."))
-    args = parser.parse_args(argv)
+    args = build_parser(strategy_flags=argv[:1] == ["train"]).parse_args(argv)  # the strategy flags: only for train
     if args.command == "train":
         return _guard(lambda: cmd_train(args))
     if args.command == "export":
         return _guard(lambda: cmd_export(args))
     if args.command == "strategies":
         return _guard(lambda: cmd_strategies(args.name))
-    if args.command == "plan":
-        from shardwise.tools.advisor.commands import cmd_plan
-
-        return _guard(lambda: cmd_plan(args))
-    if args.command == "simulate":
-        from shardwise.tools.simulate.commands import main as simulate_main
-
-        return _guard(lambda: simulate_main(args))
-    if args.command == "tune":
-        from shardwise.tools.tune.commands import main as tune_main
-
-        return _guard(lambda: tune_main(args))
-    if args.command == "plot":
-        from shardwise.tools.plot.commands import main as plot_main
-
-        return _guard(lambda: plot_main(args))
-    if args.command == "compress":
-        from shardwise.tools.compress.commands import main as compress_main
-
-        return _guard(lambda: compress_main(args))
-    if args.command in ("predict", "preprocess"):
-        return _guard(lambda: (predict if args.command == "predict" else preprocess).main(args))
+    if args.command in _TOOLS:
+        module_name, _, _, entry = _TOOLS[args.command]
+        return _guard(lambda: getattr(importlib.import_module(module_name), entry)(args))
     if args.command == "recipes":
         from shardwise.tools.recipes import available as recipes
         from shardwise.tools.recipes import get_recipe

@@ -17,7 +17,7 @@ PACKAGE = Path(shardwise.__file__).resolve().parent
 # Each top-level package's layer (docs/architecture.md, "Layers"): a module may import only
 # from strictly lower layers (or from its own package).
 LAYER = {
-    "errors": 0,
+    "errors": -1,  # under config (0), which raises its ConfigError
     "config": 0,
     "comm": 1,
     "data": 1,

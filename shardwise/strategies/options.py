@@ -21,363 +21,43 @@ its options still reach it through ``trainer.strategy_options``.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import functools
 import inspect
-import itertools
-import json
-import sys
-import textwrap
-import types
 import typing
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeGuard, Union
+from typing import Any, Literal, TypeGuard
 
+from shardwise.config import (
+    REQUIRED,
+    Setting,
+    describe,
+    field_docs,
+    format_value,
+    is_mapping,
+    name_to_flag,
+    sequence_item,
+    settings_of,
+    split_optional,
+    type_name,
+    union_args,
+)
 from shardwise.errors import ConfigError
 from shardwise.strategies.contract import Strategy
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-
-class _Required:
-    """The default of a field that has none (the strategy cannot be built without it)."""
-
-    def __repr__(self) -> str:
-        return "REQUIRED"
-
-
-REQUIRED: Any = _Required()
-
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
-
-
-# --- types ------------------------------------------------------------------------------------
-
-
-def _union_args(tp: Any) -> tuple[Any, ...] | None:
-    origin = typing.get_origin(tp)
-    if origin is Union or (hasattr(types, "UnionType") and origin is types.UnionType):
-        return typing.get_args(tp)
-    return None
-
-
-def _split_optional(tp: Any) -> tuple[Any, bool]:
-    """``(inner type, whether None is allowed)``: ``int | None`` -> ``(int, True)``."""
-    args = _union_args(tp)
-    if args is None or type(None) not in args:
-        return tp, tp is type(None)
-    rest = tuple(a for a in args if a is not type(None))
-    if len(rest) == 1:
-        return rest[0], True
-    return Union.__getitem__(rest), True
-
-
-def _sequence_item(tp: Any) -> Any | None:
-    """The item type of ``tuple[X, ...]``, ``list[X]``, ``Sequence[X]`` (None for other types)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return args[0]
-    if origin in (list, Sequence, set, frozenset) and len(args) == 1:
-        return args[0]
-    if tp in (list, tuple):
-        return Any
-    return None
-
-
-def _is_mapping(tp: Any) -> bool:
-    return typing.get_origin(tp) in (dict, Mapping) or tp is dict
-
-
-def type_name(tp: Any) -> str:
-    """A type as a reader writes it: ``int | None``, ``tuple[str, ...]``, ``Literal['a', 'b']``."""
-    if tp is type(None):
-        return "None"
-    if tp is Any:
-        return "Any"
-    args = _union_args(tp)
-    if args is not None:
-        return " | ".join(type_name(a) for a in args)
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return f"Literal[{', '.join(repr(a) for a in typing.get_args(tp))}]"
-    if origin is not None:
-        inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in typing.get_args(tp))
-        name = getattr(origin, "__name__", str(origin))
-        return f"{name}[{inner}]" if inner else name
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
-
-
-def _kind(tp: Any) -> str:
-    """What a command-line flag must be for this type, None aside: the basis of type agreement.
-
-    ``Literal`` values count as their own type (``Literal['ddp', 'fsdp']`` is a ``str``), so two
-    strategies may offer different choices under one flag; anything else must be the same type.
-    """
-    inner, _ = _split_optional(tp)
-    if inner is Any:
-        return "Any"
-    if typing.get_origin(inner) is Literal:
-        kinds = sorted({type(v).__name__ for v in typing.get_args(inner)})
-        return kinds[0] if len(kinds) == 1 else " | ".join(kinds)
-    item = _sequence_item(inner)
-    if item is not None:
-        return f"list[{_kind(item)}]"
-    args = _union_args(inner)
-    if args is not None:
-        return " | ".join(sorted({_kind(a) for a in args}))
-    return type_name(inner)
-
-
-def _is_switch(tp: Any) -> bool:
-    return _split_optional(tp)[0] is bool
-
-
-def format_value(value: Any) -> str:
-    """A value as it is written on the command line (``true``, ``none``, ``a,b``)."""
-    if value is REQUIRED:
-        return "required"
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (tuple, list)):
-        return ",".join(format_value(v) for v in value) if value else '""'
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r} = {format_value(v)!r}" if isinstance(v, str) else f"{k!r} = {format_value(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
-def describe(tp: Any) -> str:
-    """What a value of this type looks like, for errors and help: ``a whole number or none``."""
-    inner, optional = _split_optional(tp)
-    text = _describe(inner)
-    return f"{text} or none" if optional and inner is not type(None) else text
-
-
-def _describe(tp: Any) -> str:
-    if tp is bool:
-        return "true or false"
-    if tp is int:
-        return "a whole number"
-    if tp is float:
-        return "a number"
-    if tp is str:
-        return "a string"
-    if tp is Any:
-        return "any value"
-    if typing.get_origin(tp) is Literal:
-        return "one of: " + ", ".join(format_value(v) for v in typing.get_args(tp))
-    item = _sequence_item(tp)
-    if item is not None:
-        return f"a comma-separated list (each {_describe(item)})"
-    if _is_mapping(tp):
-        return 'a TOML table such as {key = "value"} (or its JSON text)'
-    args = _union_args(tp)
-    if args is not None:
-        return " or ".join(_describe(a) for a in args)
-    return f"a {type_name(tp)}"
-
-
-def metavar(tp: Any, name: str = "value") -> str:
-    """How the value of a flag is shown in help: ``{gpipe,1f1b}``, ``A,B,...``, ``N`` or the name."""
-    inner, _ = _split_optional(tp)
-    if typing.get_origin(inner) is Literal:
-        return "{" + ",".join(format_value(v) for v in typing.get_args(inner)) + "}"
-    if _sequence_item(inner) is not None:
-        return "A,B,..."
-    if _is_mapping(inner):
-        return "TABLE"
-    return {int: "N", float: "X", bool: "BOOL"}.get(inner, name.upper())
-
-
-class _Bad(Exception):
-    """A value that does not fit a type (turned into a ConfigError naming the option)."""
-
-
-def _convert(value: Any, tp: Any) -> Any:
-    """``value`` (a command-line string, or what TOML read) as type ``tp``; raises `_Bad`."""
-    inner, optional = _split_optional(tp)
-    if value is None:
-        if optional or tp is Any:
-            return None
-        raise _Bad
-    if optional and isinstance(value, str) and value.strip().lower() == "none" and inner is not str:
-        return None
-    if inner is type(None):
-        raise _Bad
-    return _convert_inner(value, inner)
-
-
-def _convert_inner(value: Any, tp: Any) -> Any:
-    if tp is Any:
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-            return value.strip().lower() in _TRUE
-        raise _Bad
-    if tp is int or tp is float:
-        # A number, or its text; never a bool (True is an int to Python, not a count); an int where a float is asked.
-        accepted = (int,) if tp is int else (int, float)
-        if isinstance(value, accepted) and not isinstance(value, bool):
-            return tp(value)
-        if isinstance(value, str):
-            try:
-                return tp(value.strip())
-            except ValueError:
-                raise _Bad from None
-        raise _Bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # --set key=4 reads 4 as a TOML number
-        raise _Bad
-    if typing.get_origin(tp) is Literal:
-        choices = typing.get_args(tp)
-        for choice in choices:
-            try:
-                if _convert_inner(value, type(choice)) == choice:
-                    return choice
-            except _Bad:
-                continue
-        raise _Bad
-    item = _sequence_item(tp)
-    if item is not None:
-        if isinstance(value, str):
-            parts: list[Any] = [p.strip() for p in value.split(",") if p.strip()]
-        elif isinstance(value, (list, tuple)):
-            parts = list(value)
-        else:
-            raise _Bad
-        converted = [_convert(p, item) for p in parts]
-        origin = typing.get_origin(tp) or tp
-        return converted if origin is list else tuple(converted)
-    if typing.get_origin(tp) is tuple:  # fixed length: tuple[int, int]
-        items = typing.get_args(tp)
-        parts = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
-        if len(parts) != len(items):
-            raise _Bad
-        return tuple(_convert(p, t) for p, t in zip(parts, items, strict=True))
-    if _is_mapping(tp):
-        if isinstance(value, str):
-            try:
-                value = tomllib.loads(f"v = {value}")["v"]
-            except tomllib.TOMLDecodeError:
-                try:  # its JSON text, as the help of a table option says ({"fc1": "colwise"})
-                    value = json.loads(value)
-                except json.JSONDecodeError:
-                    raise _Bad from None
-        if not isinstance(value, dict):
-            raise _Bad
-        key_t, val_t = typing.get_args(tp) or (Any, Any)
-        return {_convert(k, key_t): _convert(v, val_t) for k, v in value.items()}
-    args = _union_args(tp)
-    if args is not None:
-        for member in sorted(args, key=lambda a: 0 if isinstance(a, type) and isinstance(value, a) else 1):
-            try:
-                return _convert(value, member)
-            except _Bad:
-                continue
-        raise _Bad
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        if isinstance(value, str):
-            try:
-                return tp(value)
-            except (TypeError, ValueError):
-                raise _Bad from None
-    raise _Bad
-
 
 # --- one strategy's options -------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Option:
-    """One option of one strategy class: a dataclass field and its docstring."""
+class Option(Setting):
+    """One option of one strategy class: a dataclass field and its docstring (`shardwise.config.Setting`);
+    its name is the TOML key ``trainer.strategy_options.NAME``."""
 
-    name: str
-    """The field name: the keyword argument and the TOML key (``trainer.strategy_options.NAME``)."""
-    type: Any
-    """The field's type, resolved (``int | None``, ``Literal['gpipe', '1f1b']``, ``tuple[str, ...]``)."""
-    default: Any
-    """The field's default (`REQUIRED` when it has none)."""
-    help: str
-    """The docstring under the field (empty when it has none)."""
-
-    @property
-    def flag(self) -> str:
-        """The command-line flag: ``--`` and the name with dashes (``--sync-every``)."""
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def choices(self) -> tuple[Any, ...] | None:
-        """The values of a ``Literal[...]`` field, else None."""
-        inner, _ = _split_optional(self.type)
-        return typing.get_args(inner) if typing.get_origin(inner) is Literal else None
-
-    @property
-    def switch(self) -> bool:
-        """A boolean option: an on/off flag (``--offload`` / ``--no-offload``)."""
-        return _is_switch(self.type)
-
-    def convert(self, value: Any, strategy: str) -> Any:
+    def convert(self, value: Any, strategy: str = "?") -> Any:
         """``value`` (command-line text or a TOML value) as this option's type, or a `ConfigError`."""
-        try:
-            return _convert(value, self.type)
-        except _Bad:
-            pass
-        valid = describe(self.type)
-        hint = ""
-        if self.choices and isinstance(value, str):
-            close = difflib.get_close_matches(value, [format_value(c) for c in self.choices], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"strategy {strategy!r}: option {self.name} ({self.flag}) must be {valid}; got {value!r}{hint}") from None
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each annotated field of ``cls`` and its bases (subclass first)."""
-    docs: dict[str, str] = {}
-    for klass in cls.__mro__:
-        if klass is object:
-            continue
-        for name, doc in _own_field_docs(klass).items():
-            docs.setdefault(name, doc)
-    return docs
-
-
-@functools.cache
-def _own_field_docs(klass: type) -> dict[str, str]:
-    try:
-        source = textwrap.dedent(inspect.getsource(klass))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
-        return {}  # defined where no source is kept (an interactive session): no help text
-    node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if node is None:
-        return {}
-    docs = {}
-    for stmt, after in itertools.pairwise(node.body):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[stmt.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
-    return docs
+        return super().convert(value, f"strategy {strategy!r}: option")
 
 
 def is_options_class(obj: Any) -> TypeGuard[type[Strategy]]:
@@ -390,29 +70,46 @@ def options_of(cls: type) -> tuple[Option, ...]:
     """Every option of a dataclass strategy class, in field order."""
     if not is_options_class(cls):
         raise ConfigError(f"{cls!r} is not a dataclass subclass of shardwise.strategies.contract.Strategy; its options cannot be read")
-    try:
-        hints = typing.get_type_hints(cls)
-    except (NameError, TypeError, AttributeError):  # an annotation that does not resolve: its field takes values as given
-        hints = {}
-    docs = field_docs(cls)
-    out = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # a dataclass: is_options_class said so
-        if not f.init or f.name.startswith("_"):
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = REQUIRED
-        out.append(Option(f.name, hints.get(f.name, Any), default, docs.get(f.name, "")))
-    return tuple(out)
+    return tuple(Option(s.name, s.type, s.default, s.help) for s in settings_of(cls))
 
 
 def summary_line(obj: Any) -> str:
     """The first paragraph of a strategy's docstring, on one line (a sentence cut at a line break reads as cut)."""
     doc = inspect.getdoc(obj) or ""
     return " ".join(line.strip() for line in doc.split("\n\n", 1)[0].splitlines()) if doc else ""
+
+
+def kind(tp: Any) -> str:
+    """What a command-line flag must be for this type, None aside: the basis of type agreement.
+
+    ``Literal`` values count as their own type (``Literal['ddp', 'fsdp']`` is a ``str``), so two
+    classes may offer different choices under one flag; anything else must be the same type.
+    """
+    inner, _ = split_optional(tp)
+    if inner is Any:
+        return "Any"
+    if typing.get_origin(inner) is Literal:
+        kinds = sorted({type(v).__name__ for v in typing.get_args(inner)})
+        return kinds[0] if len(kinds) == 1 else " | ".join(kinds)
+    item = sequence_item(inner)
+    if item is not None:
+        return f"list[{kind(item)}]"
+    args = union_args(inner)
+    if args is not None:
+        return " | ".join(sorted({kind(a) for a in args}))
+    return type_name(inner)
+
+
+def metavar(tp: Any, name: str = "value") -> str:
+    """How the value of a flag is shown in help: ``{gpipe,1f1b}``, ``A,B,...``, ``N`` or the name."""
+    inner, _ = split_optional(tp)
+    if typing.get_origin(inner) is Literal:
+        return "{" + ",".join(format_value(v) for v in typing.get_args(inner)) + "}"
+    if sequence_item(inner) is not None:
+        return "A,B,..."
+    if is_mapping(inner):
+        return "TABLE"
+    return {int: "N", float: "X", bool: "BOOL"}.get(inner, name.upper())
 
 
 # --- every registered strategy ----------------------------------------------------------------
@@ -526,7 +223,7 @@ class Catalog:
         """One line per option that strategies declare with types that one flag cannot carry."""
         lines = []
         for flag in self.flags.values():
-            kinds = {_kind(o.type) for _, o in flag.holders} - {"Any"}
+            kinds = {kind(o.type) for _, o in flag.holders} - {"Any"}
             if len(kinds) > 1:
                 said = "; ".join(f"{n}: {type_name(o.type)}" for n, o in flag.holders)
                 lines.append(f"option {flag.name} ({flag.flag}) has types that disagree: {said}")
@@ -600,10 +297,6 @@ def resolve(strategy: str, values: Mapping[str, Any], *, flags: Collection[str] 
             f"its options are: {valid} (see `shardwise strategies {strategy}`)"
         )
     return {n: own[n].convert(v, strategy) for n, v in values.items()}
-
-
-def name_to_flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 __all__ = [

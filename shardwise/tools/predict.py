@@ -46,6 +46,8 @@ from torch.utils.data import Subset, TensorDataset
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint.export import model_weights
+from shardwise.config import add_arguments as add_flags
+from shardwise.config import flag
 from shardwise.errors import ConfigError
 from shardwise.launcher import choose_device, connect, detect_env, launch
 from shardwise.strategies import Batch, get_strategy
@@ -233,9 +235,7 @@ def predict_checkpoint(
 ) -> dict[str, Any]:
     """Predict ``recipe``'s ``split`` with ``checkpoint``'s model on ``nproc`` processes; write the
     shards and ``index.json`` under ``out``; return the index."""
-    for name, value, low in (("nproc", nproc, 1), ("rows_per_shard", rows_per_shard, 1), ("limit", limit, 1), ("batch_size", batch_size, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ConfigError(f"predict: {name} must be a whole number >= {low}; got {value!r}")
+    _check_counts(nproc=nproc, rows_per_shard=rows_per_shard, limit=limit, batch_size=batch_size)
     if split not in ("val", "train"):
         raise ConfigError(f"predict: split must be 'val' or 'train'; got {split!r}")
     strategy = strategy or ("ddp" if nproc > 1 else "single")
@@ -264,12 +264,7 @@ def predict_checkpoint(
     check_checkpoint_model(path, manifest, model, recipe)
     # The strategy's refusals (world size, degrees, a model it cannot split), here, in one line.
     (chosen := get_strategy(strategy, **job.strategy_options)).plan(nproc, model=model, batch=Batch(batch_size * nproc, 1), mesh=None)
-    root = Path(out)
-    if (root / "index.json").exists() and not overwrite:
-        raise ConfigError(f"{root} already holds predictions (index.json); choose another --out or pass --overwrite")
-    (root / "predictions").mkdir(parents=True, exist_ok=True)
-    for old in (root / "predictions").glob("part-*.pt"):
-        old.unlink()
+    root = _fresh_out(Path(out), overwrite)
     wall = time.perf_counter()
     result = launch(_predict_parts, job, nproc=nproc)[0] if nproc > 1 or chosen.needs_process_group else _predict_parts(job)
     wall = time.perf_counter() - wall
@@ -296,17 +291,39 @@ def predict_checkpoint(
         "throughput": throughput,
     }
     if baseline and nproc > 1:
-        one = _predict_parts(replace(job, strategy="single", nproc=1, strategy_options={}, out=None, compare_to=str(root)))
-        assert one is not None
-        throughput["one_process"] = {
-            "seconds": round(one["seconds"], 4),
-            "samples_per_s": round(one["rows"] / one["seconds"], 2),
-            "threads": torch.get_num_threads(),
-        }
-        throughput["speedup"] = round(one["seconds"] / result["seconds"], 3)
-        index["max_abs_diff_vs_one_process"] = one["max_abs_diff"]
+        _one_process_baseline(job, root, result["seconds"], index)
     (root / "index.json").write_text(json.dumps(index, indent=1) + "\n")
     return index
+
+
+def _check_counts(**counts: int | None) -> None:
+    for name, value in counts.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"predict: {name} must be a whole number >= 1; got {value!r}")
+
+
+def _fresh_out(root: Path, overwrite: bool) -> Path:
+    """``root`` with an empty predictions/ (an earlier run's index only with ``overwrite``)."""
+    if (root / "index.json").exists() and not overwrite:
+        raise ConfigError(f"{root} already holds predictions (index.json); choose another --out or pass --overwrite")
+    (root / "predictions").mkdir(parents=True, exist_ok=True)
+    for old in (root / "predictions").glob("part-*.pt"):
+        old.unlink()
+    return root
+
+
+def _one_process_baseline(job: PredictJob, root: Path, seconds: float, index: dict[str, Any]) -> None:
+    """One more pass in this process with ``single``: the 1-process throughput, and the largest difference from the written shards."""
+    one = _predict_parts(replace(job, strategy="single", nproc=1, strategy_options={}, out=None, compare_to=str(root)))
+    assert one is not None
+    throughput = index["throughput"]
+    throughput["one_process"] = {
+        "seconds": round(one["seconds"], 4),
+        "samples_per_s": round(one["rows"] / one["seconds"], 2),
+        "threads": torch.get_num_threads(),
+    }
+    throughput["speedup"] = round(one["seconds"] / seconds, 3)
+    index["max_abs_diff_vs_one_process"] = one["max_abs_diff"]
 
 
 def format_report(index: Mapping[str, Any], out: str | os.PathLike[str]) -> str:
@@ -325,20 +342,29 @@ def format_report(index: Mapping[str, Any], out: str | os.PathLike[str]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PredictOptions:
+    """``shardwise predict``'s arguments (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    checkpoint: str = flag(help="a checkpoint directory (RUN/checkpoints/step-NNNNNNNN) or a run directory (its newest valid checkpoint)", positional=True)
+    recipe: str = flag(help="the recipe the checkpoint was trained with (its model and data)", required=True)
+    out: str = flag(help="directory for predictions/part-NNNNN.pt and index.json", required=True)
+    nproc: int = flag(1, "processes (default 1)")
+    strategy: str | None = flag(None, f"default ddp (single for 1 process); one of {', '.join(PREDICT_STRATEGIES)}")
+    split: str = flag("val", "which data set of the recipe (default val)", choices=("val", "train"))
+    limit: int | None = flag(None, "only the first N samples")
+    batch_size: int | None = flag(None, "samples per forward in each process (default: the recipe's global batch)")
+    rows_per_shard: int = flag(4096, "rows in each predictions/part-NNNNN.pt (default 4096)")
+    accelerator: str = flag("auto", "'auto' (CUDA when present), 'cpu' or 'cuda'", choices=("auto", "cpu", "cuda"))
+    no_baseline: bool = flag(False, "skip the 1-process pass that gives the throughput to compare with")
+    overwrite: bool = flag(False, "replace the predictions an earlier run wrote in --out")
+    set: list[str] = flag(
+        help="a recipe option the checkpoint was trained with (repeatable)", action="append", metavar="recipe.KEY=VALUE", default_factory=list
+    )
+
+
 def add_arguments(p: Any) -> None:
-    p.add_argument("checkpoint", help="a checkpoint directory (RUN/checkpoints/step-NNNNNNNN) or a run directory (its newest valid checkpoint)")
-    p.add_argument("--recipe", required=True, help="the recipe the checkpoint was trained with (its model and data)")
-    p.add_argument("--out", required=True, help="directory for predictions/part-NNNNN.pt and index.json")
-    p.add_argument("--nproc", type=int, default=1, help="processes (default 1)")
-    p.add_argument("--strategy", help=f"default ddp (single for 1 process); one of {', '.join(PREDICT_STRATEGIES)}")
-    p.add_argument("--split", default="val", choices=["val", "train"], help="which data set of the recipe (default val)")
-    p.add_argument("--limit", type=int, help="only the first N samples")
-    p.add_argument("--batch-size", type=int, help="samples per forward in each process (default: the recipe's global batch)")
-    p.add_argument("--rows-per-shard", type=int, default=4096, help="rows in each predictions/part-NNNNN.pt (default 4096)")
-    p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--no-baseline", action="store_true", help="skip the 1-process pass that gives the throughput to compare with")
-    p.add_argument("--overwrite", action="store_true", help="replace the predictions an earlier run wrote in --out")
-    p.add_argument("--set", action="append", default=[], metavar="recipe.KEY=VALUE", help="a recipe option the checkpoint was trained with (repeatable)")
+    add_flags(p, PredictOptions)
 
 
 def main(args: Any) -> int:

@@ -23,10 +23,13 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shardwise.config import add_arguments as add_flags
+from shardwise.config import flag
 from shardwise.data import map as pmap
 from shardwise.errors import ConfigError
 
@@ -109,12 +112,19 @@ def run(recipe: str, workers: Sequence[int], *, cache_dir: str | None = None, pi
     return rows
 
 
+@dataclass(frozen=True, kw_only=True)
+class PreprocessOptions:
+    """``shardwise preprocess``'s flags (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    recipe: str = flag(help=f"one of {', '.join(RECIPES)}", required=True)
+    workers: str = flag("1", "worker processes; several, comma-separated, to compare (e.g. 1,2)")
+    cache_dir: str | None = flag(None, "where results are cached (default ./.shardwise-cache)")
+    piece: int | None = flag(None, "characters per piece (charlm, default 8192) or images per block (digits, default 64)")
+    backend: str = flag("processes", "local processes, or Ray (pip install 'shardwise[ray]')", choices=("processes", "ray"))
+
+
 def add_arguments(p: Any) -> None:
-    p.add_argument("--recipe", required=True, help=f"one of {', '.join(RECIPES)}")
-    p.add_argument("--workers", default="1", help="worker processes; several, comma-separated, to compare (e.g. 1,2)")
-    p.add_argument("--cache-dir", help="where results are cached (default ./.shardwise-cache)")
-    p.add_argument("--piece", type=int, help="characters per piece (charlm, default 8192) or images per block (digits, default 64)")
-    p.add_argument("--backend", default="processes", choices=["processes", "ray"], help="local processes, or Ray (pip install 'shardwise[ray]')")
+    add_flags(p, PreprocessOptions)
 
 
 def main(args: Any) -> int:

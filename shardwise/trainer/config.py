@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardwise import config as settings
+from shardwise.config import flag
 from shardwise.errors import ConfigError
 from shardwise.strategies.precision import normalize
 
@@ -19,58 +21,86 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+def _count_or_fraction(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of batches or a fraction in (0, 1]; got {text!r}") from None
+
+
+class _TrainerSetting(argparse.Action):
+    """A flag that sets one [trainer] key as ``--set trainer.KEY=VALUE`` would (so it needs no entry in the
+    command's own flag table, and a later ``--set`` of the same key wins as flags in order do)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        value = values if self.const is None else self.const
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        namespace.set = [*(getattr(namespace, "set", None) or []), f"trainer.{self.dest}={text}"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """Everything about a run that is not code (model, loss, data are passed to ``fit``)."""
 
-    strategy: str = "single"
-    """Strategy name from the registry: 'single', 'ddp', ... (``shardwise.strategies.available()``)."""
+    strategy: str = flag("single")
+    """Strategy name from the registry: 'single', 'ddp', ... (``shardwise.strategies.available()``; `shardwise strategies` lists them)."""
     strategy_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options for the strategy, e.g. ``{"bucket_cap_mb": 50}`` for ddp."""
-    nproc: int = 1
-    """Processes to start on this machine when the run was not started by a launcher."""
-    accelerator: str = "auto"
+    nproc: int = flag(1)
+    """Processes to start on this machine when the run was not started by a launcher (under torchrun or srun the job's
+    processes are used, and a different N > 1 is an error)."""
+    accelerator: str = flag("auto", choices=("auto", "cpu", "cuda"))
     """'auto' (CUDA when present), 'cpu' or 'cuda'."""
-    precision: str = "32"
+    precision: str = flag("32")
     """'32', '64', 'bf16-mixed', or '16-mixed' (fp16 autocast with a grad scaler)."""
-    global_batch_size: int | None = None
+    global_batch_size: int | None = flag(None)
     """Samples per optimizer step across all processes (default: the DataLoader's batch size, else 32)."""
-    drop_last: bool = True
+    drop_last: bool = flag(
+        True,
+        "train on the epoch's last, smaller global batch too (drop_last=False; exact, data-parallel strategies)",
+        names=("--keep-last-batch",),
+        action=_TrainerSetting,
+        nargs=0,
+        const=False,
+    )
     """Leave out the last, smaller global batch of each epoch (len(data) % global batch samples; said at the start).
     False trains on it too, split over the ranks as evenly as it goes, each micro-batch's mean loss weighted by its
     share, so the step is exact: the gradient of the mean over those samples (data-parallel strategies; pipelines refuse)."""
-    accumulate: int = 1
+    accumulate: int = flag(1)
     """Micro-batches per step on each rank; gradients sync only on the last."""
-    max_steps: int | None = None
+    max_steps: int | None = flag(None)
     """Optimizer steps to run (takes precedence over max_epochs)."""
-    max_epochs: int | None = None
+    max_epochs: int | None = flag(None)
     """Epochs to run when max_steps is not set (default 1)."""
-    clip_grad_norm: float | None = None
+    clip_grad_norm: float | None = flag(None)
     """Clip gradients to this global norm (across every shard) before each step."""
-    on_nonfinite: str = "stop"
+    on_nonfinite: str = flag("stop", choices=("stop", "skip", "warn"), action=_TrainerSetting)
     """A step whose loss or gradients are not finite (NaN, inf), checked on every rank and agreed: 'stop' (the run ends
     with an error naming the step, the ranks and the first such tensor; no optimizer step, the newest finite checkpoint
     kept), 'skip' (no optimizer or scheduler step, counted as nonfinite_skipped, as a grad scaler skips) or 'warn'
     (trained on, one line per step). Under 16-mixed the grad scaler's own skips are not errors."""
-    seed: int = 0
+    seed: int = flag(0)
     """Seeds model-independent randomness and the data order."""
     deterministic: bool = False
     """Use only deterministic kernels (torch.use_deterministic_algorithms)."""
-    log_every: int = 10
+    log_every: int = flag(10)
     """Log (rank 0) and reduce the training loss across ranks every this many steps."""
-    val_every: int | None = None
+    val_every: int | None = flag(None)
     """Evaluate every this many steps (always at the end when validation data is given)."""
     val_batch_size: int | None = None
     """Evaluation batch per rank (default: the training micro-batch, at least 1)."""
-    out: str | None = None
+    out: str | None = flag(None)
     """Run directory: metrics.jsonl, summary.json, checkpoints/."""
-    checkpoint_every: int | None = None
+    checkpoint_every: int | None = flag(None)
     """Save a checkpoint every this many steps (and at the end) when ``out`` is set."""
     keep_last: int = 3
     """Checkpoints to keep; older ones are deleted."""
-    resume: str | None = None
+    resume: str | None = flag(None)
     """'auto' (newest valid checkpoint in out/checkpoints, if any) or a checkpoint directory."""
-    overwrite: bool = False
+    overwrite: bool = flag(False)
     """Start afresh in an ``out`` that holds an earlier run: its files are moved to ``out/replaced-<time>/``."""
     progress_bar: bool | None = None
     """Show a progress bar on rank 0 (default: when stderr is a terminal; log lines otherwise)."""
@@ -85,7 +115,7 @@ class TrainerConfig:
     preempt_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     """Signals that stop training with a checkpoint at the next log step instead of ending the process
     (a spot notice, Slurm's --signal); ``shardwise train`` then exits with 75. Empty: signals act as usual."""
-    debug_collectives: bool = False
+    debug_collectives: bool = flag(False)
     """Check that every rank runs the same collectives in the same order with the same shapes (torch's
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), and meet at a monitored barrier after every step that names the
     ranks that did not come; slower: for finding a mismatch, which on gloo can give wrong values instead of a hang."""
@@ -97,30 +127,30 @@ class TrainerConfig:
     """Whether ``fit`` with worker processes sets the trained weights into the caller's ``model``: 'auto' (yes, unless the
     model was built on the meta device or its weights exceed 1 GiB and the run writes checkpoints: then they are only in
     ``out/checkpoints``), 'always' or 'never'. Each rank builds its own model by running the script up to ``fit``."""
-    activation_checkpointing: str = "off"
+    activation_checkpointing: str = flag("off", action=_TrainerSetting, metavar="off|blocks[:K]|ops[:K]")
     """Recompute blocks' activations in backward instead of keeping them (every strategy): 'off', 'blocks' (every block
     of the model's block list keeps only its inputs: about one more forward a step), 'blocks:K' (every K-th block),
     'ops' (every block keeps its matrix products' outputs, recomputes norms, activations and element-wise work) or
     'ops:K'. Gradients equal the run without it; parameter names do not change (`shardwise.strategies.checkpointing`)."""
-    loggers: tuple[str, ...] = ()
+    loggers: tuple[str, ...] = flag((), names=("--logger",), metavar="NAMES")
     """Experiment loggers on rank 0 besides metrics.jsonl: 'csv', 'tensorboard', 'mlflow', 'wandb' (a list, or one comma-separated string)."""
     experiment_name: str = "shardwise"
     """The MLflow experiment and the W&B project the run is logged under."""
     tracking_uri: str | None = None
     """MLflow tracking URI (default: a file store in out/mlruns)."""
-    fast_dev_run: int = 0
+    fast_dev_run: int = flag(0, nargs="?", const=1, metavar="N")
     """Check the whole loop quickly: this many steps (True is 1) and as many validation batches per rank; nothing is saved or logged."""
-    overfit_batches: int = 0
+    overfit_batches: int = flag(0, metavar="N")
     """Train on the first N global batches of the training set only, in the same order every epoch (a model that cannot overfit them has a bug)."""
-    limit_train_batches: int | float | None = None
+    limit_train_batches: int | float | None = flag(None, type=_count_or_fraction, metavar="N|F")
     """Steps per epoch: a whole number, or a fraction (0, 1] of the epoch."""
-    limit_val_batches: int | float | None = None
+    limit_val_batches: int | float | None = flag(None, type=_count_or_fraction, metavar="N|F")
     """Evaluate on the first N x val batch x data-parallel ranks samples (every rank N batches), or a fraction (0, 1] of the set; still each sample once."""
     model_summary: bool = True
     """Print parameters per top-level module (trainable or not) and per rank after sharding at the start; also in summary.json."""
     announce_outputs: bool = True
     """Print the run's first line, on what is saved where (off in the short internal runs of tune and compress, whose command saves its own)."""
-    profile: bool = False
+    profile: bool = flag(False)
     """Profile a window of steps on every rank with torch.profiler: a Chrome trace per rank in out/profile/, and the step breakdown in summary.json."""
     profile_skip: int = 2
     """Steps before the profiled window (the first steps pay one-time costs)."""
@@ -231,64 +261,15 @@ class TrainerConfig:
         return self.replace(**{**quiet, **changes})
 
 
-def _count_or_fraction(text: str) -> int | float:
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number of batches or a fraction in (0, 1]; got {text!r}") from None
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """``shardwise train``'s flags of the trainer settings: one per field made with `flag` (the other
+    fields are [trainer] keys only); each defaults to None, so the TOML value stands unless it is given."""
+    settings.add_arguments(p, TrainerConfig, unset=True, marked_only=True)
 
 
-class _TrainerSetting(argparse.Action):
-    """A flag that sets one [trainer] key as ``--set trainer.KEY=VALUE`` would (so it needs no entry in the
-    command's own flag table, and a later ``--set`` of the same key wins as flags in order do)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
-        value = values if self.const is None else self.const
-        text = str(value).lower() if isinstance(value, bool) else str(value)
-        namespace.set = [*(getattr(namespace, "set", None) or []), f"trainer.{self.dest}={text}"]
-
-
-def add_run_tool_flags(p: argparse.ArgumentParser) -> None:
-    """``shardwise train``'s flags for loggers, quick runs and the profiler (TrainerConfig fields)."""
-    p.add_argument(
-        "--on-nonfinite",
-        dest="on_nonfinite",
-        action=_TrainerSetting,
-        choices=["stop", "skip", "warn"],
-        help="a step whose loss or gradients are NaN/inf: stop (default; error naming the step, ranks and tensor), "
-        "skip (no optimizer step, counted), warn (train on)",
-    )
-    p.add_argument(
-        "--keep-last-batch",
-        dest="drop_last",
-        action=_TrainerSetting,
-        nargs=0,
-        const=False,
-        help="train on the epoch's last, smaller global batch too (drop_last=False; exact, data-parallel strategies)",
-    )
-    p.add_argument(
-        "--activation-checkpointing",
-        dest="activation_checkpointing",
-        action=_TrainerSetting,
-        metavar="off|blocks[:K]|ops[:K]",
-        help="recompute blocks in backward instead of keeping their activations: blocks (every block), blocks:K (every K-th), "
-        "ops (keep matrix products, recompute the rest); gradients unchanged, about one more forward a step",
-    )
-    p.add_argument("--logger", metavar="NAMES", help="experiment loggers on rank 0, comma-separated: csv, tensorboard, mlflow, wandb")
-    p.add_argument(
-        "--debug-collectives",
-        action="store_true",
-        default=None,
-        help="check every collective's op, order and shapes across ranks, and a monitored barrier after each step (slower)",
-    )
-    p.add_argument("--profile", action="store_true", default=None, help="profile a window of steps: Chrome traces in OUT/profile/, a step breakdown")
-    p.add_argument("--fast-dev-run", type=int, nargs="?", const=1, metavar="N", help="N steps (default 1) and N validation batches; nothing saved")
-    p.add_argument("--overfit-batches", type=int, metavar="N", help="train on the first N global batches only, in the same order each epoch")
-    p.add_argument("--limit-train-batches", type=_count_or_fraction, metavar="N|F", help="steps per epoch: a number, or a fraction of the epoch")
-    p.add_argument("--limit-val-batches", type=_count_or_fraction, metavar="N|F", help="validation batches per rank, or a fraction of the set")
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer settings given as flags (those of `_TrainerSetting` went into ``args.set``)."""
+    return settings.given(TrainerConfig, args)
 
 
 def field_names() -> list[str]:
@@ -297,13 +278,7 @@ def field_names() -> list[str]:
 
 def from_mapping(values: Mapping[str, Any], base: TrainerConfig | None = None) -> TrainerConfig:
     """A config from a mapping of field names; unknown names are an error naming the known ones."""
-    known = set(field_names())
-    unknown = sorted(set(values) - known)
-    if unknown:
-        import difflib
-
-        hints = [f"{u} (did you mean {difflib.get_close_matches(u, known, n=1)[0]}?)" if difflib.get_close_matches(u, known, n=1) else u for u in unknown]
-        raise ConfigError(f"unknown trainer settings: {', '.join(hints)}; known: {', '.join(sorted(known))}")
+    settings.check_keys(TrainerConfig, values, "trainer settings")
     return dataclasses.replace(base or TrainerConfig(), **dict(values))
 
 
@@ -344,3 +319,6 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"config file {p}: top-level key {key!r} must be a [section] (trainer, recipe)")
         sections[key] = value
     return sections
+
+
+__all__ = ["TrainerConfig", "add_flags", "apply_overrides", "field_names", "flag_values", "from_mapping", "load_toml", "parse_value"]

@@ -14,7 +14,7 @@ import pytest
 # both generous: a loaded 2-core machine runs the 300-step digits run several times slower than an idle one.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parent.parent / "support" / "scripts"
 
 
 def shardwise(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:

@@ -18,53 +18,56 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.config import add_arguments, flag
 from shardwise.errors import ConfigError
 
 PLAN_HELP = "which strategy fits a model and a cluster, and what each candidate costs (memory, traffic, step time)"
 
 
-def plan_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``shardwise plan``."""
-    p.add_argument("--model", default="", help="a recipe (charlm, digits), a Hugging Face config .json, or module:factory")
-    p.add_argument("--params", type=float, help="a parameter count instead of --model (e.g. 7.5e9): a GPT-shaped model")
-    p.add_argument("--layers", type=int, help="with --params: transformer layers")
-    p.add_argument("--hidden", type=int, help="with --params: hidden size")
-    p.add_argument("--heads", type=int, help="with --params: attention heads")
-    p.add_argument("--nproc", type=int, default=None, help="processes in the job (all nodes)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes the processes are spread over (default 1)")
-    p.add_argument("--device", default=None, help="cpu (this machine, measured), h100-80gb, a100-40gb, or a profile .toml/.json")
-    p.add_argument(
-        "--global-batch",
-        "--global-batch-size",  # train's and tune's name, which the strategies' messages give
-        dest="global_batch",
-        type=int,
-        default=None,
-        help="samples per optimizer step over all ranks (default: the recipe's, else 512)",
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """The flags of ``shardwise plan`` (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    model: str = flag("", "a recipe (charlm, digits), a Hugging Face config .json, or module:factory")
+    params: float | None = flag(None, "a parameter count instead of --model (e.g. 7.5e9): a GPT-shaped model")
+    layers: int | None = flag(None, "with --params: transformer layers")
+    hidden: int | None = flag(None, "with --params: hidden size")
+    heads: int | None = flag(None, "with --params: attention heads")
+    nproc: int | None = flag(None, "processes in the job (all nodes)")
+    nodes: int = flag(1, "nodes the processes are spread over (default 1)")
+    device: str | None = flag(None, "cpu (this machine, measured), h100-80gb, a100-40gb, or a profile .toml/.json")
+    global_batch: int | None = flag(
+        None,
+        "samples per optimizer step over all ranks (default: the recipe's, else 512)",
+        names=("--global-batch", "--global-batch-size"),  # train's and tune's name, which the strategies' messages give
     )
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches each rank accumulates per step (default 1)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length for --params or a config .json (default 2048 / the config's)")
-    p.add_argument("--precision", default=None, choices=["32", "64", "bf16-mixed", "16-mixed"], help="default: bf16-mixed on GPU profiles, 32 on cpu")
-    p.add_argument("--optimizer", default="adam", choices=["adam", "adamw", "sgd", "momentum"], help="optimizer state per parameter (default adam)")
-    p.add_argument("--unreliable", action="store_true", help="workers are unreliable or slow: recommend asynchronous or local-update strategies")
-    p.add_argument("--all", action="store_true", help="print every candidate, not only the 20 fastest that fit")
-    p.add_argument("--json", help="write every candidate (and the recommendation) to this JSON file")
-    p.add_argument("--png", help="write a picture of the candidates (memory per rank against step time; needs matplotlib)")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine (collectives' alpha and beta, matmul FLOP/s) and write a profile")
-    p.add_argument("--out", default=None, help="--calibrate: the profile file to write (default shardwise/strategies/cost/profiles/cpu.json)")
-    p.add_argument("--validate", action="store_true", help="run each candidate that fits here for a few steps and print predicted against measured")
-    p.add_argument(
-        "--steps", type=int, default=None, help="--validate: steps per candidate (default: 30, or more for a short step, about 2 s of training each)"
-    )
-    p.add_argument("--repeats", type=int, default=1, help="--validate: runs per candidate; its step time is their median (default 1)")
-    p.add_argument(
-        "--only",
-        default=None,
-        help="--validate: candidate labels or strategy names to run, separated by ;  --calibrate: the strategy costs to "
+    accumulate: int = flag(1, "micro-batches each rank accumulates per step (default 1)")
+    seq: int | None = flag(None, "sequence length for --params or a config .json (default 2048 / the config's)")
+    precision: str | None = flag(None, "default: bf16-mixed on GPU profiles, 32 on cpu", choices=("32", "64", "bf16-mixed", "16-mixed"))
+    optimizer: str = flag("adam", "optimizer state per parameter (default adam)", choices=("adam", "adamw", "sgd", "momentum"))
+    unreliable: bool = flag(False, "workers are unreliable or slow: recommend asynchronous or local-update strategies")
+    all: bool = flag(False, "print every candidate, not only the 20 fastest that fit")
+    json: str | None = flag(None, "write every candidate (and the recommendation) to this JSON file")
+    png: str | None = flag(None, "write a picture of the candidates (memory per rank against step time; needs matplotlib)")
+    calibrate: bool = flag(False, "measure this machine (collectives' alpha and beta, matmul FLOP/s) and write a profile")
+    out: str | None = flag(None, "--calibrate: the profile file to write (default shardwise/strategies/cost/profiles/cpu.json)")
+    validate: bool = flag(False, "run each candidate that fits here for a few steps and print predicted against measured")
+    steps: int | None = flag(None, "--validate: steps per candidate (default: 30, or more for a short step, about 2 s of training each)")
+    repeats: int = flag(1, "--validate: runs per candidate; its step time is their median (default 1)")
+    only: str | None = flag(
+        None,
+        "--validate: candidate labels or strategy names to run, separated by ;  --calibrate: the strategy costs to "
         "measure again (keys of the profile's framework, such as 'local-sgd;diloco'), the rest of the profile (--out) kept",
     )
+
+
+def plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``shardwise plan``."""
+    add_arguments(p, PlanOptions)
 
 
 def si(n: float, unit: str = "B") -> str:

@@ -34,9 +34,11 @@ import platform
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.config import add_arguments, flag
 from shardwise.errors import ConfigError
 
 DEFAULT_SIZES = "1KB,4KB,16KB,64KB,256KB,1MB,4MB,16MB,64MB"
@@ -224,18 +226,27 @@ def _split(values: Sequence[str]) -> list[str]:
     return [v for chunk in values for v in chunk.split(",") if v]
 
 
+@dataclass(frozen=True, kw_only=True)
+class CommOptions:
+    """``shardwise bench comm``'s flags (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    nproc: int = flag(2, "local processes (default 2)")
+    algorithms: list[str] = flag(help="names (comma or space separated) or 'all' (default); native is always added", nargs="+", default_factory=lambda: ["all"])
+    codecs: list[str] = flag(
+        help=f"codecs to time as compressed allreduce, or 'none' (default {DEFAULT_CODECS})", nargs="+", default_factory=lambda: [DEFAULT_CODECS]
+    )
+    sizes: list[str] = flag(help=f"message sizes (default {DEFAULT_SIZES})", nargs="+", default_factory=lambda: [DEFAULT_SIZES])
+    dtype: str = flag("float32", "element type of the messages (default float32)", choices=("float32", "float64", "float16", "bfloat16"))
+    reps: int = flag(5, "interleaved repetitions per size; the median is kept (default 5)")
+    iters: int | None = flag(None, "iterations per repetition (default: about 8 MB of traffic, 3 to 100)")
+    json: str | None = flag(None, "write the rows as a JSON list", metavar="FILE")
+    fit: str = flag("comm_fit.json", "where to save the alpha-beta fit (default comm_fit.json)", metavar="FILE")
+    timeout: float = flag(3600.0, "stop the launch after this many seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardwise bench comm", description=__doc__.split("\n\n")[0].strip("`: "))
-    p.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
-    p.add_argument("--algorithms", nargs="+", default=["all"], help="names (comma or space separated) or 'all' (default); native is always added")
-    p.add_argument("--codecs", nargs="+", default=[DEFAULT_CODECS], help=f"codecs to time as compressed allreduce, or 'none' (default {DEFAULT_CODECS})")
-    p.add_argument("--sizes", nargs="+", default=[DEFAULT_SIZES], help=f"message sizes (default {DEFAULT_SIZES})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "float16", "bfloat16"])
-    p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per size; the median is kept (default 5)")
-    p.add_argument("--iters", type=int, help="iterations per repetition (default: about 8 MB of traffic, 3 to 100)")
-    p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
-    p.add_argument("--fit", metavar="FILE", default="comm_fit.json", help="where to save the alpha-beta fit (default comm_fit.json)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="stop the launch after this many seconds")
+    add_arguments(p, CommOptions)
     return p
 
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardwise.config import add_arguments as add_flags
+from shardwise.config import flag
 from shardwise.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -25,34 +28,68 @@ _D_DESCRIPTION = "Distill a teacher into a smaller student with the Trainer; com
 COMPRESS_HELP = "compress a trained recipe model (int8 quantization, magnitude pruning, distillation) and measure it"
 
 
+_FROM = "a run directory (its newest checkpoint), a checkpoint directory or a .safetensors export"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressOptions:
+    """The flags every compress command takes (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    recipe: str = flag(help="the recipe the model comes from (digits, charlm)", required=True)
+    set: list[str] = flag(help="the recipe options the checkpoint was trained with", action="append", metavar="recipe.KEY=VALUE", default_factory=list)
+    out: str = flag(help="directory for report.json and the compressed weights", required=True)
+    batch_size: int | None = flag(None, "batch size of evaluation and latency (default: the recipe's global batch)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Checkpoint:
+    checkpoint: str = flag(help=_FROM, positional=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizeOptions(CompressOptions, _Checkpoint):
+    """``shardwise compress quantize``'s arguments."""
+
+    to: str = flag("int8", "the target type (int8)", choices=("int8",))
+    calibration_batches: int = flag(8, "training batches the static observers see (default 8)")
+    repeats: int = flag(30, "timed forward passes per latency figure (median; default 30)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PruneOptions(CompressOptions, _Checkpoint):
+    """``shardwise compress prune``'s arguments."""
+
+    sparsity: float = flag(help="fraction of weights (or channels/heads with --structured) to remove, in [0, 1)", required=True)
+    structured: bool = flag(False, "remove whole output channels (and attention heads) instead of single weights")
+    finetune_steps: int = flag(0, "also prune iteratively while fine-tuning this many steps (ModelPruning), and report that too")
+    rounds: int = flag(3, "pruning rounds spread over the fine-tuning steps (default 3)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Teacher:
+    teacher: str = flag(help="the teacher: a run directory, a checkpoint directory or a .safetensors export", required=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillOptions(CompressOptions, _Teacher):
+    """``shardwise compress distill``'s arguments."""
+
+    student_set: list[str] = flag(help="the student's recipe options (default: smaller)", action="append", metavar="recipe.KEY=VALUE", default_factory=list)
+    steps: int | None = flag(None, "training steps of each student (default: the recipe's)")
+    temperature: float = flag(2.0, "softmax temperature T (default 2)")
+    soft_weight: float = flag(0.5, "weight of T^2 KL (default 0.5)")
+    hard_weight: float = flag(0.5, "weight of the hard-label cross entropy (default 0.5)")
+    strategy: str = flag("single", "data-parallel strategy of the student's training (default single)")
+    nproc: int = flag(1, "processes (default 1)")
+    seed: int = flag(0, "seed of both students' initialization and data order (default 0)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="compress_command", required=True)
-    q = sub.add_parser("quantize", help="dynamic and static int8 of the Linear layers (CPU)", description=_Q_DESCRIPTION)
-    p = sub.add_parser("prune", help="magnitude pruning to a target sparsity", description=_P_DESCRIPTION)
-    for s in (q, p):
-        s.add_argument("checkpoint", help="a run directory (its newest checkpoint), a checkpoint directory or a .safetensors export")
-    d = sub.add_parser("distill", help="train a smaller student from a teacher checkpoint, against the same student alone", description=_D_DESCRIPTION)
-    d.add_argument("--teacher", required=True, help="the teacher: a run directory, a checkpoint directory or a .safetensors export")
-    for s in (q, p, d):
-        s.add_argument("--recipe", required=True, help="the recipe the model comes from (digits, charlm)")
-        s.add_argument("--set", action="append", default=[], metavar="recipe.KEY=VALUE", help="the recipe options the checkpoint was trained with")
-        s.add_argument("--out", required=True, help="directory for report.json and the compressed weights")
-        s.add_argument("--batch-size", type=int, default=None, help="batch size of evaluation and latency (default: the recipe's global batch)")
-    q.add_argument("--to", default="int8", choices=["int8"], help="the target type (int8)")
-    q.add_argument("--calibration-batches", type=int, default=8, help="training batches the static observers see (default 8)")
-    q.add_argument("--repeats", type=int, default=30, help="timed forward passes per latency figure (median; default 30)")
-    p.add_argument("--sparsity", type=float, required=True, help="fraction of weights (or channels/heads with --structured) to remove, in [0, 1)")
-    p.add_argument("--structured", action="store_true", help="remove whole output channels (and attention heads) instead of single weights")
-    p.add_argument("--finetune-steps", type=int, default=0, help="also prune iteratively while fine-tuning this many steps (ModelPruning), and report that too")
-    p.add_argument("--rounds", type=int, default=3, help="pruning rounds spread over the fine-tuning steps (default 3)")
-    d.add_argument("--student-set", action="append", default=[], metavar="recipe.KEY=VALUE", help="the student's recipe options (default: smaller)")
-    d.add_argument("--steps", type=int, default=None, help="training steps of each student (default: the recipe's)")
-    d.add_argument("--temperature", type=float, default=2.0, help="softmax temperature T (default 2)")
-    d.add_argument("--soft-weight", type=float, default=0.5, help="weight of T^2 KL (default 0.5)")
-    d.add_argument("--hard-weight", type=float, default=0.5, help="weight of the hard-label cross entropy (default 0.5)")
-    d.add_argument("--strategy", default="single", help="data-parallel strategy of the student's training (default single)")
-    d.add_argument("--nproc", type=int, default=1, help="processes (default 1)")
-    d.add_argument("--seed", type=int, default=0, help="seed of both students' initialization and data order (default 0)")
+    add_flags(sub.add_parser("quantize", help="dynamic and static int8 of the Linear layers (CPU)", description=_Q_DESCRIPTION), QuantizeOptions)
+    add_flags(sub.add_parser("prune", help="magnitude pruning to a target sparsity", description=_P_DESCRIPTION), PruneOptions)
+    distill_help = "train a smaller student from a teacher checkpoint, against the same student alone"
+    add_flags(sub.add_parser("distill", help=distill_help, description=_D_DESCRIPTION), DistillOptions)
 
 
 def _options(items: list[str]) -> dict[str, Any]:

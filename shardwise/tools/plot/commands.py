@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+
+from shardwise.config import add_arguments as add_flags
+from shardwise.config import flag
 
 PLOT_HELP = "PNG charts of finished runs: curves, throughput, memory, traffic, step breakdown, pipeline timeline"
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlotOptions:
+    """``shardwise plot``'s arguments (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    runs: list[str] = flag(help="run directories (the --out of shardwise train); several are overlaid", positional=True, nargs="+", metavar="RUN_DIR")
+    out: str | None = flag(None, "where the PNGs go (default RUN_DIR/plots for one run, ./plots for several)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (the --out of shardwise train); several are overlaid")
-    parser.add_argument("--out", help="where the PNGs go (default RUN_DIR/plots for one run, ./plots for several)")
+    add_flags(parser, PlotOptions)
 
 
 def main(args: argparse.Namespace) -> int:

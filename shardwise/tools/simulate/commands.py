@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from shardwise.config import add_arguments as add_flags
+from shardwise.config import flag
 from shardwise.errors import ConfigError
 
 # flags of the data-parallel mode that --pipeline refuses, and the pipeline's own flags
@@ -32,35 +34,45 @@ _PIPELINE_ONLY = ("stages", "microbatches", "chunks", "stage_ms", "activation_by
 _PRESET_SETS = ("algorithm", "params", "compute_ms", "bandwidth_gbps", "latency_us", "gpus_per_node", "intra_gbps", "intra_latency_us", "servers", "batch")
 
 
+SIMULATE_HELP = "throughput and scaling efficiency against worker count, by simulation"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulateOptions:
+    """The flags of ``shardwise simulate`` (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    preset: str | None = flag(None, "a published result to reproduce: goyal-2017 or horovod-2018 (sets the model and the cluster)")
+    algorithm: str | None = flag(None, "ring, tree, recursive_doubling, hierarchical or ps (default ring)")
+    workers: list[int] | None = flag(None, "worker counts to simulate (default 1 2 4 ... 4096)", nargs="+")
+    params: float | None = flag(None, "model parameters, e.g. 25.5e6")
+    bytes_per_param: int = flag(4, "gradient bytes per parameter (default 4, float32)")
+    compute_ms: float | None = flag(None, "one worker's forward and backward per step, milliseconds")
+    batch: int | None = flag(None, "samples per worker and step (default 32)")
+    bandwidth_gbps: float | None = flag(None, "each node's NIC, Gbit/s (default 25)")
+    latency_us: float | None = flag(None, "latency between nodes, microseconds (default 10)")
+    gpus_per_node: int | None = flag(None, "workers per node, sharing its NIC (default 1)")
+    intra_gbps: float | None = flag(None, "link inside a node, Gbit/s (default: the NIC's)")
+    intra_latency_us: float | None = flag(None, "latency inside a node (default: --latency-us)")
+    servers: int | None = flag(None, "parameter servers for --algorithm ps (default 1)")
+    mode: str = flag("sync", "sync, async (parameter servers) or local_sgd (default sync)")
+    sync_every: int = flag(1, "local SGD's H: average every H steps")
+    straggler: str = flag("constant", "constant, normal:SIGMA, lognormal:SIGMA or slow:FRACTION:FACTOR")
+    steps: int = flag(20, "steps simulated per worker count (default 20)")
+    seed: int = flag(0, "seed of the simulated step times' randomness (default 0)")
+    overlap: float = flag(0.0, "fraction of the backward during which gradient buckets are already reduced (0 to 1, default 0)")
+    pipeline: str | None = flag(None, "simulate one pipeline step instead: gpipe, 1f1b or interleaved")
+    stages: int | None = flag(None, "--pipeline: stages (ranks) P")
+    microbatches: int | None = flag(None, "--pipeline: micro-batches per step M")
+    chunks: int | None = flag(None, "--pipeline interleaved: model chunks per rank V")
+    stage_ms: list[str] | None = flag(None, "--pipeline: F,B (forward and backward ms of one micro-batch through a stage), once or once per stage", nargs="+")
+    activation_bytes: float | None = flag(None, "--pipeline: bytes sent between stages per micro-batch (default 0)")
+    json: str | None = flag(None, "write the inputs and results here")
+    plot: str | None = flag(None, "write a PNG of samples/s and efficiency against workers here")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``shardwise simulate``."""
-    p.add_argument("--preset", help="a published result to reproduce: goyal-2017 or horovod-2018 (sets the model and the cluster)")
-    p.add_argument("--algorithm", help="ring, tree, recursive_doubling, hierarchical or ps (default ring)")
-    p.add_argument("--workers", type=int, nargs="+", help="worker counts to simulate (default 1 2 4 ... 4096)")
-    p.add_argument("--params", type=float, help="model parameters, e.g. 25.5e6")
-    p.add_argument("--bytes-per-param", type=int, default=4, help="gradient bytes per parameter (default 4, float32)")
-    p.add_argument("--compute-ms", type=float, help="one worker's forward and backward per step, milliseconds")
-    p.add_argument("--batch", type=int, help="samples per worker and step (default 32)")
-    p.add_argument("--bandwidth-gbps", type=float, help="each node's NIC, Gbit/s (default 25)")
-    p.add_argument("--latency-us", type=float, help="latency between nodes, microseconds (default 10)")
-    p.add_argument("--gpus-per-node", type=int, help="workers per node, sharing its NIC (default 1)")
-    p.add_argument("--intra-gbps", type=float, help="link inside a node, Gbit/s (default: the NIC's)")
-    p.add_argument("--intra-latency-us", type=float, help="latency inside a node (default: --latency-us)")
-    p.add_argument("--servers", type=int, help="parameter servers for --algorithm ps (default 1)")
-    p.add_argument("--mode", default="sync", help="sync, async (parameter servers) or local_sgd (default sync)")
-    p.add_argument("--sync-every", type=int, default=1, help="local SGD's H: average every H steps")
-    p.add_argument("--straggler", default="constant", help="constant, normal:SIGMA, lognormal:SIGMA or slow:FRACTION:FACTOR")
-    p.add_argument("--steps", type=int, default=20, help="steps simulated per worker count (default 20)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overlap", type=float, default=0.0, help="fraction of the backward during which gradient buckets are already reduced (0 to 1, default 0)")
-    p.add_argument("--pipeline", help="simulate one pipeline step instead: gpipe, 1f1b or interleaved")
-    p.add_argument("--stages", type=int, help="--pipeline: stages (ranks) P")
-    p.add_argument("--microbatches", type=int, help="--pipeline: micro-batches per step M")
-    p.add_argument("--chunks", type=int, help="--pipeline interleaved: model chunks per rank V")
-    p.add_argument("--stage-ms", nargs="+", help="--pipeline: F,B (forward and backward ms of one micro-batch through a stage), once or once per stage")
-    p.add_argument("--activation-bytes", type=float, help="--pipeline: bytes sent between stages per micro-batch (default 0)")
-    p.add_argument("--json", help="write the inputs and results here")
-    p.add_argument("--plot", help="write a PNG of samples/s and efficiency against workers here")
+    add_flags(p, SimulateOptions)
 
 
 def main(args: argparse.Namespace) -> int:

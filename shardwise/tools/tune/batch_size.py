@@ -176,6 +176,19 @@ def _uses_cuda(accelerator: str) -> bool:
     return accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def _check_settings(accelerator: str, memory_budget: str | int | None, steps: int) -> tuple[bool, int | None]:
+    """Whether the trials run on GPU and the budget in bytes; a `ConfigError` for what cannot run."""
+    on_gpu = _uses_cuda(accelerator)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if budget is None and not on_gpu:
+        raise ConfigError("on a CPU the batch-size finder needs a memory budget (memory_budget='2GB', --memory-budget 2GB): peak resident memory per process")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ConfigError(f"the batch-size finder needs steps >= 2 per trial (the first is not timed); got {steps!r}")
+    if detect_env().distributed:
+        raise ConfigError("the batch-size finder starts fresh processes for every size it tries; run it alone (not under torchrun, srun or another launcher)")
+    return on_gpu, budget
+
+
 def find_batch_size(
     trainer: Trainer,
     model: nn.Module,
@@ -193,14 +206,7 @@ def find_batch_size(
     per trial (at least 2: the first is not timed). ``max_batch``: the largest micro-batch to try.
     """
     cfg = trainer.config
-    on_gpu = _uses_cuda(cfg.accelerator)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    if budget is None and not on_gpu:
-        raise ConfigError("on a CPU the batch-size finder needs a memory budget (memory_budget='2GB', --memory-budget 2GB): peak resident memory per process")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ConfigError(f"the batch-size finder needs steps >= 2 per trial (the first is not timed); got {steps!r}")
-    if detect_env().distributed:
-        raise ConfigError("the batch-size finder starts fresh processes for every size it tries; run it alone (not under torchrun, srun or another launcher)")
+    on_gpu, budget = _check_settings(cfg.accelerator, memory_budget, steps)
     dataset, _, _, _ = unpack_data(train_data)
     layout = get_strategy(cfg.strategy, **cfg.strategy_options).plan(cfg.nproc, model=model, mesh=cfg.mesh)
     per_micro = layout.data_parallel * cfg.accumulate  # samples in a global batch per sample of a micro-batch

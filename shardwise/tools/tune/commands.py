@@ -16,14 +16,49 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardwise.config import add_arguments as add_flags
+from shardwise.config import flag
 from shardwise.errors import ConfigError
 
 TUNE_HELP = "find a learning rate (range test) or the largest batch that fits memory"
 
 _SETTINGS = ("strategy", "nproc", "precision", "accelerator", "global_batch_size", "accumulate", "seed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneOptions:
+    """The flags both tuners take (`shardwise.config.flag`: each field's flag, default and help), besides
+    the trainer settings of `_SETTINGS` (`TrainerConfig`'s flags)."""
+
+    recipe: str = flag(help="recipe name (see `shardwise recipes`)", required=True)
+    config: str | None = flag(None, "TOML file with [trainer] and [recipe] sections")
+    set: list[str] = flag(help="override one setting (repeatable)", action="append", metavar="SECTION.KEY=VALUE", default_factory=list)
+    json: str | None = flag(None, "write the result as JSON to this file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LrOptions(TuneOptions):
+    """``shardwise tune lr``'s flags."""
+
+    min_lr: float = flag(1e-6, "rate of the first step (default 1e-6)")
+    max_lr: float = flag(10.0, "rate of the last step (default 10)")
+    steps: int = flag(100, "steps of the sweep (default 100)")
+    smoothing: float = flag(0.9, "weight of the past in the loss's moving average (default 0.9)")
+    diverge: float = flag(4.0, "stop when the smoothed loss exceeds this many times its lowest (default 4)")
+    png: str = flag("lr_find.png", "picture of loss against rate (default lr_find.png; needs matplotlib; '' for none)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSizeOptions(TuneOptions):
+    """``shardwise tune batch-size``'s flags."""
+
+    memory_budget: str | None = flag(None, "per process, e.g. 2GB or 512MiB (required on CPU; on GPU the default is what fits CUDA memory)")
+    steps: int = flag(8, "training steps per size (default 8; the first is not timed)")
+    max_batch: int | None = flag(None, "largest micro-batch to try (default: what the training set holds)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,37 +70,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Learning-rate range test (Smith 2017, section 3.3): the rate rises geometrically over a short run; "
         "the suggestion is where the smoothed loss falls fastest; the run stops when the loss diverges.",
     )
-    _common(lr)
-    lr.add_argument("--min-lr", type=float, default=1e-6, help="rate of the first step (default 1e-6)")
-    lr.add_argument("--max-lr", type=float, default=10.0, help="rate of the last step (default 10)")
-    lr.add_argument("--steps", type=int, default=100, help="steps of the sweep (default 100)")
-    lr.add_argument("--smoothing", type=float, default=0.9, help="weight of the past in the loss's moving average (default 0.9)")
-    lr.add_argument("--diverge", type=float, default=4.0, help="stop when the smoothed loss exceeds this many times its lowest (default 4)")
-    lr.add_argument("--png", default="lr_find.png", help="picture of loss against rate (default lr_find.png; needs matplotlib; '' for none)")
+    _trainer_flags(lr, LrOptions)
     bs = sub.add_parser(
         "batch-size",
         help="the largest micro-batch per rank that fits a memory budget, and the throughput of each size tried",
         description="Try micro-batch sizes (doubling, then bisecting) in fresh processes, a few training steps each; "
         "a size fits when every rank's peak memory is within the budget (CUDA memory on GPU, resident memory on CPU).",
     )
-    _common(bs)
-    bs.add_argument("--memory-budget", help="per process, e.g. 2GB or 512MiB (required on CPU; on GPU the default is what fits CUDA memory)")
-    bs.add_argument("--steps", type=int, default=8, help="training steps per size (default 8; the first is not timed)")
-    bs.add_argument("--max-batch", type=int, help="largest micro-batch to try (default: what the training set holds)")
+    _trainer_flags(bs, BatchSizeOptions)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", required=True, help="recipe name (see `shardwise recipes`)")
-    p.add_argument("--strategy", help="strategy name (default single; see `shardwise strategies`)")
-    p.add_argument("--nproc", type=int, help="local worker processes (default 1)")
-    p.add_argument("--precision", help="32, 64, bf16-mixed, 16-mixed")
-    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--global-batch-size", type=int)
-    p.add_argument("--accumulate", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--config", help="TOML file with [trainer] and [recipe] sections")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one setting (repeatable)")
-    p.add_argument("--json", help="write the result as JSON to this file")
+def _trainer_flags(p: argparse.ArgumentParser, options: type) -> None:
+    from shardwise.trainer.config import TrainerConfig
+
+    add_flags(p, options)
+    add_flags(p, TrainerConfig, unset=True, only=_SETTINGS, group=("trainer settings", "Each sets the [trainer] key of its name (as in a --config file)."))
 
 
 def _recipe_trainer(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -74,7 +93,7 @@ def _recipe_trainer(args: argparse.Namespace) -> tuple[Any, Any]:
     from shardwise.strategies.options import resolve
     from shardwise.tools.recipes import get_recipe
     from shardwise.trainer import Trainer
-    from shardwise.trainer.config import TrainerConfig, apply_overrides, from_mapping, load_toml
+    from shardwise.trainer.config import TrainerConfig, apply_overrides, flag_values, from_mapping, load_toml
 
     recipe = get_recipe(args.recipe)
     sections = apply_overrides(load_toml(args.config) if args.config else {}, args.set)
@@ -82,7 +101,7 @@ def _recipe_trainer(args: argparse.Namespace) -> tuple[Any, Any]:
     if unknown:
         raise ConfigError(f"unknown config sections {unknown}; use [trainer] and [recipe] (strategy options go under [trainer.strategy_options])")
     settings: dict[str, Any] = {**recipe.trainer_defaults, **sections.get("trainer", {})}
-    settings.update({name: getattr(args, name) for name in _SETTINGS if getattr(args, name) is not None})
+    settings.update(flag_values(args))
     options = settings.get("strategy_options", {})
     if not isinstance(options, dict):
         raise ConfigError(f"trainer.strategy_options must be a table of option = value; got {options!r}")
