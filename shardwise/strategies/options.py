@@ -8,9 +8,9 @@ field is its help. From them this module derives everything the outside world se
 - `catalog()`: the union over every registered strategy. An option that several strategies
   have (``tp`` in ``tp`` and ``pipeline``) is one command-line flag (``--tp``) whose help names
   them; `Catalog.disagreements` reports a shared option whose types do not agree.
-- `convert` / `resolve`: a command-line string or a TOML value turned into the field's type
-  (``"1.5"`` -> 1.5, ``"a,b"`` -> ``("a", "b")``, ``"true"`` -> True), and a strategy's option
-  mapping checked against its fields, with a `ConfigError` that names the option, the strategy
+- `resolve`: a strategy's option mapping checked against its fields and each value turned into
+  the field's type (``"1.5"`` -> 1.5, ``"a,b"`` -> ``("a", "b")``, ``"true"`` -> True: the config
+  machine's `shardwise.config.convert`), with a `ConfigError` that names the option, the strategy
   and the valid values (or the closest option name).
 
 Adding an option to a strategy is therefore one field and its docstring: ``shardwise train``
