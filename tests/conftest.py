@@ -8,6 +8,7 @@ import signal
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,7 +73,101 @@ def hygiene(request):
 
 # Every multi-process test (marked ``dist``) has a hard timeout so a hang fails instead of stalling
 # CI; shardwise.launch also stops all workers as soon as one fails.
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("dist") is not None and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(180))
+    if hasattr(config, "workerinput"):  # an xdist worker (whose own --dist reads "no")
+        _longest_first(items)
+
+
+# -- How `make test` (pytest -n 3 --dist loadfile) shares the tests out among its worker processes --
+#
+# xdist's loadfile hands each worker whole files, most tests first, and tops a worker up while it
+# still has two tests queued. The suite's time is in a few long units (a Ray run, README blocks of
+# minutes each), so: each README block is a unit of its own (they share nothing), units go out
+# longest first (an estimate, below), and a worker gets its next unit only when it has one test
+# left, so no long unit waits queued behind another while a worker idles. What runs, and in which
+# process a module's tests run together, is unchanged.
+
+_BLOCK_FILES = ("tests/readme/test_readme.py", "tests/readme/test_readme_shell.py")
+_SECONDS_BY_MARK = {"e2e": 15.0, "dist": 6.0}
+"""A test's estimated seconds in a full run by its mark (anything else: 0.3 s)."""
+_LONGER = {
+    "tests/integrations/test_ray_train.py": 250.0,
+    "tests/launcher/test_multinode.py": 300.0,
+    "tests/launcher/test_launch_paths.py": 200.0,
+    "tests/launcher/test_preempt_cli.py": 180.0,
+    "tests/integrations/test_orchestrators.py": 130.0,
+    "tests/launcher/test_zygote.py": 130.0,
+    "tests/launcher/test_faults.py": 110.0,
+    "tests/readme/test_readme_claims.py": 100.0,
+}
+"""Files that take much longer than their marks say (seconds in full runs, from --durations).
+Only the order of the units reads these: a file that moved counts by its marks."""
+_README_BLOCKS = {
+    "TorchTrainer": 250.0,
+    "for strategy, options in": 130.0,
+    'with torch.device("meta")': 80.0,
+    "compress distill": 80.0,
+    "load_digits": 60.0,
+    "shardwise predict": 50.0,
+    "shardwise plot": 45.0,
+    "--nproc 4": 40.0,
+    "launch(main": 35.0,
+    "EarlyStopping": 35.0,
+    "--validate": 35.0,
+    "bench comm": 30.0,
+}
+"""README blocks by a piece of their text (their line numbers move): estimated seconds, the
+longest that matches (a block that matches none counts as an e2e test)."""
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return nodeid if path in _BLOCK_FILES else path
+
+
+def _estimate(item: pytest.Item) -> float:
+    code = getattr(item, "callspec", None) and item.callspec.params.get("code")
+    if isinstance(code, str) and item.nodeid.split("::", 1)[0] in _BLOCK_FILES:
+        return max([s for k, s in _README_BLOCKS.items() if k in code], default=_SECONDS_BY_MARK["e2e"])
+    return max((s for m, s in _SECONDS_BY_MARK.items() if item.get_closest_marker(m) is not None), default=0.3)
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """The units longest first (every worker sorts alike, as xdist requires; the tests of a unit
+    keep their order)."""
+    cost: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        unit = _unit(item.nodeid)
+        cost[unit] = cost.get(unit, 0.0) + _estimate(item)
+        first.setdefault(unit, i)
+    for unit in cost:
+        cost[unit] = max(cost[unit], _LONGER.get(unit, 0.0))
+    order = {i: (-cost[_unit(item.nodeid)], first[_unit(item.nodeid)], i) for i, item in enumerate(items)}
+    items[:] = [items[i] for i in sorted(order, key=order.__getitem__)]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(LoadFileScheduling):
+        def __init__(self, config: pytest.Config, log: Any = None) -> None:
+            config.option.loadscopereorder = False  # keep the workers' order: longest first
+            super().__init__(config, log)
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+        def _reschedule(self, node: Any) -> None:
+            # A worker runs a test once it knows the next one (xdist's worker loop), so one queued test is enough.
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+    return LongestFirst(config, log)
