@@ -12,7 +12,9 @@ OUT ?= runs/demo
 # most multi-process tests wait on process start and messages, so three files at once keep both
 # cores busy (2 workers: 24.8 min on 2 cores; 3: 21-24.5 min in four clean CI runs, 18.5-19 min since
 # launch forks its ranks from a zygote that imported torch once, launcher/zygote.py; 20:46 with issue 36's
-# 1172 tests, quiet machine). No test asserts
+# 1172 tests, quiet machine). tests/conftest.py hands the files out longest first (an estimate), each
+# README block on its own (test_readme.py and test_readme_shell.py were ~10 and ~12 minutes as one
+# unit each, the Ray run went last). No test asserts
 # a wall-clock time, so the load does not change what passes. TEST_WORKERS=0 runs them one at a time.
 TEST_WORKERS ?= 3
 
