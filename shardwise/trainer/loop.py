@@ -129,6 +129,10 @@ class Trainer:
         """Every check ``fit`` makes before a process starts, and the plan (`shardwise.trainer.plan`)."""
         plan.check_fit(self, model, train_data, val_data)
 
+    def _check_tools(self, val_data: Any, model: nn.Module | None = None) -> None:
+        """Loggers and callbacks that cannot work, refused before launch (`shardwise.trainer.plan.check_tools`)."""
+        plan.check_tools(self, val_data, model)
+
     @property
     def layout(self) -> Layout | None:
         """The strategy's plan of the running (or last) fit or evaluation: world size, training and
