@@ -29,7 +29,7 @@ from pathlib import Path
 ENV = "SHARDWISE_LEDGER_DIR"
 _SIZE = 4096
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
-_ENGINE = os.path.join(os.path.dirname(_COMM_DIR), "engine.py")  # its collectives are thin wrappers: name their caller
+_ENGINE = os.path.join(os.path.dirname(_COMM_DIR), "engine", "engine.py")  # the Engine's collectives are thin wrappers: name their caller
 _P2P = ("send", "recv", "isend", "irecv")
 
 
