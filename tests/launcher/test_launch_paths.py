@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parents[1] / "support" / "scripts"
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SHARDWISE_LAUNCHER")
 
 
