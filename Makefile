@@ -14,7 +14,8 @@ OUT ?= runs/demo
 # launch forks its ranks from a zygote that imported torch once, launcher/zygote.py; 20:46 with issue 36's
 # 1172 tests, quiet machine). tests/conftest.py hands the files out longest first (an estimate), each
 # README block on its own (test_readme.py and test_readme_shell.py were ~10 and ~12 minutes as one
-# unit each, the Ray run went last). No test asserts
+# unit each), and the three tests that start Ray last, together, on cores the others have left
+# (2:10 so; 7-11 minutes of worker time when they ran beside other work). No test asserts
 # a wall-clock time, so the load does not change what passes. TEST_WORKERS=0 runs them one at a time.
 TEST_WORKERS ?= 3
 

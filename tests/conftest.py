@@ -3,6 +3,7 @@ a process group, or child processes fails."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -84,17 +85,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # -- How `make test` (pytest -n 3 --dist loadfile) shares the tests out among its worker processes --
 #
 # xdist's loadfile hands each worker whole files, most tests first, and tops a worker up while it
-# still has two tests queued. The suite's time is in a few long units (a Ray run, README blocks of
-# minutes each), so: each README block is a unit of its own (they share nothing), units go out
-# longest first (an estimate, below), and a worker gets its next unit only when it has one test
-# left, so no long unit waits queued behind another while a worker idles. What runs, and in which
-# process a module's tests run together, is unchanged.
+# still has two tests queued. The suite's time is in a few long units (README blocks of minutes
+# each, multi-machine and preemption runs), so: each README block is a unit of its own (they share
+# nothing), units go out longest first (an estimate, below), and a worker gets its next unit only
+# when it has one test left, so no long unit waits queued behind another while a worker idles.
+# The tests that start a local Ray instance go last, as one unit: Ray's processes slow down ~10x
+# when other work holds the two cores (the README's Ray Train block: 33 s alone, 312 s beside two
+# busy loops; 180-470 s in full runs), and at the end the other workers are finishing short units.
+# What runs, and in which process a module's tests run together, is unchanged.
 
 _BLOCK_FILES = ("tests/readme/test_readme.py", "tests/readme/test_readme_shell.py")
 _SECONDS_BY_MARK = {"e2e": 15.0, "dist": 6.0}
 """A test's estimated seconds in a full run by its mark (anything else: 0.3 s)."""
 _LONGER = {
-    "tests/integrations/test_ray_train.py": 250.0,
     "tests/launcher/test_multinode.py": 300.0,
     "tests/launcher/test_launch_paths.py": 200.0,
     "tests/launcher/test_preempt_cli.py": 180.0,
@@ -106,7 +109,6 @@ _LONGER = {
 """Files that take much longer than their marks say (seconds in full runs, from --durations).
 Only the order of the units reads these: a file that moved counts by its marks."""
 _README_BLOCKS = {
-    "TorchTrainer": 250.0,
     "for strategy, options in": 130.0,
     'with torch.device("meta")': 80.0,
     "compress distill": 80.0,
@@ -123,8 +125,21 @@ _README_BLOCKS = {
 longest that matches (a block that matches none counts as an e2e test)."""
 
 
+_RAY = ("tests/integrations/test_ray_train.py", "tests/data/test_data_map.py::test_the_ray_backend_gives_the_same_results_on_a_local_ray_instance")
+"""The tests that start a local Ray instance, besides the README's Ray Train block (found by its text)."""
+
+
+@functools.cache
+def _ray_blocks() -> frozenset[str]:
+    from tests.readme.test_readme import CASES
+
+    return frozenset(f"line{line}-{'with-guard' if guard else 'as-written'}" for line, code, guard in CASES if "import ray" in code)
+
+
 def _unit(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
+    if path in _RAY or nodeid in _RAY or (path == _BLOCK_FILES[0] and nodeid.endswith("]") and nodeid.rsplit("[", 1)[1][:-1] in _ray_blocks()):
+        return "ray"
     return nodeid if path in _BLOCK_FILES else path
 
 
@@ -145,7 +160,7 @@ def _longest_first(items: list[pytest.Item]) -> None:
         cost[unit] = cost.get(unit, 0.0) + _estimate(item)
         first.setdefault(unit, i)
     for unit in cost:
-        cost[unit] = max(cost[unit], _LONGER.get(unit, 0.0))
+        cost[unit] = -1.0 if unit == "ray" else max(cost[unit], _LONGER.get(unit, 0.0))
     order = {i: (-cost[_unit(item.nodeid)], first[_unit(item.nodeid)], i) for i, item in enumerate(items)}
     items[:] = [items[i] for i in sorted(order, key=order.__getitem__)]
 
