@@ -49,6 +49,22 @@ AdapterFactory = Callable[..., "ModelAdapter | None"]
 ``kind`` is "fit", "val", "test" or "predict"; it raises `ConfigError` for what it cannot run."""
 
 _FACTORIES: list[AdapterFactory] = []
+_ENTRY_POINTS = "shardwise.adapters"
+"""The entry-point group an installed integration declares its factory under (shardwise's own
+Lightning one in pyproject.toml), loaded the first time the Trainer asks for an adapter, so a script
+that takes the Trainer from ``shardwise.trainer`` gets the same adapters as ``from shardwise import Trainer``."""
+_loaded = False
+
+
+def _load_entry_points() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=_ENTRY_POINTS):
+        register_adapter(point.load())
 
 
 def register_adapter(factory: AdapterFactory) -> AdapterFactory:
@@ -61,6 +77,7 @@ def register_adapter(factory: AdapterFactory) -> AdapterFactory:
 def adapter_for(trainer: Trainer, model: nn.Module, kind: str, *, has_val: bool = False, total: int | None = None) -> ModelAdapter | None:
     """The first registered adapter that takes ``model`` (None: the Trainer runs it itself), built in the
     parent after every check the adapter can make there."""
+    _load_entry_points()
     for factory in _FACTORIES:
         adapter = factory(trainer, model, kind, has_val=has_val, total=total)
         if adapter is not None:
