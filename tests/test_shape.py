@@ -143,7 +143,11 @@ def test_the_measures_catch_what_they_measure() -> None:
 
 if __name__ == "__main__":
     print("top level:", len(top_level()), top_level())
-    for title, found in [("files over 500 lines", long_files()), ("docstrings over 40 lines", long_docstrings()), ("functions over 80 lines", long_functions())]:
+    for title, found in [
+        ("files over 500 lines", long_files()),
+        ("docstrings over 40 lines", long_docstrings()),
+        ("functions over 80 lines", long_functions()),
+    ]:
         print(f"{title}: {len(found)}")
         for k, v in sorted(found.items(), key=lambda kv: -kv[1]):
             print(f"  {v:5d} {k}")
@@ -154,5 +158,5 @@ if __name__ == "__main__":
     aa = add_arguments()
     from collections import Counter
 
-    print(f"add_argument calls: {len(aa)}", dict(Counter(a.split(':')[0] for a in aa)))
+    print(f"add_argument calls: {len(aa)}", dict(Counter(a.split(":")[0] for a in aa)))
     print("docs/architecture.md lines:", map_lines())
