@@ -50,7 +50,14 @@ def hygiene(request):
     children_before = _children() if Path("/proc").exists() else set()
     main = threading.current_thread() is threading.main_thread()
     handlers = {sig: signal.getsignal(sig) for sig in _SIGNALS} if main else {}
+    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     yield
+    # A test that leaves torch's deterministic mode on (an in-process run with deterministic=True) makes a
+    # later test of the same worker fail on an op without a deterministic kernel (int8 quantized linear did):
+    # put it back, and name the test.
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != deterministic:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        warnings.warn(f"{request.node.nodeid} left torch.use_deterministic_algorithms changed (put back)", stacklevel=1)
     # A test that leaves a signal's handler changed (twice, in full runs, SIGINT was ignored in a worker that later ran the
     # Ctrl-C and zygote tests, which pass alone): put it back, and say which test it was (pytest's warnings summary).
     changed_signals = [sig.name for sig, h in handlers.items() if signal.getsignal(sig) is not h]
