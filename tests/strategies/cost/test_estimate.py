@@ -233,3 +233,11 @@ def test_interleaved_activations_are_the_peak_counted_from_the_schedule(p: int, 
     got = estimate(spec, Cluster(A100_40GB, p), Settings(32), Shape("pipeline", pp=p, microbatches=m, schedule="interleaved", virtual=v)).memory["activations"]
     chunk_layers = layers / (p * v)
     assert got == pytest.approx(peaks[0] * chunk_layers * layer * micro + other * micro, rel=1e-12)
+
+
+def test_hsdp_shards_the_model_state_over_its_shard_group_only(tmp_path: Path) -> None:
+    """HSDP (replicate x shard): ZeRO-3's (2 + 2 + K) psi / N with N the shard group, not the world."""
+    doc = plan(tmp_path, "--params", "7.5e9", "--nproc", "16", "--nodes", "2", "--device", "h100-80gb", "--precision", "bf16-mixed", "--optimizer", "adam")
+    hsdp = find(doc, "hsdp(replicate=2,shard=8)")
+    assert hsdp["memory_breakdown"]["model_state"] == pytest.approx(16 * 7.5e9 / 8, rel=1e-12)
+    assert find(doc, "zero3")["memory_breakdown"]["model_state"] == pytest.approx(16 * 7.5e9 / 16, rel=1e-12)
