@@ -38,7 +38,7 @@ def auto_wrap_units(model: nn.Module, min_fraction: float = 0.05) -> list[str]:
     if lists:
         name, blocks = max(lists, key=lambda item: _numel(item[1]))
         if _numel(blocks) > 0:
-            return [f"{name}.{i}" for i, b in enumerate(blocks) if _numel(b) > 0] + _large_leaves(model, name, min_fraction)
+            return _unshared(model, [f"{name}.{i}" for i, b in enumerate(blocks) if _numel(b) > 0] + _large_leaves(model, name, min_fraction))
     prefix, node = "", model
     while True:
         with_params = [(n, c) for n, c in node.named_children() if _numel(c) > 0]
@@ -46,7 +46,17 @@ def auto_wrap_units(model: nn.Module, min_fraction: float = 0.05) -> list[str]:
             break
         prefix, node = f"{prefix}{with_params[0][0]}.", with_params[0][1]
     total = max(_numel(model), 1)
-    return [f"{prefix}{n}" for n, c in node.named_children() if _numel(c) >= min_fraction * total]
+    return _unshared(model, [f"{prefix}{n}" for n, c in node.named_children() if _numel(c) >= min_fraction * total])
+
+
+def _unshared(model: nn.Module, units: list[str]) -> list[str]:
+    """``units`` less those holding a parameter another unit holds too (a module shared by every block
+    of a hand-written model): one unit must own each parameter, so a shared one stays with the root."""
+    seen: dict[int, int] = {}
+    for name in units:
+        for p in model.get_submodule(name).parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return [n for n in units if all(seen[id(p)] == 1 for p in model.get_submodule(n).parameters())]
 
 
 def _large_leaves(model: nn.Module, blocks: str, min_fraction: float) -> list[str]:

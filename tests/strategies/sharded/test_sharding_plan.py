@@ -121,3 +121,27 @@ def test_apply_without_a_process_group_says_how_to_start_one(name):
     mesh = Mesh.build(world_size=1)
     with pytest.raises(ConfigError, match="needs a process group; start the run through shardwise"):
         get_strategy(name).apply(_Blocks(), lambda p: None, mesh, Recorder())  # type: ignore[arg-type,return-value]
+
+
+def test_blocks_that_share_a_module_are_not_units_of_their_own() -> None:
+    """A hand-written model whose blocks all call one shared Linear: no block may own its weight, so
+    the blocks stay with the root (FSDP2 failed inside the workers on the overlap); blocks that own
+    their parameters are still units, and a shared module elsewhere leaves them so."""
+    from torch import nn
+
+    from shardwise.strategies.sharded.units import auto_wrap_units
+
+    class Block(nn.Module):
+        def __init__(self, shared: nn.Module | None) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.mix = shared if shared is not None else nn.Linear(8, 8)
+
+    class Model(nn.Module):
+        def __init__(self, share: bool) -> None:
+            super().__init__()
+            shared = nn.Linear(8, 8) if share else None
+            self.blocks = nn.ModuleList(Block(shared) for _ in range(3))
+
+    assert auto_wrap_units(Model(share=True)) == []
+    assert auto_wrap_units(Model(share=False)) == ["blocks.0", "blocks.1", "blocks.2"]
