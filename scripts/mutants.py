@@ -210,6 +210,15 @@ MUTANTS = [
     Mutant("per-sample randomness in data-loading workers repeats epoch 0's", "shardwise/data/__init__.py",
            "return seeded_fetch(self.dataset, indices, self.collate, self.seed, epoch)",
            "return seeded_fetch(self.dataset, indices, self.collate, self.seed, 0)", (DATA_DRAWS,)),
+    Mutant("the worker loader ignores prefetch_factor (torch's default 2 in flight)", "shardwise/data/__init__.py",
+           "                prefetch_factor=self.prefetch_factor,\n", "                prefetch_factor=None,\n",
+           ("tests/data/test_data_pin_prefetch.py",)),
+    Mutant("the Trainer's prefetch_factor never reaches the loader", "shardwise/trainer/fit.py",
+           "            prefetch_factor=cfg.prefetch_factor or dl_prefetch,", "            prefetch_factor=dl_prefetch,",
+           ("tests/trainer/test_data_path.py",)),
+    Mutant("pin_memory without CUDA is ignored silently (the note never said)", "shardwise/trainer/fit.py",
+           '            engine.print(f"shardwise: {self.pin_note}")', "            pass",
+           ("tests/trainer/test_data_path.py",)),
     Mutant("the hang report says 'never reached' of a rank inside the collective (<= for <)", "shardwise/comm/ledger.py",
            "            if reached < mine.seq:", "            if reached <= mine.seq:", (HANG_REPORT_UNIT, HANG_REPORT_3)),
     Mutant("the hang report counts a collective as reached only once left (a rank waiting in it 'never reached' it)", "shardwise/comm/ledger.py",
@@ -304,6 +313,11 @@ MUTANTS = [
            "    if order is not None:\n        known = set(order)", "    if False:\n        known = set(order)", ("tests/checkpoint/test_parts.py", "tests/strategies/pipeline/test_nested.py")),
     Mutant("the config machine gives a number field's flag no type (its value stays a string)", "shardwise/config.py",
            "        if base in (int, float):\n            kw[\"type\"] = base", "        pass", ("tests/test_config.py",)),
+    Mutant("mpirun's ranks inside a Slurm allocation read as Slurm's (the SLURM_* of mpirun's own step)", "shardwise/launcher/env.py",
+           "    mpi = mpi_env(env)\n", "    mpi = None if \"SLURM_PROCID\" in env else mpi_env(env)\n", ("tests/launcher/test_env.py",)),
+    Mutant("mpirun's variables ignored (each process trains alone)", "shardwise/launcher/env.py",
+           "    if family is None:\n        return None\n", "    if True:\n        return None\n",
+           ("tests/launcher/test_mpi.py::test_two_shardwise_train_processes_started_with_openmpis_variables_train_one_job",)),
 ]
 
 

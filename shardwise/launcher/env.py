@@ -1,8 +1,8 @@
 """Where this process stands in a distributed job, and joining its process group.
 
 This is the only module of shardwise that reads the environment (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*, and a Kubeflow PyTorchJob's PET_*);
-everything else receives a `DistEnv` value.
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT, SLURM_*, a Kubeflow PyTorchJob's PET_*, and mpirun's
+OMPI_COMM_WORLD_* or PMI_*: `mpi_env`); everything else receives a `DistEnv` value.
 
 Kubeflow's PyTorchJob (training operator v1, ``pkg/controller.v1/pytorch/envvar.go`` and
 ``master.go``) gives every pod MASTER_ADDR/MASTER_PORT and the same as PET_MASTER_ADDR/
@@ -72,8 +72,8 @@ class DistEnv:
     """Port of rank 0's rendezvous store."""
     source: str = "none"
     """Who set this up: 'none' (one plain process), 'spawn' (shardwise.launch),
-    'torchrun', 'slurm', 'kubeflow' (a PyTorchJob pod's own process), or 'existing'
-    (a process group already initialized)."""
+    'torchrun', 'slurm', 'kubeflow' (a PyTorchJob pod's own process), 'mpirun' (Open MPI's
+    or MPICH's / Intel MPI's), or 'existing' (a process group already initialized)."""
 
     @property
     def distributed(self) -> bool:
@@ -109,8 +109,10 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
 
     torchrun (and Ray Train, and anything that follows torch's convention) sets
     RANK and WORLD_SIZE; a Kubeflow PyTorchJob sets them per pod with its PET_*
-    variables (read by `kubeflow_env`); Slurm's srun sets SLURM_PROCID and SLURM_NTASKS.
-    With none of them, this is a single plain process.
+    variables (read by `kubeflow_env`); mpirun sets OMPI_COMM_WORLD_* (Open MPI) or PMI_*
+    (MPICH, Intel MPI; read by `mpi_env`, before Slurm's: under mpirun inside an allocation the
+    SLURM_* a rank inherits describe mpirun's step, not the rank); Slurm's srun sets SLURM_PROCID
+    and SLURM_NTASKS. With none of them, this is a single plain process.
     """
     env = os.environ if environ is None else environ
     if dist.is_available() and dist.is_initialized():
@@ -133,6 +135,9 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
             master_port=_int(env, "MASTER_PORT", 29500),
             source=env.get("SHARDWISE_LAUNCHER", "torchrun"),
         )
+    mpi = mpi_env(env)
+    if mpi is not None:
+        return mpi
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "")))
         job = _int(env, "SLURM_JOB_ID", 0)
@@ -193,6 +198,63 @@ def kubeflow_env(env: Mapping[str, str]) -> DistEnv:
         master_addr=env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR", "127.0.0.1"),
         master_port=_int(env, "MASTER_PORT", _int(env, "PET_MASTER_PORT", 29500)),
         source="kubeflow",
+    )
+
+
+_MPI_FAMILIES = {
+    # rank, size, local rank, local size: what each family's launcher sets on every process it starts
+    "Open MPI": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "MPICH / Intel MPI": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+_EXPORT = {  # how each family's mpirun exports a variable to every process
+    "Open MPI": "mpirun -np {n} -x MASTER_ADDR=HOST -x MASTER_PORT=29500 shardwise train ...",
+    "MPICH / Intel MPI": "mpirun -np {n} -genv MASTER_ADDR HOST -genv MASTER_PORT 29500 shardwise train ...",
+}
+
+
+def mpi_env(env: Mapping[str, str]) -> DistEnv | None:
+    """This process's place in a job started by ``mpirun`` / ``mpiexec``, or None when none started it.
+
+    Open MPI sets OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE on each process; MPICH's and
+    Intel MPI's Hydra set PMI_RANK/PMI_SIZE and MPI_LOCALRANKID/MPI_LOCALNRANKS. Neither sets where
+    rank 0's rendezvous store is, so MASTER_ADDR and MASTER_PORT come from the environment (exported
+    with ``mpirun -x`` or ``-genv``); missing, they are a `ConfigError` saying how. A job of one
+    process is a plain process (``mpirun -np 1 shardwise train --nproc 2`` starts its own 2). srun's
+    PMI plugin sets PMI_RANK/PMI_SIZE too: where they agree with SLURM_PROCID/SLURM_NTASKS, the
+    job is Slurm's and is read as such (the master from the node list).
+    """
+    family = next((f for f, names in _MPI_FAMILIES.items() if names[0] in env or names[1] in env), None)
+    if family is None:
+        return None
+    rank_key, size_key, local_key, local_size_key = _MPI_FAMILIES[family]
+    rank, size = _int(env, rank_key), _int(env, size_key)
+    if family != "Open MPI" and env.get("SLURM_PROCID") == env[rank_key] and env.get("SLURM_NTASKS") == env[size_key]:
+        return None  # srun's PMI: Slurm's job
+    if size < 1 or not 0 <= rank < size:
+        raise ConfigError(
+            f"{family}'s variables disagree: {rank_key}={rank} {size_key}={size} (a rank is 0 .. size-1 of a job of at least 1); "
+            "start the command with mpirun, which sets them, or set both consistently"
+        )
+    local_rank, local_size = _int(env, local_key, 0), _int(env, local_size_key, 1)
+    if local_size < 1 or not 0 <= local_rank < local_size or local_size > size:
+        raise ConfigError(
+            f"{family}'s variables disagree: {local_key}={local_rank} {local_size_key}={local_size} in a job of {size} ({size_key}); "
+            f"the local rank is 0 .. local size-1 and the local size at most {size}; start the command with mpirun, which sets them"
+        )
+    if size == 1:
+        return DistEnv(rank=0, world_size=1, source="none")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ConfigError(
+            f"rank {rank} of {size} started by mpirun ({family}'s {rank_key}/{size_key}), but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: mpirun does not say where rank 0's rendezvous is. Export MASTER_ADDR "
+            f"(rank 0's host) and MASTER_PORT (a free port there) to every rank, e.g. `{_EXPORT[family].format(n=size)}`"
+        )
+    port = _int(env, "MASTER_PORT")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"MASTER_PORT={port} is no port; set it to a free port from 1 to 65535 on rank 0's host (MASTER_ADDR)")
+    return DistEnv(
+        rank=rank, world_size=size, local_rank=local_rank, local_world_size=local_size, master_addr=env["MASTER_ADDR"], master_port=port, source="mpirun"
     )
 
 

@@ -1,4 +1,4 @@
-"""Reading the job's layout from torchrun's and Slurm's environment variables."""
+"""Reading the job's layout from torchrun's, Slurm's, Kubeflow's and mpirun's environment variables."""
 
 from __future__ import annotations
 
@@ -130,6 +130,72 @@ def test_a_one_pod_job_starts_its_own_processes():
 def test_a_pytorchjob_that_shardwise_cannot_number_is_one_clear_line(env, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         detect_env(env)
+
+
+# -- mpirun: the variables Open MPI and MPICH / Intel MPI (Hydra) set on each process they start -----------
+_MASTER = {"MASTER_ADDR": "node1", "MASTER_PORT": "29511"}
+
+
+def _openmpi(rank: int, size: int, per_node: int, **extra: str) -> dict[str, str]:
+    """What Open MPI's mpirun sets on rank ``rank`` of ``size``, ``per_node`` ranks per machine (plus the user's -x)."""
+    env = {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(size), "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % per_node)}
+    env.update(OMPI_COMM_WORLD_LOCAL_SIZE=str(per_node), OMPI_COMM_WORLD_NODE_RANK=str(rank // per_node), OMPI_UNIVERSE_SIZE=str(size))
+    return env | extra
+
+
+def _hydra(rank: int, size: int, per_node: int, **extra: str) -> dict[str, str]:
+    """What MPICH's and Intel MPI's Hydra (mpiexec / mpirun) set on rank ``rank`` of ``size`` (plus the user's -genv)."""
+    env = {"PMI_RANK": str(rank), "PMI_SIZE": str(size), "MPI_LOCALRANKID": str(rank % per_node), "MPI_LOCALNRANKS": str(per_node), "PMI_FD": "7"}
+    return env | extra
+
+
+@pytest.mark.parametrize("family", [_openmpi, _hydra], ids=["openmpi", "mpich"])
+def test_mpirun_variables_are_each_process_place(family):
+    for rank in range(4):  # 2 machines x 2 processes
+        env = detect_env(family(rank, 4, 2, **_MASTER))
+        assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.source) == (rank, 4, rank % 2, 2, "mpirun")
+        assert (env.master_addr, env.master_port, env.distributed) == ("node1", 29511, True)
+    # a job of one process is a plain one (`mpirun -np 1 shardwise train --nproc 2` starts its own 2): nothing to rendezvous
+    assert detect_env(family(0, 1, 1)).distributed is False
+    # a process shardwise or torchrun started inside the mpirun job is that launcher's rank
+    spawned = detect_env(family(0, 1, 1, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", SHARDWISE_LAUNCHER="spawn"))
+    assert (spawned.rank, spawned.world_size, spawned.source) == (1, 2, "spawn")
+
+
+def test_mpirun_inside_a_slurm_allocation_is_mpiruns_job_and_sruns_pmi_is_slurms():
+    # mpirun's ranks inherit the SLURM_* of mpirun's own step (one task): the MPI variables say where each rank is
+    allocation = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "7"}
+    for family in (_openmpi, _hydra):
+        env = detect_env(family(3, 4, 2, **_MASTER) | allocation)
+        assert (env.rank, env.world_size, env.source) == (3, 4, "mpirun")
+    # `srun --mpi=pmi2` sets PMI_RANK/PMI_SIZE equal to Slurm's own: Slurm's job, its master from the node list, no MASTER_* needed
+    env = detect_env(_hydra(1, 2, 1) | allocation | {"SLURM_PROCID": "1"})
+    assert (env.rank, env.world_size, env.master_addr, env.source) == (1, 2, "gpu01", "slurm")
+
+
+@pytest.mark.parametrize(
+    ("environ", "says"),
+    [
+        # mpirun does not set MASTER_ADDR/MASTER_PORT: the error names them and how to export them with this family's mpirun
+        (_openmpi(1, 2, 2), "MASTER_ADDR and MASTER_PORT are not set: mpirun does not say where rank 0's rendezvous is"),
+        (_openmpi(1, 2, 2, MASTER_ADDR="h"), "-x MASTER_ADDR=HOST -x MASTER_PORT=29500 shardwise train"),
+        (_hydra(0, 2, 1, MASTER_PORT="29500"), "MASTER_ADDR is not set"),
+        (_hydra(0, 2, 1), "-genv MASTER_ADDR HOST -genv MASTER_PORT 29500 shardwise train"),
+        (_openmpi(0, 2, 2, MASTER_ADDR="h", MASTER_PORT="70000"), "MASTER_PORT=70000 is no port"),
+        (_openmpi(0, 2, 2, MASTER_ADDR="h", MASTER_PORT="x"), "MASTER_PORT='x' is not an integer"),
+        # an environment no mpirun writes
+        (_openmpi(2, 2, 2, **_MASTER), "OMPI_COMM_WORLD_RANK=2 OMPI_COMM_WORLD_SIZE=2"),
+        (_hydra(0, 0, 1, **_MASTER), "PMI_RANK=0 PMI_SIZE=0"),
+        (_hydra(0, 1, 1, PMI_RANK="-1"), "PMI_RANK=-1 PMI_SIZE=1"),
+        (_openmpi(3, 4, 2, OMPI_COMM_WORLD_LOCAL_RANK="2", **_MASTER), "OMPI_COMM_WORLD_LOCAL_RANK=2 OMPI_COMM_WORLD_LOCAL_SIZE=2 in a job of 4"),
+        (_hydra(1, 2, 4, **_MASTER), "MPI_LOCALRANKID=1 MPI_LOCALNRANKS=4 in a job of 2"),
+        ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE is not set"),
+        ({"PMI_RANK": "one", "PMI_SIZE": "2"}, "PMI_RANK='one' is not an integer"),
+    ],
+)
+def test_an_mpirun_environment_that_cannot_work_is_one_clear_line(environ, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        detect_env(environ)
 
 
 class _GPUs:
