@@ -1,8 +1,9 @@
 """Layer 1: every byte shardwise sends goes through here and is recorded.
 
-The collective wrappers (`collectives.py`) and the `Recorder` load with the package; our own
-allreduce algorithms, codecs and compressed exchanges load on first use
-(``shardwise.comm.allreduce``, ``shardwise.comm.get_codec``, ...). Design notes (how bytes are
+The collective wrappers (`collectives.py`: the six collectives broadcast, scatter, gather, reduce,
+all-gather and all-reduce, and point-to-point) and the `Recorder` load with the package; our own
+allreduce algorithms (flat, and ``hierarchical_allreduce`` over nodes), codecs and compressed
+exchanges load on first use (``shardwise.comm.allreduce``, ``shardwise.comm.get_codec``, ...). Design notes (how bytes are
 counted, the algorithms' and codecs' traffic tables, error feedback, DDP hooks, ``shardwise bench
 comm``): docs/comm.md.
 """
@@ -22,11 +23,14 @@ from shardwise.comm.collectives import (
     barrier,
     broadcast,
     broadcast_async,
+    gather,
     irecv,
     isend,
     monitored_barrier,
     new_group,
     recv,
+    reduce,
+    scatter,
     send,
 )
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
@@ -39,6 +43,9 @@ _LAZY = {
     "CodecState": "shardwise.comm.codecs",
     "compressed_allreduce": "shardwise.comm.compressed",
     "allreduce_traffic": "shardwise.comm.traffic",
+    "hierarchical_traffic": "shardwise.comm.traffic",
+    "hierarchical_allreduce": "shardwise.comm.hierarchical",
+    "NodeLevels": "shardwise.comm.hierarchical",
     "make_comm_hook": "shardwise.comm.hooks",
 }
 
@@ -63,11 +70,14 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_async",
+    "gather",
     "irecv",
     "isend",
     "monitored_barrier",
     "new_group",
     "recv",
+    "reduce",
+    "scatter",
     "send",
     "wire_bytes",
     *_LAZY,

@@ -265,13 +265,14 @@ def available() -> list[str]:
     return list(ALGORITHMS)
 
 
-def check_algorithm(name: str) -> str:
-    """``name`` if it is a known algorithm, else a `ConfigError` listing them and the closest match."""
-    if name in _REGISTRY:
+def check_algorithm(name: str, also: tuple[str, ...] = ()) -> str:
+    """``name`` if it is a known algorithm (or one of ``also``), else a `ConfigError` listing them and the closest match."""
+    if name in _REGISTRY or name in also:
         return name
-    close = difflib.get_close_matches(str(name), ALGORITHMS, n=1)
+    known = (*ALGORITHMS, *also)
+    close = difflib.get_close_matches(str(name), known, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"unknown allreduce algorithm {name!r}.{hint} Known algorithms: {', '.join(ALGORITHMS)}")
+    raise ConfigError(f"unknown allreduce algorithm {name!r}.{hint} Known algorithms: {', '.join(known)}")
 
 
 def check_op(op: str, tensor: torch.Tensor) -> str:

@@ -1,5 +1,8 @@
 """Thin wrappers over c10d collectives: the one door to torch.distributed.
 
+The six collectives (`broadcast`, `scatter`, `gather`, `reduce`, `all_gather`, `all_reduce`),
+`barrier`, and point-to-point messages and groups for ranks that pair up themselves.
+
 Each wrapper records what it sent into a `Recorder` (when given one) and turns a
 failure or a timeout into a `CommError` that names the rank, the operation and
 the group, instead of a bare gloo message.
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -18,7 +21,7 @@ import torch.distributed as dist
 
 from shardwise.comm import ledger
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
-from shardwise.errors import CommError
+from shardwise.errors import CommError, ConfigError
 
 T = TypeVar("T")
 
@@ -141,6 +144,73 @@ def all_gather(tensor: torch.Tensor, *, group: Group = WORLD, recorder: Recorder
     rec = recorder or _NULL
     with rec.timed("all_gather", group.name, p, n, sent, recv):
         _guard("all_gather", group, lambda: dist.all_gather(out, tensor, group=group.pg))
+    return out
+
+
+def _check_root(op: str, name: str, root: int, group: Group) -> None:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < group.size:
+        raise ConfigError(f"{op}: {name}={root!r} is not a rank of group '{group.name}' (size {group.size}); pass a group rank 0 .. {group.size - 1}")
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, group: Group = WORLD, recorder: Recorder | None = None) -> torch.Tensor | None:
+    """Reduce ``tensor`` from every rank of the group onto group rank ``dst``, in place there.
+
+    Returns ``tensor`` (now the reduction) on ``dst`` and None on the other ranks, whose ``tensor``
+    the backend may have used as scratch: its contents afterwards are unspecified (send a copy to
+    keep it, as ``Engine.reduce`` does). Ops as `all_reduce`; ``mean`` divides on ``dst`` after the sum.
+    """
+    _check_root("reduce", "dst", dst, group)
+    rop = _reduce_op(op, tensor)
+    p = group.size
+    if p == 1 or not dist.is_initialized():
+        return tensor
+    n = _nbytes(tensor)
+    root = group.rank == dst
+    sent, recv = wire_bytes("reduce", n, p, is_root=root)
+    with (recorder or _NULL).timed("reduce", group.name, p, n, sent, recv):
+        _guard("reduce", group, lambda: dist.reduce(tensor, dst=group.global_rank(dst), op=rop, group=group.pg))
+    if not root:
+        return None
+    if op == "mean":
+        tensor.div_(p)
+    return tensor
+
+
+def gather(tensor: torch.Tensor, dst: int = 0, *, group: Group = WORLD, recorder: Recorder | None = None) -> list[torch.Tensor] | None:
+    """Every rank's ``tensor`` (equal shapes and dtypes on every rank), in group-rank order, on group
+    rank ``dst``; None on the other ranks. Recorded with the whole buffer (p pieces) as its payload."""
+    _check_root("gather", "dst", dst, group)
+    p = group.size
+    if p == 1 or not dist.is_initialized():
+        return [tensor.clone()]
+    tensor = tensor.contiguous()
+    root = group.rank == dst
+    out = [torch.empty_like(tensor) for _ in range(p)] if root else None
+    n = _nbytes(tensor) * p
+    sent, recv = wire_bytes("gather", n, p, is_root=root)
+    with (recorder or _NULL).timed("gather", group.name, p, n, sent, recv):
+        _guard("gather", group, lambda: dist.gather(tensor, gather_list=out, dst=group.global_rank(dst), group=group.pg))
+    return out
+
+
+def scatter(
+    out: torch.Tensor, tensors: Sequence[torch.Tensor] | None = None, src: int = 0, *, group: Group = WORLD, recorder: Recorder | None = None
+) -> torch.Tensor:
+    """Fill ``out`` on every rank of the group with its piece of ``tensors``, the list of ``group.size``
+    tensors (each of ``out``'s shape and dtype) given on group rank ``src`` (None elsewhere); returns ``out``.
+    Recorded with the whole buffer (p pieces) as its payload. ``Engine.scatter`` needs no ``out``."""
+    _check_root("scatter", "src", src, group)
+    p = group.size
+    root = group.rank == src
+    if root and (tensors is None or len(tensors) != p):
+        raise ConfigError(f"scatter: rank {src} must pass {p} tensors, one per rank of group '{group.name}'; got {0 if tensors is None else len(tensors)}")
+    if p == 1 or not dist.is_initialized():
+        return out.copy_(tensors[0]) if tensors is not None else out
+    pieces = [t.contiguous() for t in tensors] if root and tensors is not None else None
+    n = _nbytes(out) * p
+    sent, recv = wire_bytes("scatter", n, p, is_root=root)
+    with (recorder or _NULL).timed("scatter", group.name, p, n, sent, recv):
+        _guard("scatter", group, lambda: dist.scatter(out, scatter_list=pieces, src=group.global_rank(src), group=group.pg))
     return out
 
 

@@ -4,7 +4,8 @@ DDP hands each gradient bucket (a flat tensor) to a hook and waits on the future
 it returns (PyTorch's DDP communication hooks; Li et al. 2020, "PyTorch
 Distributed: Experiences on Accelerating Data Parallel Training"). Ours:
 
-- `allreduce_hook`: the bucket averaged by a named algorithm (``ring``, ``tree``, ...).
+- `allreduce_hook`: the bucket averaged by a named algorithm (``ring``, ``tree``, ...), or
+  through the two levels of ``hierarchical`` (`shardwise.comm.hierarchical`).
 - `compression_hook`: the bucket averaged in compressed form (``int8``, ``topk:0.01``,
   ...), with an error-feedback residual kept per parameter, so it survives DDP
   rebuilding its buckets after the first step.
@@ -32,21 +33,31 @@ from shardwise.comm.algorithms import allreduce, check_algorithm
 from shardwise.comm.codecs import Codec, CodecState, PowerSGD, get_codec
 from shardwise.comm.collectives import Group
 from shardwise.comm.compressed import compressed_allreduce
+from shardwise.comm.hierarchical import NodeLevels, hierarchical_allreduce
 from shardwise.comm.p2p import Workspace
 from shardwise.comm.recorder import CommEvent, Recorder, wire_bytes
+from shardwise.comm.traffic import HIERARCHICAL
 from shardwise.errors import ConfigError
 
 
 def parse_options(allreduce: str = "native", compression: str | None = None) -> tuple[str, Codec | PowerSGD | None]:
     """Validate the ddp options ``allreduce`` and ``compression``; returns (algorithm, codec or None).
 
+    ``allreduce`` is one of `shardwise.comm.algorithms.ALGORITHMS` or ``hierarchical``
+    (`shardwise.comm.hierarchical`: within each node, across the node leaders, back).
+
     ``compression`` None, '' or 'none' means no compression. Codecs whose exchange is
     not an allreduce (int8, topk, sign, powersgd) combine only with ``allreduce='native'``;
     fp16, bf16 and randomk run over any algorithm.
     """
-    algorithm = check_algorithm(allreduce)
+    algorithm = check_algorithm(allreduce, also=(HIERARCHICAL,))
     if compression is None or compression in ("", "none"):
         return algorithm, None
+    if algorithm == HIERARCHICAL:
+        raise ConfigError(
+            f"allreduce='hierarchical' reduces uncompressed buckets; got compression {compression!r}. "
+            "Drop the compression option, or choose a flat algorithm (native, ring, ...) to compress over"
+        )
     codec = get_codec(compression)
     if codec.exchange != "allreduce" and algorithm != "native":
         raise ConfigError(
@@ -73,6 +84,8 @@ class CommHookState:
     """The codec's random stream (randomk): seeded with ``seed`` on every rank alike, so that
     all ranks draw the same indices for the same bucket (buckets come in the same order)."""
     powersgd: Any = None
+    levels: NodeLevels | None = None
+    """The two-level mesh ``allreduce='hierarchical'`` reduces over (built once, with the hook)."""
 
 
 def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -89,7 +102,10 @@ def allreduce_hook(state, bucket):
     under ``from __future__ import annotations``.
     """
     buf = bucket.buffer()
-    allreduce(buf, "avg", algorithm=state.algorithm, group=state.group, recorder=state.recorder, workspace=state.workspace)
+    if state.levels is not None:  # hierarchical: each level recorded apart (node/reduce, leaders/all_reduce:native, node/broadcast)
+        hierarchical_allreduce(buf, "avg", state.levels, recorder=state.recorder, workspace=state.workspace)
+    else:
+        allreduce(buf, "avg", algorithm=state.algorithm, group=state.group, recorder=state.recorder, workspace=state.workspace)
     return _done(buf)
 
 
@@ -158,11 +174,14 @@ def powersgd_hook(state, bucket):
 
 
 def make_comm_hook(
-    group: Group, recorder: Recorder, *, allreduce: str = "native", compression: str | None = None, seed: int = 0
+    group: Group, recorder: Recorder, *, allreduce: str = "native", compression: str | None = None, seed: int = 0, node_size: int = 1
 ) -> tuple[CommHookState, Callable[..., Any]]:
-    """The (state, hook) pair for ``DistributedDataParallel.register_comm_hook``."""
+    """The (state, hook) pair for ``DistributedDataParallel.register_comm_hook``. With
+    ``allreduce='hierarchical'``, ``node_size`` ranks per node: collective (builds the node groups)."""
     algorithm, codec = parse_options(allreduce, compression)
     state = CommHookState(group=group, recorder=recorder, algorithm=algorithm, seed=seed)
+    if algorithm == HIERARCHICAL:
+        state.levels = NodeLevels.build(group, node_size)
     if codec is None:
         return state, allreduce_hook
     state.codec = codec  # type: ignore[assignment]

@@ -9,7 +9,10 @@ Bytes are counted per rank in two ways:
   a library collective (gloo's, NCCL's) the algorithm is hidden, so these are
   the bandwidth-optimal figures that nccl-tests uses for bus bandwidth: an
   allreduce of n bytes over p ranks moves 2(p-1)/p n each way, an all-gather or
-  reduce-scatter (p-1)/p n of the full buffer, a broadcast n out of the root.
+  reduce-scatter (p-1)/p n of the full buffer, a broadcast n out of the root, a
+  reduce n out of every other rank and into the root, a gather (scatter) of p
+  pieces of n/p bytes (p-1)/p n into (out of) the root and n/p out of (into) each
+  other rank (docs/comm.md, "The six collectives").
 
 ``steps`` counts communication rounds this rank took part in (a round: at most one
 message out and one in, to and from any peers). Our own algorithms count them
@@ -51,6 +54,12 @@ def wire_bytes(op: str, payload: int, p: int, *, is_root: bool = False) -> tuple
         # payload is the full (gathered / unreduced) buffer.
         b = (p - 1) * payload // p
         return b, b
+    if op in ("gather", "scatter"):
+        # payload is the full buffer of p pieces: the root keeps its own piece and moves the other p - 1.
+        root, other = (p - 1) * payload // p, payload // p
+        if op == "gather":
+            return (0, root) if is_root else (other, 0)
+        return (root, 0) if is_root else (0, other)
     if op == "broadcast":
         return (payload, 0) if is_root else (0, payload)
     if op == "reduce":

@@ -146,3 +146,37 @@ def pairwise_alltoall_traffic(send_bytes: list[int], recv_bytes: list[int], rank
     if p == 1:
         return ZERO
     return Traffic(sum(send_bytes) - send_bytes[rank], sum(recv_bytes) - recv_bytes[rank], p - 1)
+
+
+HIERARCHICAL = "hierarchical"
+"""Reduce inside each node, all-reduce among the node leaders, broadcast inside each node (`shardwise.comm.hierarchical`):
+not one of `ALGORITHMS`, which run over one flat group; it needs the node size too."""
+
+
+def hierarchical_traffic(n: int, itemsize: int, p: int, node_size: int, rank: int, inter: str = "native") -> dict[str, Traffic]:
+    """Traffic of ``rank`` at each level of a hierarchical allreduce, keyed as the recorder keys it (``group/op``).
+
+    ``p / node_size`` nodes of ``node_size`` consecutive ranks; the first rank of each node is its
+    leader. Intra-node reduce and broadcast are library collectives (their bandwidth-optimal
+    figures, `shardwise.comm.recorder.wire_bytes`, 0 rounds); the leaders' all-reduce is ``inter``'s
+    (`allreduce_traffic`). A level with one rank is absent (nothing moves).
+
+    >>> hierarchical_traffic(1000, 4, 4, 2, 0)["leaders/all_reduce:native"]
+    Traffic(sent=4000, received=4000, steps=0)
+    """
+    if node_size < 1 or p % node_size:
+        raise ValueError(f"hierarchical allreduce needs whole nodes: world size {p} is not a multiple of node size {node_size}")
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is outside a world of size {p}")
+    if n == 0:
+        return {}
+    N, nodes = n * itemsize, p // node_size
+    leader = rank % node_size == 0
+    out: dict[str, Traffic] = {}
+    if node_size > 1:
+        out["node/reduce"] = Traffic(0, N, 0) if leader else Traffic(N, 0, 0)
+    if nodes > 1 and leader:
+        out[f"leaders/all_reduce:{inter}"] = allreduce_traffic(inter, n, itemsize, nodes, rank // node_size)
+    if node_size > 1:
+        out["node/broadcast"] = Traffic(N, 0, 0) if leader else Traffic(0, N, 0)
+    return out

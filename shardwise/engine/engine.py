@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise import checkpoint as ckpt
-from shardwise.comm import WORLD, Group, Recorder, all_gather, all_reduce, barrier, broadcast
+from shardwise.comm import WORLD, Group, Recorder, all_reduce
 from shardwise.comm.mesh import Mesh
 from shardwise.engine import checkpoints
+from shardwise.engine.collectives import Collectives
 from shardwise.engine.plan import plan_strategy
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
@@ -36,7 +37,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Engine:
+class Engine(Collectives):
     """One process's handle on a distributed job: strategy, precision, device, collectives, checkpoints."""
 
     def __init__(
@@ -299,45 +300,8 @@ class Engine:
             if callable(fn):
                 fn(*args, **kwargs)
 
-    # -- collectives ----------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce across all ranks in place ('sum', 'mean', 'min', 'max')."""
-        return all_reduce(tensor, op, group=self.group, recorder=self.recorder)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        return broadcast(tensor, src, group=self.group, recorder=self.recorder)
-
-    def gather_for_metrics(self, outputs: Any, *, total: int, offset: int = 0) -> Any:
-        """Every data-parallel rank's evaluation outputs, in dataset order, without the padding.
-
-        For a loader over torch's ``DistributedSampler(dataset, num_replicas=engine.mesh.size("dp"),
-        rank=engine.mesh.coordinate("dp"), shuffle=False)``: that sampler gives rank ``r`` the
-        samples ``r, r + W, r + 2W, ...`` of the dataset padded to a multiple of ``W`` by repeating
-        its first samples, so the last ``W * ceil(total / W) - total`` positions are duplicates
-        that would count twice in a metric. ``outputs`` (a tensor, or a tuple or list of tensors,
-        first dimension the samples) are this rank's outputs for its samples ``offset`` to
-        ``offset + len``: all of them at once (``offset=0``), or one batch at a time with
-        ``offset`` = batch index x batch size. ``total`` is ``len(dataset)``, which the padded
-        loader cannot tell. Returns the same structure on every rank, rows in dataset order (the
-        sampler's order with ``shuffle=True``), each sample once: what one process computes.
-        """
-        if isinstance(outputs, (tuple, list)):
-            return type(outputs)(self.gather_for_metrics(t, total=total, offset=offset) for t in outputs)
-        world = self.mesh.size("dp")
-        per_rank = -(-total // world)
-        if total < 1 or offset < 0 or outputs.dim() == 0 or offset + outputs.shape[0] > per_rank:
-            raise ConfigError(
-                f"gather_for_metrics: {tuple(outputs.shape)} outputs from offset {offset} do not fit a padded shard of "
-                f"{per_rank} samples ({total} samples over {world} ranks); pass total=len(dataset), offset = batch index x batch size"
-            )
-        wire = outputs.contiguous() if outputs.dtype != torch.bool else outputs.to(torch.uint8)
-        gathered = all_gather(wire.to(self.device), group=self.mesh.group("dp"), recorder=self.recorder)
-        # Local row j of rank r is position (offset + j) * W + r of the padded sequence: interleave, then cut at total.
-        rows = torch.stack(gathered, 1).flatten(0, 1)[: max(0, total - offset * world)]
-        return rows.to(outputs.device, torch.bool) if outputs.dtype == torch.bool else rows.to(outputs.device)
-
-    def barrier(self) -> None:
-        barrier(group=self.group, recorder=self.recorder)
+    # -- collectives: all_reduce, broadcast, reduce, gather, scatter, gather_for_metrics, barrier
+    # (`shardwise.engine.collectives.Collectives`, a base class) -------------------------------
 
     @contextlib.contextmanager
     def rank_zero_first(self) -> Iterator[None]:

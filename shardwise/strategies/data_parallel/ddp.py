@@ -12,8 +12,9 @@ own asynchronous allreduce on it (`shardwise.comm.all_reduce_async`), so what is
 counted is what is reduced (a parameter left out of the buckets adds nothing) and
 the reduction still overlaps the rest of backward. ``record_buckets=True`` also
 times each bucket, from launch to completion. Options ``allreduce="ring"`` (or any
-algorithm of `shardwise.comm.algorithms`) and ``compression="int8"`` (or any codec of
-`shardwise.comm.codecs`) swap in our own hooks from `shardwise.comm.hooks`.
+algorithm of `shardwise.comm.algorithms`, or ``hierarchical`` over nodes of ``node_size``) and
+``compression="int8"`` (or any codec of `shardwise.comm.codecs`) swap in our own hooks from
+`shardwise.comm.hooks`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from shardwise.comm.collectives import Group, all_reduce_async
 from shardwise.comm.hooks import make_comm_hook, parse_options
 from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
+from shardwise.comm.traffic import HIERARCHICAL
 from shardwise.errors import ConfigError
+from shardwise.launcher.env import detect_env
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.precision import Precision
@@ -70,13 +73,15 @@ def apply_ddp(
     allreduce: str = "native",
     compression: str | None = None,
     record_buckets: bool = False,
+    node_size: int = 0,
     **ddp_kwargs: Any,
 ) -> DistributedDataParallel:
     """Wrap ``model`` (already on its device) in DDP over the mesh's data-parallel group.
 
     ``allreduce`` names the algorithm that averages each gradient bucket and
     ``compression`` a codec (see `shardwise.comm.hooks`); with neither, buckets go
-    through the backend's own allreduce.
+    through the backend's own allreduce. ``allreduce='hierarchical'`` groups the ranks into
+    nodes of ``node_size`` (0: the launcher's ``LOCAL_WORLD_SIZE``).
     """
     group = mesh.group("dp")
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
@@ -84,7 +89,8 @@ def apply_ddp(
     if allreduce == "native" and compression in (None, "", "none"):
         ddp.register_comm_hook(_HookState(group, recorder, timed=record_buckets), recorded_allreduce_hook)
     else:
-        ddp.register_comm_hook(*make_comm_hook(group, recorder, allreduce=allreduce, compression=compression))
+        local = node_size or detect_env().local_world_size
+        ddp.register_comm_hook(*make_comm_hook(group, recorder, allreduce=allreduce, compression=compression, node_size=local))
     return ddp
 
 
@@ -150,7 +156,10 @@ class DDP(Strategy):
     broadcast_buffers: bool = True
     """Copy rank 0's buffers (BatchNorm statistics) to every rank before each forward."""
     allreduce: str = "native"
-    """Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms)."""
+    """Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms),
+    or hierarchical (reduce inside each node, all-reduce among node leaders, broadcast back)."""
+    node_size: int = 0
+    """Processes per node for allreduce=hierarchical (0: the launcher's LOCAL_WORLD_SIZE); a divisor of the world size."""
     compression: str | None = None
     """Gradient codec with error feedback: fp16, bf16, int8, topk:RATIO, powersgd:RANK, ... (shardwise.comm.codecs)."""
     record_buckets: bool = False
@@ -160,8 +169,17 @@ class DDP(Strategy):
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be > 0; got {self.bucket_cap_mb}")
         parse_options(self.allreduce, self.compression)  # a bad name fails here, before any process starts
+        if self.node_size < 0 or (self.node_size and self.allreduce != HIERARCHICAL):
+            raise ConfigError(
+                f"node_size applies to allreduce='hierarchical' (processes per node, >= 1); got node_size={self.node_size} with allreduce={self.allreduce!r}"
+            )
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        if self.node_size and world_size % self.node_size:
+            raise ConfigError(
+                f"allreduce='hierarchical' needs whole nodes: node_size {self.node_size} does not divide the world size {world_size}; "
+                f"choose a node size that divides it, or a world size that is a multiple of {self.node_size}"
+            )
         return plan_layout(self.name, world_size, batch=batch, mesh=mesh)
 
     def ddp_kwargs(self) -> dict[str, Any]:
@@ -188,6 +206,7 @@ class DDP(Strategy):
             allreduce=self.allreduce,
             compression=self.compression,
             record_buckets=self.record_buckets,
+            node_size=self.node_size,
             **self.ddp_kwargs(),
         )
         return DDPRun(wrapped, make_optimizer(wrapped.parameters()), self, mesh.size("dp"))
