@@ -1,0 +1,456 @@
+"""``shardwise bench scaling``: measured speed-up and efficiency against the number of processes, beside the planner's.
+
+::
+
+    shardwise bench scaling --recipe digits --strategy ddp,zero1 --nproc 1,2,4 --max-steps 300 --json scaling.json --png scaling.png
+    shardwise bench scaling --model mymodels:make_model --data mymodels:make_data --strategy ddp --nproc 1,2
+
+Each configuration (a strategy at a process count) is a normal ``shardwise train`` run of its own,
+started as a fresh ``python -m shardwise train`` (nothing of one run is left in the next), logged
+every ``--log-every`` steps, validated and checkpointed only at the end. Its throughput is the
+steady state: ``global batch / median step time`` over the logged intervals that end after
+``--warmup`` steps (the first steps build buffers, warm caches and connections), read from the
+run's ``metrics.jsonl``; the run's whole-run ``samples_per_s`` (``summary.json``, warm-up included)
+and the whole command's wall time (interpreter start and data loading included) are kept beside it.
+
+- **speed-up** = samples/s at N processes over samples/s of the baseline: the same strategy on
+  one process, or, for a strategy whose plan refuses one process, ``single``'s run;
+- **efficiency** = speed-up / N (1 is perfect scaling);
+- **predicted**: the planner's step time for the same layout (`shardwise.tools.advisor.candidates.evaluate`
+  on the measured ``cpu`` profile, the model's own step timed here as ``shardwise plan`` does), its
+  samples/s and speed-up computed the same way.
+
+A speed-up below 1 means one process trains faster than N: distributing is a trade-off (each step
+pays for its collectives and for its processes sharing the cores), not a free win. ``--global-batch``
+stays fixed across N (strong scaling) unless ``--weak`` makes it ``batch x N`` (the batch per process fixed).
+``--repeats R`` runs every configuration R times, in rounds, and keeps each one's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import add_arguments, flag
+from shardwise.errors import ConfigError
+
+REFERENCE = "single"
+"""The one-process run a strategy that cannot run on one process is measured against."""
+_DESCRIPTION = "Measured speed-up and efficiency against the number of processes, beside the planner's prediction."
+_JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+"""A launcher's variables, not passed on: a run this command starts is a job of its own."""
+_FACTORY = "MODULE:FACTORY"
+_SOURCE = ("what to train", "a built-in recipe, or your own model as `shardwise train` takes it (MODULE:NAME, imported from the current directory first)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingOptions:
+    """``shardwise bench scaling``'s flags (`shardwise.config.flag`: each field's flag, default and help)."""
+
+    recipe: str | None = flag(None, "a built-in recipe (digits, charlm)", group=_SOURCE)
+    model: str | None = flag(None, "instead of --recipe: returns the torch.nn.Module (or (module, example_input))", metavar=_FACTORY, group=_SOURCE)
+    data: str | None = flag(None, "with --model: returns the training data (a map-style Dataset, or a DataLoader over one)", metavar=_FACTORY, group=_SOURCE)
+    loss: str | None = flag(None, "with --model: loss(output, batch) -> scalar (default: the model's own)", metavar="MODULE:FN", group=_SOURCE)
+    optimizer: str | None = flag(None, "with --model: called with the parameters (default: AdamW, lr 1e-3)", metavar=_FACTORY, group=_SOURCE)
+    strategy: list[str] = flag(help="strategies, comma or space separated (default ddp)", nargs="+", metavar="NAME,...", default_factory=lambda: ["ddp"])
+    nproc: list[str] = flag(
+        help="process counts, comma or space separated; 1 always runs (default 1,2)", nargs="+", metavar="N,...", default_factory=lambda: ["1,2"]
+    )
+    max_steps: int = flag(200, "training steps of each run (default 200)")
+    warmup: int = flag(20, "steps left out of the throughput at the start of each run (default 20)")
+    log_every: int = flag(5, "steps per logged interval; the throughput is the median interval's (default 5)")
+    global_batch: int | None = flag(None, "samples per optimizer step over all processes (default: the recipe's, else 64)")
+    weak: bool = flag(False, "weak scaling: the global batch grows with N (--global-batch x N), the batch per process stays")
+    repeats: int = flag(1, "runs of every configuration, taken in rounds; each keeps its median (default 1)")
+    json: str | None = flag(None, "write the rows as a JSON list", metavar="FILE")
+    png: str | None = flag(None, "draw speed-up (measured, predicted, ideal) and efficiency against processes (needs matplotlib)", metavar="FILE")
+    out: str | None = flag(None, "keep each run's directory under DIR (default: a temporary directory, removed)", metavar="DIR")
+    timeout: float = flag(1800.0, "stop a run after this many seconds (default 1800)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise bench scaling", description=_DESCRIPTION)
+    add_arguments(p, ScalingOptions)
+    return p
+
+
+def _split(values: Sequence[str]) -> list[str]:
+    return [v.strip() for chunk in values for v in chunk.split(",") if v.strip()]
+
+
+def parse_nproc(values: Sequence[str]) -> list[int]:
+    """``["1,2", "4"]`` -> ``[1, 2, 4]`` (sorted, 1 added: every speed-up is against one process)."""
+    counts = set()
+    for text in _split(values):
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(f"--nproc takes whole numbers >= 1 (e.g. --nproc 1,2,4); got {text!r}")
+        counts.add(n)
+    if not counts:
+        raise ConfigError("--nproc needs at least one process count, e.g. --nproc 1,2,4")
+    return sorted(counts | {1})
+
+
+def check_options(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """Every flag checked before anything is built or launched: (strategies, process counts)."""
+    from shardwise.strategies import check_name
+    from shardwise.tools.recipes import available as recipes
+
+    if (args.recipe is None) == (args.model is None):
+        raise ConfigError("shardwise bench scaling trains --recipe NAME (digits, charlm) or your own --model MODULE:FACTORY --data MODULE:FACTORY: give one")
+    if args.recipe is not None and args.recipe not in recipes():
+        raise ConfigError(f"unknown recipe {args.recipe!r}; the recipes are {', '.join(recipes())} (or --model MODULE:FACTORY --data MODULE:FACTORY)")
+    if args.model is not None and args.data is None:
+        raise ConfigError(f"--model {args.model} needs --data MODULE:FACTORY (the training data), as `shardwise train --model` does")
+    if args.recipe is not None and any(getattr(args, k) for k in ("data", "loss", "optimizer")):
+        raise ConfigError("--data, --loss and --optimizer go with --model; a recipe brings its own")
+    strategies = list(dict.fromkeys(_split(args.strategy)))
+    if not strategies:
+        raise ConfigError("--strategy needs at least one strategy, e.g. --strategy ddp,zero1")
+    for name in strategies:
+        check_name(name)
+    nproc = parse_nproc(args.nproc)
+    if args.log_every < 1 or args.warmup < 0 or args.repeats < 1:
+        raise ConfigError(f"--log-every and --repeats must be >= 1 and --warmup >= 0; got {args.log_every}, {args.repeats}, {args.warmup}")
+    if args.max_steps < args.warmup + 2 * args.log_every:
+        raise ConfigError(
+            f"--max-steps {args.max_steps} leaves fewer than 2 logged intervals of {args.log_every} steps after the {args.warmup} warm-up steps; "
+            f"give --max-steps {args.warmup + 2 * args.log_every} or more (or a smaller --warmup)"
+        )
+    if args.global_batch is not None and args.global_batch < 1:
+        raise ConfigError(f"--global-batch must be >= 1; got {args.global_batch}")
+    return strategies, nproc
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: a strategy at a process count, with the global batch it trains."""
+
+    strategy: str
+    nproc: int
+    global_batch: int
+
+
+def steady_samples_per_s(metrics: list[dict[str, Any]], global_batch: int, warmup: int) -> tuple[float, int]:
+    """``global_batch / median step time`` over the logged intervals that end after ``warmup`` steps, and how many there were."""
+    rates = [r["samples_per_s"] for r in metrics if "samples_per_s" in r and r.get("step", 0) > warmup]
+    if not rates:
+        raise ConfigError(f"the run logged no training interval after step {warmup}; give a larger --max-steps")
+    step_s = statistics.median(global_batch / r for r in rates)
+    return global_batch / step_s, len(rates)
+
+
+def _source_args(args: argparse.Namespace) -> list[str]:
+    if args.recipe is not None:
+        return ["--recipe", args.recipe]
+    return [x for key in ("model", "data", "loss", "optimizer") if getattr(args, key) for x in (f"--{key}", getattr(args, key))]
+
+
+def run_one(args: argparse.Namespace, config: Config, out: Path) -> dict[str, Any]:
+    """Train ``config`` as ``python -m shardwise train`` into ``out``; its measured figures (or its ``error``)."""
+    steps = str(args.max_steps)
+    cmd = [sys.executable, "-m", "shardwise", "train", *_source_args(args), "--strategy", config.strategy, "--nproc", str(config.nproc)]
+    cmd += ["--max-steps", steps, "--log-every", str(args.log_every), "--val-every", steps, "--checkpoint-every", steps]
+    cmd += ["--global-batch-size", str(config.global_batch), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}  # each run starts its own processes
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within --timeout {args.timeout:g} s"}
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        lines = [x for x in (done.stderr or done.stdout).strip().splitlines() if x.strip()]
+        return {"error": lines[-1] if lines else f"shardwise train exited with {done.returncode}"}
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    summary = json.loads((out / "summary.json").read_text())
+    sps, intervals = steady_samples_per_s(metrics, config.global_batch, args.warmup)
+    return {"samples_per_s": sps, "intervals": intervals, "run_samples_per_s": summary["samples_per_s"], "wall_s": wall, "load_1min": load}
+
+
+def measure(args: argparse.Namespace, configs: list[Config], root: Path) -> dict[Config, dict[str, Any]]:
+    """Every configuration ``--repeats`` times, in rounds (a slow stretch of the machine lands on all alike); the median run of each."""
+    runs: dict[Config, list[dict[str, Any]]] = {c: [] for c in configs}
+    errors: dict[Config, str] = {}
+    total, k = len(configs) * args.repeats, 0
+    for r in range(args.repeats):
+        for c in configs:
+            k += 1
+            got = run_one(args, c, root / (f"{c.strategy}-{c.nproc}proc" + (f"-run{r + 1}" if args.repeats > 1 else "")))
+            if "error" in got:
+                errors[c] = got["error"]
+                print(f"  [{k}/{total}] {c.strategy} on {c.nproc}: failed: {got['error']}", flush=True)
+                continue
+            runs[c].append(got)
+            print(
+                f"  [{k}/{total}] {c.strategy} on {c.nproc} process{'es' if c.nproc > 1 else ''}: {got['samples_per_s']:,.0f} samples/s "
+                f"(whole command {got['wall_s']:.1f} s, load {got['load_1min']:.1f})",
+                flush=True,
+            )
+    out: dict[Config, dict[str, Any]] = {}
+    for c, mine in runs.items():
+        if mine:
+            sps = statistics.median(x["samples_per_s"] for x in mine)
+            out[c] = {
+                "samples_per_s": sps,
+                "step_s": c.global_batch / sps,
+                "runs": len(mine),
+                "run_samples_per_s": statistics.median(x["run_samples_per_s"] for x in mine),
+                "wall_s": statistics.median(x["wall_s"] for x in mine),
+                "load_1min": max(x["load_1min"] for x in mine),
+            }
+        else:
+            out[c] = {"error": errors[c]}
+    return out
+
+
+def speedups(rows: list[dict[str, Any]]) -> None:
+    """Each row's speed-up and efficiency (measured and predicted) against its ``baseline`` row, in place."""
+    by_key = {(r["strategy"], r["nproc"]): r for r in rows}
+    for r in rows:
+        base = by_key.get((r["baseline"], 1))
+        for prefix in ("", "predicted_"):
+            sps, ref = r.get(f"{prefix}samples_per_s"), base.get(f"{prefix}samples_per_s") if base else None
+            r[f"{prefix}speedup"] = sps / ref if sps and ref else None
+            r[f"{prefix}efficiency"] = r[f"{prefix}speedup"] / r["nproc"] if r[f"{prefix}speedup"] else None
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _num(x: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if x is None else format(x, fmt) + unit
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a fixed-width table: measured, then predicted."""
+    head = f"{'strategy':10s} {'procs':>5s} {'step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s} │ "
+    head += f"{'pred. step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s}"
+    lines = [f"{'':17s}{'measured':^37s} │ {'predicted by the planner':^37s}", head, "─" * len(head)]
+    for r in rows:
+        base = f" (vs {r['baseline']})" if r["baseline"] != r["strategy"] else ""
+        if r.get("error"):
+            measured = f"{'failed: ' + r['error']:37.37s}"
+        else:
+            measured = (
+                f"{_ms(r['step_s']):>10s} {_num(r['samples_per_s'], ',.0f'):>10s} {_num(r['speedup'], '.2f', 'x'):>8s} {_num(r['efficiency'], '.0%'):>6s}"
+            )
+        predicted = (
+            f"{_ms(r['predicted_step_s']):>10s} {_num(r['predicted_samples_per_s'], ',.0f'):>10s} "
+            f"{_num(r['predicted_speedup'], '.2f', 'x'):>8s} {_num(r['predicted_efficiency'], '.0%'):>6s}"
+        )
+        lines.append(f"{r['strategy']:10s} {r['nproc']:5d} {measured} │ {predicted}{base}")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per strategy: its fastest process count, and whether distributing paid off."""
+    lines = []
+    for name in dict.fromkeys(r["strategy"] for r in rows):
+        mine = [r for r in rows if r["strategy"] == name and r.get("samples_per_s")]
+        many = [r for r in mine if r["nproc"] > 1 and r.get("speedup")]
+        if not many:
+            continue
+        best = max(mine, key=lambda r: r["samples_per_s"])
+        pred_best = max((r for r in mine if r.get("predicted_samples_per_s")), key=lambda r: r["predicted_samples_per_s"], default=None)
+        said = f"; the planner predicts its fastest on {pred_best['nproc']}" if pred_best is not None else ""
+        if all(r["speedup"] < 1 for r in many):
+            worst = min(many, key=lambda r: r["speedup"])
+            lines.append(
+                f"{name}: one process is faster than every larger count measured ({worst['nproc']} processes run at {worst['speedup']:.2f}x): "
+                f"here distributing costs more than it gains{said}"
+            )
+        else:
+            lines.append(f"{name}: fastest on {best['nproc']} process(es), {best['speedup']:.2f}x one process at {best['efficiency']:.0%} efficiency{said}")
+            if best["efficiency"] > 1.1:
+                lines.append(
+                    f"  (above 100%: the one-process run was slower than its share of {best['nproc']}, e.g. its threads competing with other "
+                    "load on the cores; rerun on a quiet machine, or with --repeats)"
+                )
+    return lines
+
+
+def default_batch(recipe: str | None) -> int:
+    """The recipe's own global batch (what ``shardwise train --recipe`` trains), else 64."""
+    from shardwise.tools.recipes import get_recipe
+
+    return int(get_recipe(recipe).trainer_defaults["global_batch_size"]) if recipe else 64
+
+
+def setup(args: argparse.Namespace, batch: int) -> Any:
+    """The `PlannedModel` the predictions read: a recipe as ``shardwise plan --model NAME`` loads it, or the
+    ``--model`` factory's module counted on its example input (its own, or the data's first samples) with its
+    step timed here on ``--data`` with ``--loss`` and ``--optimizer``, as the runs train it."""
+    from dataclasses import replace
+
+    import torch
+
+    from shardwise.strategies.cost.model_spec import measured_spec
+    from shardwise.tools.advisor.models import EXAMPLE_SAMPLES, PlannedModel, import_object, load_model, time_step, tp_split
+
+    timed = batch * (max(parse_nproc(args.nproc)) if args.weak else 1)  # the largest global batch a run trains
+    if args.recipe is not None:
+        return load_model(args.recipe, timed_batch=timed)
+    made = import_object(args.model, "--model")()
+    model, example = (made[0], made[1]) if isinstance(made, tuple) else (made, getattr(made, "example_input", None))
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"--model {args.model!r} returned {type(model).__name__}, not a torch.nn.Module")
+    data = import_object(args.data, "--data")()
+    dataset = getattr(data, "dataset", data)  # a DataLoader's data set
+    if example is None:
+        first = [dataset[i] for i in range(min(EXAMPLE_SAMPLES, len(dataset)))]
+        example = torch.stack([torch.as_tensor(s[0] if isinstance(s, tuple | list) else s) for s in first])
+    samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
+    spec = measured_spec(args.model, model, example, samples, tp_plan=tp_split(model))
+    loss = import_object(args.loss, "--loss") if args.loss else None
+    optimizer = import_object(args.optimizer, "--optimizer") if args.optimizer else None
+    fit = time_step(model, dataset, loss, optimizer, (max(1, timed // 16), max(2, timed)))  # type: ignore[arg-type]  # None: the Trainer's defaults
+    return PlannedModel(replace(spec, step_fit=fit), model, example=example)
+
+
+def baselines(strategies: list[str], counts: list[int], batch: int, weak: bool, planned: Any) -> tuple[list[tuple[Config, str]], list[str]]:
+    """The configurations to run, each with the strategy its speed-up is measured against, and the ones skipped.
+
+    Each (strategy, N) is planned by the strategy's own ``plan`` here, as the launch will: one it refuses is
+    skipped with its reason. A strategy that refuses one process is measured against `REFERENCE`'s one-process run."""
+    from shardwise.strategies import Batch, get_strategy
+
+    chosen: list[tuple[Config, str]] = []
+    skipped: list[str] = []
+    for name in strategies:
+        accepted = []
+        for n in counts:
+            config = Config(name, n, batch * n if weak else batch)
+            try:
+                get_strategy(name).plan(n, model=planned.module, batch=Batch(config.global_batch))
+            except ConfigError as exc:
+                skipped.append(f"{name} on {n} process{'es' if n > 1 else ''}: {str(exc).splitlines()[0][:160]}")
+                continue
+            accepted.append(config)
+        alone = any(c.nproc == 1 for c in accepted)
+        chosen += [(c, name if alone else REFERENCE) for c in accepted]
+    reference = Config(REFERENCE, 1, batch)
+    if any(base != c.strategy for c, base in chosen) and reference not in [c for c, _ in chosen]:
+        chosen.insert(0, (reference, REFERENCE))
+    return chosen, skipped
+
+
+def predictions(configs: list[tuple[Config, str]], planned: Any) -> dict[Config, dict[str, Any]]:
+    """The planner's step time for each configuration (its candidate costed on the measured ``cpu`` profile), and its samples/s."""
+    from shardwise.strategies.cost.cluster import Cluster, load_profile
+    from shardwise.strategies.cost.estimate import Settings
+    from shardwise.strategies.cost.family import Candidate
+    from shardwise.tools.advisor.candidates import evaluate
+
+    profile = load_profile("cpu")
+    out = {}
+    for config, _ in configs:
+        cluster, settings = Cluster(profile, config.nproc, 1), Settings(config.global_batch)
+        record = evaluate(Candidate(config.strategy, world_size=config.nproc), planned.spec, cluster, settings, planned.module)
+        step = float(record["step_time_s"])
+        out[config] = {
+            "predicted_step_s": step,
+            "predicted_samples_per_s": config.global_batch / step if step > 0 else None,
+            "predicted_fits": bool(record["fits"]),
+        }
+    return out
+
+
+def write_png(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Speed-up against processes (measured solid, predicted dashed, ideal dotted), and efficiency beside it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("bench scaling --png needs matplotlib: pip install 'shardwise[plot]' (the table and --json need nothing)") from None
+    fig, (ax, eff) = plt.subplots(1, 2, figsize=(11.0, 4.5))
+    counts = sorted({r["nproc"] for r in rows})
+    ax.plot(counts, counts, ":", color="grey", label="ideal (speed-up = N)")
+    eff.axhline(1.0, linestyle=":", color="grey", label="ideal")
+    cmap = plt.get_cmap("tab10")
+    for i, name in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+        mine = sorted((r for r in rows if r["strategy"] == name), key=lambda r: r["nproc"])
+        for key, style, label in (("speedup", "o-", "measured"), ("predicted_speedup", "s--", "predicted")):
+            pts = [(r["nproc"], r[key]) for r in mine if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, color=cmap(i % 10), label=f"{name} {label}")
+        for key, style, label in (("efficiency", "o-", "measured"), ("predicted_efficiency", "s--", "predicted")):
+            pts = [(r["nproc"], r[key]) for r in mine if r.get(key)]
+            if pts:
+                eff.plot(*zip(*pts, strict=True), style, color=cmap(i % 10), label=f"{name} {label}")
+    ax.axhline(1.0, color="black", linewidth=0.6, label="one process (below: slower than one)")
+    ax.set_xlabel("processes")
+    ax.set_ylabel("speed-up over one process")
+    ax.set_xticks(counts)
+    ax.legend(fontsize=7)
+    eff.set_xlabel("processes")
+    eff.set_ylabel("efficiency (speed-up / processes)")
+    eff.set_xticks(counts)
+    eff.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``shardwise bench scaling``: check, predict, measure, print the table, write --json and --png."""
+    args = build_parser().parse_args(list(argv))
+    strategies, counts = check_options(args)
+    batch = args.global_batch or default_batch(args.recipe)
+    source = args.recipe or args.model
+    print(f"shardwise bench scaling: {source}, {', '.join(strategies)} on {', '.join(map(str, counts))} process(es), {args.max_steps} steps each", flush=True)
+    planned = setup(args, batch)
+    configs, skipped = baselines(strategies, counts, batch, args.weak, planned)
+    for line in skipped:
+        print(f"  skipped: {line}", flush=True)
+    if not configs:
+        raise ConfigError("no strategy can run at the process counts asked; see the lines above")
+    predicted = predictions(configs, planned)
+    load = os.getloadavg()
+    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} (1 min), {load[1]:.2f} (5 min) before the runs", flush=True)
+    with tempfile.TemporaryDirectory(prefix="shardwise-scaling-") as tmp:
+        root = Path(args.out) if args.out else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        measured = measure(args, [c for c, _ in configs], root)
+    rows = []
+    for config, base in configs:
+        pred = predicted[config]
+        row: dict[str, Any] = {"strategy": config.strategy, "nproc": config.nproc, "global_batch": config.global_batch, "baseline": base}
+        row.update({"samples_per_s": None, "step_s": None} | measured[config])
+        row.update(pred)
+        rows.append(row)
+    speedups(rows)
+    print()
+    print(format_table(rows))
+    for line in verdicts(rows):
+        print(line)
+    print(f"load average after the runs: {os.getloadavg()[0]:.2f} (1 min); throughput: the median logged interval after step {args.warmup}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {len(rows)} rows to {args.json}")
+    if args.png:
+        kind = "weak" if args.weak else "strong"
+        write_png(rows, args.png, f"{source}: {kind} scaling, global batch {batch}{' x N' if args.weak else ''}, {os.cpu_count()} cores")
+        print(f"wrote {args.png}")
+    return 1 if any(r.get("error") for r in rows) else 0
+
+
+__all__ = ["Config", "ScalingOptions", "format_table", "main", "parse_nproc", "predictions", "speedups", "steady_samples_per_s"]

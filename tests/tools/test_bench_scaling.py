@@ -1,0 +1,140 @@
+"""``shardwise bench scaling``: measured speed-up and efficiency per process count, beside the planner's.
+
+One real run (digits, ddp at 1 and 2 processes, 30 steps each, two ``shardwise train`` runs) checks the
+``--json`` rows (the fields, speed-up = samples/s over the one-process run's, efficiency = speed-up / N,
+the predicted figures present, positive and related alike), the printed table and the ``--png``. Bad input
+stops before anything is built or launched; the warm-up filter, the speed-up arithmetic and the baseline of
+a strategy that cannot run on one process are checked on made-up numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.errors import ConfigError
+from shardwise.tools.bench import main as bench_main
+from shardwise.tools.bench import scaling
+from shardwise.tools.bench.scaling import REFERENCE, Config, baselines, parse_nproc, speedups, steady_samples_per_s
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Fail the test if a model is built, timed or launched."""
+
+    def boom(*a, **k):
+        raise AssertionError("bench scaling built or launched something before refusing its input")
+
+    monkeypatch.setattr(scaling, "setup", boom)
+    monkeypatch.setattr(scaling, "run_one", boom)
+    monkeypatch.setattr(subprocess, "run", boom)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--recipe", "digits", "--nproc", "0"], r"--nproc takes whole numbers >= 1 .*got '0'"),
+        (["--recipe", "digits", "--nproc", "1,two"], r"got 'two'"),
+        (["--recipe", "digits", "--strategy", "ddp,zer01"], r"unknown strategy 'zer01'\. Did you mean 'zero1'"),
+        (["--recipe", "digitz"], r"unknown recipe 'digitz'; the recipes are .*digits"),
+        ([], r"--recipe NAME .* or your own --model"),
+        (["--model", "m:make"], r"--model m:make needs --data"),
+        (["--recipe", "digits", "--max-steps", "20"], r"--max-steps 20 leaves fewer than 2 logged intervals"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs(nothing_runs, argv, message):
+    with pytest.raises(ConfigError, match=message):
+        bench_main(["scaling", *argv])
+
+
+def test_the_command_prints_one_line_for_a_user_mistake():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", "bench", "scaling", "--recipe", "digits", "--nproc", "0"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["shardwise: error: --nproc takes whole numbers >= 1 (e.g. --nproc 1,2,4); got '0'"]
+
+
+def test_nproc_is_sorted_and_always_has_one():
+    assert parse_nproc(["4,2", "2"]) == [1, 2, 4]
+
+
+def test_steady_state_leaves_the_warm_up_out_and_takes_the_median_step():
+    metrics = [
+        {"step": 5, "samples_per_s": 100.0},  # warm-up: left out
+        {"step": 10, "samples_per_s": 200.0},  # warm-up: left out
+        {"step": 15, "samples_per_s": 1000.0},
+        {"step": 20, "samples_per_s": 4000.0},
+        {"step": 20, "val_loss": 0.5},  # a validation line has no rate
+        {"step": 25, "samples_per_s": 2000.0},
+    ]
+    sps, intervals = steady_samples_per_s(metrics, global_batch=64, warmup=10)
+    assert intervals == 3
+    assert sps == pytest.approx(2000.0)  # the median step, 64 / 2000 s
+    with pytest.raises(ConfigError, match="no training interval after step 30"):
+        steady_samples_per_s(metrics, 64, warmup=30)
+
+
+def test_speedup_and_efficiency_are_against_the_baseline_run():
+    rows = [
+        {"strategy": "single", "nproc": 1, "baseline": "single", "samples_per_s": 300.0, "predicted_samples_per_s": 250.0},
+        {"strategy": "ddp", "nproc": 1, "baseline": "ddp", "samples_per_s": 100.0, "predicted_samples_per_s": 90.0},
+        {"strategy": "ddp", "nproc": 4, "baseline": "ddp", "samples_per_s": 300.0, "predicted_samples_per_s": 180.0},
+        {"strategy": "ps", "nproc": 2, "baseline": "single", "samples_per_s": 150.0, "predicted_samples_per_s": 500.0},
+        {"strategy": "ps", "nproc": 4, "baseline": "single", "samples_per_s": None, "error": "boom", "predicted_samples_per_s": 1000.0},
+    ]
+    speedups(rows)
+    assert rows[2]["speedup"] == pytest.approx(3.0) and rows[2]["efficiency"] == pytest.approx(0.75)
+    assert rows[2]["predicted_speedup"] == pytest.approx(2.0) and rows[2]["predicted_efficiency"] == pytest.approx(0.5)
+    assert rows[3]["speedup"] == pytest.approx(0.5) and rows[3]["efficiency"] == pytest.approx(0.25)  # against single's 300
+    assert rows[4]["speedup"] is None and rows[4]["predicted_speedup"] == pytest.approx(4.0)
+    table = scaling.format_table([{**r, "step_s": None, "predicted_step_s": 0.01} for r in rows])
+    assert "failed: boom" in table and "(vs single)" in table
+
+
+def test_a_strategy_that_cannot_run_alone_is_measured_against_single():
+    from shardwise.tools.recipes import get_recipe
+
+    class Planned:
+        module = get_recipe("digits").parts().model
+
+    configs, skipped = baselines(["ddp", "ps"], [1, 2], 64, weak=False, planned=Planned())
+    assert configs == [
+        (Config(REFERENCE, 1, 64), REFERENCE),
+        (Config("ddp", 1, 64), "ddp"),
+        (Config("ddp", 2, 64), "ddp"),
+        (Config("ps", 2, 64), REFERENCE),
+    ]
+    assert len(skipped) == 1 and skipped[0].startswith("ps on 1 process: ")
+    weak, _ = baselines(["ddp"], [1, 2], 64, weak=True, planned=Planned())
+    assert [c.global_batch for c, _ in weak] == [64, 128]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_digits_ddp_on_one_and_two_processes(tmp_path, capsys):
+    out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
+    argv = ["--recipe", "digits", "--strategy", "ddp", "--nproc", "1,2", "--max-steps", "30", "--warmup", "10", "--json", str(out), "--png", str(png)]
+    assert scaling.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["strategy"], r["nproc"]) for r in rows] == [("ddp", 1), ("ddp", 2)]
+    one, two = rows
+    for r in rows:
+        for key in ("samples_per_s", "step_s", "predicted_step_s", "predicted_samples_per_s", "predicted_speedup", "wall_s"):
+            assert r[key] > 0, (key, r)
+        assert r["samples_per_s"] * r["step_s"] == pytest.approx(64)
+        assert r["predicted_samples_per_s"] * r["predicted_step_s"] == pytest.approx(64)
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["nproc"])
+        assert r["predicted_efficiency"] == pytest.approx(r["predicted_speedup"] / r["nproc"])
+    assert one["speedup"] == 1.0 and one["predicted_speedup"] == 1.0
+    assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
+    assert two["predicted_speedup"] == pytest.approx(two["predicted_samples_per_s"] / one["predicted_samples_per_s"])
+    assert two["predicted_step_s"] != one["predicted_step_s"]  # the planner costed each layout, not one number twice
+    printed = capsys.readouterr().out
+    assert "speed-up" in printed and "predicted by the planner" in printed and f"{two['samples_per_s']:,.0f}" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
