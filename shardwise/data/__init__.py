@@ -5,7 +5,8 @@ permutation of the epoch and splits it into ``accumulate`` micro-batches, so res
 depend on the world size, and the loader's position (epoch, steps) is all its state: a resume
 continues with exactly the next samples. ``batches.py`` turns a batch into a call and a loss;
 ``shardwise.data.map`` (``parallel.py``) preprocesses before training. Design notes (the last
-smaller batch, per-sample seeding, one worker pool per run, evaluation shards): docs/data.md.
+smaller batch, per-sample seeding, one worker pool per run, pinned batches and prefetch,
+evaluation shards): docs/data.md.
 """
 
 from __future__ import annotations
@@ -175,10 +176,15 @@ class ShardedLoader:
         num_workers: int = 0,
         limit: int | float | None = None,
         drop_last: bool = True,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
     ) -> None:
         """``limit``: steps per epoch, a whole number or a fraction of the epoch (the first steps of
         each epoch's order; ``limit_train_batches``). ``drop_last=False``: the epoch's last, smaller
-        global batch is a step too (`step_weights`)."""
+        global batch is a step too (`step_weights`). ``pin_memory``: hand out batches in page-locked
+        memory (by the DataLoader's pin thread with workers, else as each is fetched), so that a copy to
+        the GPU with ``non_blocking=True`` overlaps; only where CUDA exists (`pinning`), else ignored.
+        ``prefetch_factor``: micro-batches each worker keeps ready (torch's default 2); needs workers."""
         self.dataset = dataset
         self.n = len(dataset)  # type: ignore[arg-type]
         self.global_batch = global_batch
@@ -191,7 +197,10 @@ class ShardedLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.collate_fn = collate_fn
+        check_workers(num_workers, prefetch_factor)
         self.num_workers = num_workers
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()  # what is done: no CUDA, nothing to pin for
+        self.prefetch_factor = prefetch_factor
         self.limit = limit
         self.drop_last = drop_last
         self.epoch = 0
@@ -270,7 +279,8 @@ class ShardedLoader:
         if self.num_workers == 0:
             for step in list(self.index_plan()):
                 self.step_in_epoch += 1
-                yield [self._fetch(self.epoch, idx) for idx in step]
+                micro = [self._fetch(self.epoch, idx) for idx in step]
+                yield [pin(b) for b in micro] if self.pin_memory else micro
         else:
             stream = self._worker_stream()
             for _ in range(self.step_in_epoch, self.steps_per_epoch):
@@ -296,6 +306,8 @@ class ShardedLoader:
                 batch_sampler=sampler,
                 num_workers=self.num_workers,
                 collate_fn=_first,
+                pin_memory=self.pin_memory,
+                prefetch_factor=self.prefetch_factor,
                 persistent_workers=False,
                 # its own generator: starting workers draws their base seed from it, not from the
                 # global one the training step's dropout draws from (every sample is seeded anyway)
@@ -325,6 +337,55 @@ class ShardedLoader:
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.seed = int(state["seed"])
+
+
+def check_workers(num_workers: Any, prefetch_factor: Any) -> None:
+    """A worker count and a prefetch depth a loader can use, or a `ConfigError` saying how to fix them."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"num_workers must be a whole number >= 0 (data-loading processes per rank); got {num_workers!r}")
+    if prefetch_factor is None:
+        return
+    if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+        raise ConfigError(f"prefetch_factor must be a whole number >= 1 (micro-batches each data-loading worker keeps ready); got {prefetch_factor!r}")
+    if num_workers == 0:
+        raise ConfigError(
+            f"prefetch_factor={prefetch_factor} sets how many micro-batches each data-loading worker keeps ready, and "
+            "num_workers is 0: there are no workers (each batch is loaded in the training process when the step asks "
+            "for it). Set num_workers >= 1 (--num-workers N), or leave prefetch_factor out (a DataLoader given to fit keeps its own)"
+        )
+
+
+def pinning(requested: bool, device: torch.device) -> tuple[bool, str | None]:
+    """Whether to pin batches for a run on ``device``, and the note to say once when a request is ignored:
+    page-locked memory only speeds up copies to a CUDA device."""
+    if not requested or device.type == "cuda":
+        return bool(requested), None
+    if not torch.cuda.is_available():
+        return False, "pin_memory needs CUDA; this machine has none, batches are not pinned"
+    return False, f"pin_memory needs a CUDA run; this one trains on {device.type} (accelerator='cpu'), batches are not pinned"
+
+
+def pin(batch: Any) -> Any:
+    """``batch`` with every tensor in page-locked memory (tuples, named tuples, lists and dicts followed;
+    an object with its own ``pin_memory()`` method calls it, as torch's DataLoader does)."""
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.is_pinned() else batch.pin_memory()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(pin(x) for x in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(pin(x) for x in batch)
+    if isinstance(batch, dict):
+        return {k: pin(v) for k, v in batch.items()}
+    if callable(getattr(batch, "pin_memory", None)):
+        return batch.pin_memory()
+    return batch
+
+
+def loader_options(data: Any) -> tuple[bool, int | None]:
+    """A DataLoader's own ``pin_memory`` and ``prefetch_factor`` (None without workers); (False, None) for a Dataset."""
+    if not isinstance(data, DataLoader):
+        return False, None
+    return bool(data.pin_memory), data.prefetch_factor if data.num_workers > 0 else None
 
 
 def eval_shard(n: int, world_size: int, rank: int) -> range:

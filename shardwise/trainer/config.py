@@ -12,6 +12,7 @@ from typing import Any
 
 from shardwise import config as settings
 from shardwise.config import flag
+from shardwise.data import check_workers
 from shardwise.errors import ConfigError
 from shardwise.strategies.precision import normalize
 
@@ -104,8 +105,14 @@ class TrainerConfig:
     """Start afresh in an ``out`` that holds an earlier run: its files are moved to ``out/replaced-<time>/``."""
     progress_bar: bool | None = None
     """Show a progress bar on rank 0 (default: when stderr is a terminal; log lines otherwise)."""
-    num_workers: int = 0
-    """Data-loading worker processes per rank."""
+    num_workers: int = flag(0, metavar="N")
+    """Data-loading worker processes per rank (started once per run; 0: batches load in the training process)."""
+    pin_memory: bool = flag(False)
+    """Hand out batches in page-locked (pinned) memory, so their copy to the GPU (non_blocking) overlaps the step: with
+    num_workers > 0 torch's pin-memory thread pins them as they arrive. Needs CUDA: elsewhere it is said once and ignored."""
+    prefetch_factor: int | None = flag(None, metavar="K")
+    """Micro-batches each data-loading worker keeps ready ahead of the step (torch's DataLoader prefetch_factor, default 2:
+    at most num_workers x K in flight); needs num_workers >= 1."""
     start_method: str = "forkserver"
     """How local workers start: 'forkserver' (forks of a process that imported torch once, from the
     second launch in a process or with more ranks than cores; 'fork' is the same) or 'spawn' (a fresh
@@ -184,8 +191,9 @@ class TrainerConfig:
             raise ConfigError(f"drop_last must be True or False; got {self.drop_last!r}")
         if self.accelerator not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"accelerator must be 'auto', 'cpu' or 'cuda'; got {self.accelerator!r}")
-        if self.num_workers < 0:
-            raise ConfigError(f"num_workers must be >= 0; got {self.num_workers}")
+        check_workers(self.num_workers, self.prefetch_factor)
+        if not isinstance(self.pin_memory, bool):
+            raise ConfigError(f"pin_memory must be True or False; got {self.pin_memory!r}")
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ConfigError(f"start_method must be 'spawn', 'fork' or 'forkserver'; got {self.start_method!r}")
         if self.resume is not None and self.resume != "auto" and not Path(self.resume).exists():

@@ -19,7 +19,7 @@ from torch import nn
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint.rundir import describe_outputs, new_run_id
 from shardwise.comm import monitored_barrier
-from shardwise.data import ShardedLoader, unpack_data
+from shardwise.data import ShardedLoader, loader_options, pinning, unpack_data
 from shardwise.data.batches import call_model, loss_from_output
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.engine.loggers import Loggers, RunInfo
@@ -157,6 +157,8 @@ class FitRun:
     def _loader(self) -> ShardedLoader:
         cfg, engine = self.cfg, self.engine
         dataset, collate, workers, dl_batch = unpack_data(self.train_data)
+        dl_pin, dl_prefetch = loader_options(self.train_data)  # a DataLoader's own settings count too
+        pin, self.pin_note = pinning(cfg.pin_memory or dl_pin, engine.device)
         self.dl_batch = dl_batch
         self.global_batch = global_batch = self.trainer._global_batch(dl_batch)
         if cfg.overfit_batches:
@@ -173,6 +175,8 @@ class FitRun:
             num_workers=max(workers, cfg.num_workers),
             limit=cfg.limit_train_batches,
             drop_last=cfg.drop_last,
+            pin_memory=pin,
+            prefetch_factor=cfg.prefetch_factor or dl_prefetch,
         )
 
     def _announce(self) -> None:
@@ -186,6 +190,8 @@ class FitRun:
         if cfg.announce_outputs and not cfg.fast_dev_run:
             for note in self.batch_notes["lines"]:
                 engine.print(f"shardwise: {note}")
+        if self.pin_note and cfg.announce_outputs:
+            engine.print(f"shardwise: {self.pin_note}")  # pin_memory without CUDA: said once, then ignored
 
     def resume(self) -> Path | None:
         """Restore a checkpoint when ``resume`` says so (the run's id, counters and callbacks' states too)."""
