@@ -7,7 +7,11 @@
 - ``find_batch_size`` (``batch_size``): the largest micro-batch per rank whose training steps fit
   a memory budget (CUDA memory, or a CPU process's peak resident memory), each size tried in fresh
   processes, doubling then bisecting, with the throughput of every size tried.
-- ``commands``: ``shardwise tune lr`` and ``shardwise tune batch-size`` on the built-in recipes.
+- ``search_hparams`` (``hparams``): a hyperparameter search on Optuna, each trial a ``shardwise
+  train`` run of its own (a recipe or your own model), ``parallel`` at a time, bad runs pruned as
+  their metric is logged; ``hparam`` reads a ``param.NAME`` of the space in your own factories
+  (``space.py`` the space, ``target.py`` the runs' commands and checks, ``trial.py`` one run).
+- ``commands``: ``shardwise tune lr``, ``tune batch-size`` and ``tune hparams``.
 
 Layer 6: it drives the Trainer (layer 5) through its public settings and ``fit``. The names load
 on first use, so the command line's parser (which imports ``commands``) does not import torch.
@@ -25,10 +29,15 @@ _EXPORTS = {
     "Trial": "shardwise.tools.tune.batch_size",
     "find_batch_size": "shardwise.tools.tune.batch_size",
     "parse_bytes": "shardwise.tools.tune.batch_size",
+    "HparamSearchResult": "shardwise.tools.tune.hparams",
+    "HparamTrial": "shardwise.tools.tune.hparams",
+    "hparam": "shardwise.tools.tune.hparams",
+    "search_hparams": "shardwise.tools.tune.hparams",
 }
 
 if TYPE_CHECKING:
     from shardwise.tools.tune.batch_size import BatchSizeResult, Trial, find_batch_size, parse_bytes
+    from shardwise.tools.tune.hparams import HparamSearchResult, HparamTrial, hparam, search_hparams
     from shardwise.trainer.lr_find import LRFindResult, lr_find
 
 
@@ -40,4 +49,15 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["BatchSizeResult", "LRFindResult", "Trial", "find_batch_size", "lr_find", "parse_bytes"]
+__all__ = [
+    "BatchSizeResult",
+    "HparamSearchResult",
+    "HparamTrial",
+    "LRFindResult",
+    "Trial",
+    "find_batch_size",
+    "hparam",
+    "lr_find",
+    "parse_bytes",
+    "search_hparams",
+]

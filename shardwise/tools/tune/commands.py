@@ -6,6 +6,9 @@
                       [--png lr_find.png] [--json FILE] [--config FILE.toml] [--set section.key=value ...]
     shardwise tune batch-size --recipe digits --memory-budget 2GB [--strategy ddp --nproc 2] [--steps 5]
                       [--max-batch N] [--json FILE]
+    shardwise tune hparams --recipe digits | --model MODULE:FACTORY --data MODULE:FACTORY [...]
+                      --space KEY=KIND:ARGS [--space ...] [--trials N] [--parallel K] [--metric val_loss]
+                      [--direction minimize] [--max-steps N] [--pruner median] [--out DIR] [--json FILE]
 
 The run's settings come from the recipe's defaults, then ``--config`` and ``--set`` (as for
 ``shardwise train``; strategy options go through ``--set trainer.strategy_options.KEY=VALUE``),
@@ -24,7 +27,7 @@ from shardwise.config import add_arguments as add_flags
 from shardwise.config import flag
 from shardwise.errors import ConfigError
 
-TUNE_HELP = "find a learning rate (range test) or the largest batch that fits memory"
+TUNE_HELP = "find a learning rate (range test), the largest batch that fits memory, or the best hyperparameters (search)"
 
 _SETTINGS = ("strategy", "nproc", "precision", "accelerator", "global_batch_size", "accumulate", "seed")
 
@@ -61,9 +64,47 @@ class BatchSizeOptions(TuneOptions):
     max_batch: int | None = flag(None, "largest micro-batch to try (default: what the training set holds)")
 
 
+@dataclass(frozen=True, kw_only=True)
+class HparamsOptions:
+    """``shardwise tune hparams``'s flags (`shardwise.tools.tune.hparams.search_hparams`'s arguments)."""
+
+    recipe: str | None = flag(None, "recipe name (see `shardwise recipes`); or your own model with --model and --data")
+    model: str | None = flag(None, "your own model, as `shardwise train --model` takes it", metavar="MODULE:FACTORY")
+    data: str | None = flag(None, "its training data, as `shardwise train --data`", metavar="MODULE:FACTORY")
+    val_data: str | None = flag(None, "its validation data, as `shardwise train --val-data`", metavar="MODULE:FACTORY")
+    loss: str | None = flag(None, "its loss, as `shardwise train --loss`", metavar="MODULE:FN")
+    optimizer: str | None = flag(None, "its optimizer, as `shardwise train --optimizer`", metavar="MODULE:FACTORY")
+    space: list[str] = flag(
+        help="one setting to search (repeatable): KEY=uniform:LO:HI, loguniform:LO:HI, int:LO:HI, logint:LO:HI or choice:A,B,...; "
+        "KEY as --set takes it (recipe.lr, trainer.global_batch_size, trainer.strategy_options.NAME) or param.NAME for your own "
+        "factories (shardwise.tools.tune.hparam)",
+        action="append",
+        metavar="KEY=KIND:ARGS",
+        default_factory=list,
+    )
+    trials: int = flag(8, "runs to try (default 8)")
+    parallel: int = flag(1, "runs at a time, each its own processes (default 1)")
+    metric: str = flag("val_loss", "what the runs log that the search optimizes: val_loss, val_accuracy, train_loss, samples_per_s (default val_loss)")
+    direction: str | None = flag(
+        None, "minimize or maximize the metric (default: minimize a loss, maximize an accuracy or samples_per_s)", choices=("minimize", "maximize")
+    )
+    max_steps: int | None = flag(None, "steps of each run (default: the recipe's or the config's)")
+    report_every: int | None = flag(None, "steps between the values the pruner sees (the runs' val_every; default a fifth of --max-steps)")
+    pruner: str = flag("median", "stop bad runs early: median, halving, hyperband or none (default median)", choices=("median", "halving", "hyperband", "none"))
+    startup_trials: int = flag(2, "finished runs before the median pruner stops any (default 2)")
+    sampler: str = flag("tpe", "how the next run's values are chosen: tpe, random or grid (default tpe)", choices=("tpe", "random", "grid"))
+    search_seed: int = flag(0, "seed of the sampler (the runs' own seed is --seed)")
+    threads: int | None = flag(None, "threads per process of each run (default: the cores over parallel x nproc)")
+    out: str = flag("runs/hparams", "the search's directory: one trial-NNNN/ run directory per trial, search.json (default runs/hparams)")
+    overwrite: bool = flag(False, "move an earlier search in --out aside (into replaced-<time>/) rather than refuse")
+    config: str | None = flag(None, "TOML file with [trainer] and [recipe] sections, shared by every run")
+    set: list[str] = flag(help="override one setting of every run (repeatable)", action="append", metavar="SECTION.KEY=VALUE", default_factory=list)
+    json: str | None = flag(None, "write the trials, the best and its command as JSON to this file")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``shardwise tune``'s two subcommands and their flags."""
-    sub = parser.add_subparsers(dest="tune_command", required=True, metavar="{lr,batch-size}")
+    """``shardwise tune``'s three subcommands and their flags."""
+    sub = parser.add_subparsers(dest="tune_command", required=True, metavar="{lr,batch-size,hparams}")
     lr = sub.add_parser(
         "lr",
         help="learning-rate range test: sweep the rate up, suggest the steepest descent of the loss",
@@ -78,6 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a size fits when every rank's peak memory is within the budget (CUDA memory on GPU, resident memory on CPU).",
     )
     _trainer_flags(bs, BatchSizeOptions)
+    hp = sub.add_parser(
+        "hparams",
+        help="hyperparameter search: trials of a recipe or your own model, each a shardwise train run, K at a time (Optuna)",
+        description="Search hyperparameters with Optuna (TPE): each trial is a `shardwise train` run of its own (its own processes and "
+        "out directory under --out), --parallel of them at a time; the metric each run logs goes to a pruner that stops bad runs early. "
+        "Prints the table of trials and the `shardwise train` command of the best. Needs pip install 'shardwise[tune]'.",
+    )
+    _trainer_flags(hp, HparamsOptions)
 
 
 def _trainer_flags(p: argparse.ArgumentParser, options: type) -> None:
@@ -117,7 +166,54 @@ def _recipe_trainer(args: argparse.Namespace) -> tuple[Any, Any]:
 def main(args: argparse.Namespace) -> int:
     if args.tune_command == "lr":
         return _lr(args)
+    if args.tune_command == "hparams":
+        return _hparams(args)
     return _batch_size(args)
+
+
+def _hparams(args: argparse.Namespace) -> int:
+    from shardwise.tools.tune.hparams import search_hparams
+    from shardwise.tools.tune.space import format_value
+    from shardwise.trainer.config import flag_values
+
+    given = {k: v for k, v in flag_values(args).items() if k in _SETTINGS}  # --out and --overwrite are the search's own
+    flags = [f"trainer.{k}={format_value(v)}" for k, v in given.items()]  # --strategy ddp: trainer.strategy=ddp
+    result = search_hparams(
+        args.space,
+        recipe=args.recipe,
+        model=args.model,
+        data=args.data,
+        val_data=args.val_data,
+        loss=args.loss,
+        optimizer=args.optimizer,
+        config=args.config,
+        settings=[*args.set, *flags],
+        trials=args.trials,
+        parallel=args.parallel,
+        metric=args.metric,
+        direction=args.direction,
+        max_steps=args.max_steps,
+        report_every=args.report_every,
+        pruner=args.pruner,
+        startup_trials=args.startup_trials,
+        sampler=args.sampler,
+        seed=args.search_seed,
+        out=args.out,
+        overwrite=args.overwrite,
+        threads=args.threads,
+    )
+    print(result.table())
+    counts = {s: sum(t.state == s for t in result.trials) for s in ("complete", "pruned", "fail")}
+    print(f"{len(result.trials)} trials in {result.seconds:.1f} s: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    best = result.best
+    _write_json(args.json, result.to_dict())
+    if best is None:
+        first = next((t.error for t in result.trials if t.error), "every trial was pruned")
+        print(f"shardwise: no trial completed; the first error: {first}")
+        return 1
+    print(f"best: trial {best.number}, {result.metric} {best.value:.4g} ({result.direction}) after {best.steps} steps; its run: {best.out}")
+    print(f"reproduce: {result.command()}")
+    return 0
 
 
 def _lr(args: argparse.Namespace) -> int:
