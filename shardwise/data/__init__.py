@@ -183,7 +183,7 @@ class ShardedLoader:
         each epoch's order; ``limit_train_batches``). ``drop_last=False``: the epoch's last, smaller
         global batch is a step too (`step_weights`). ``pin_memory``: hand out batches in page-locked
         memory (by the DataLoader's pin thread with workers, else as each is fetched), so that a copy to
-        the GPU with ``non_blocking=True`` overlaps; only where CUDA exists (`pinning`), else ignored.
+        the GPU with ``non_blocking=True`` is asynchronous; only where CUDA exists (`pinning`), else ignored.
         ``prefetch_factor``: micro-batches each worker keeps ready (torch's default 2); needs workers."""
         self.dataset = dataset
         self.n = len(dataset)  # type: ignore[arg-type]

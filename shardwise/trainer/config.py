@@ -108,8 +108,9 @@ class TrainerConfig:
     num_workers: int = flag(0, metavar="N")
     """Data-loading worker processes per rank (started once per run; 0: batches load in the training process)."""
     pin_memory: bool = flag(False)
-    """Hand out batches in page-locked (pinned) memory, so their copy to the GPU (non_blocking) overlaps the step: with
-    num_workers > 0 torch's pin-memory thread pins them as they arrive. Needs CUDA: elsewhere it is said once and ignored."""
+    """Hand out batches in page-locked (pinned) memory, so their copy to the GPU is asynchronous (non_blocking: the process
+    queues the step's work behind it instead of waiting); with num_workers > 0 torch's pin-memory thread pins them as they
+    arrive. Needs CUDA: elsewhere it is said once and ignored."""
     prefetch_factor: int | None = flag(None, metavar="K")
     """Micro-batches each data-loading worker keeps ready ahead of the step (torch's DataLoader prefetch_factor, default 2:
     at most num_workers x K in flight); needs num_workers >= 1."""
