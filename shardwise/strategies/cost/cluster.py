@@ -254,16 +254,46 @@ class Cluster:
     device: DeviceProfile
     nproc: int
     nodes: int = 1
+    threads: int = 0
+    """Intra-op threads each process runs; 0: `shardwise.launch`'s own count, ``cores // per_node`` (at least 1)."""
+    load: float = 0.0
+    """Other work's runnable threads on each node (``os.getloadavg``'s 1-minute figure, where planned for
+    this machine): on a profile with ``cores`` it takes its share of them (`shared`)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1; got {self.nproc}")
         if self.nodes < 1 or self.nproc % self.nodes:
             raise ConfigError(f"--nodes {self.nodes} must be >= 1 and divide --nproc {self.nproc}; choose nodes that split the processes evenly")
+        if self.threads < 0 or not (math.isfinite(self.load) and self.load >= 0):
+            raise ConfigError(f"threads must be >= 0 and the load a finite number >= 0; got threads {self.threads}, load {self.load}")
 
     @property
     def per_node(self) -> int:
         return self.nproc // self.nodes
+
+    @property
+    def threads_per_process(self) -> int:
+        """`threads`, or the launcher's: each process gets an equal share of the cores, at least one."""
+        if self.threads:
+            return self.threads
+        return max(1, self.device.cores // self.per_node) if self.device.cores else 1
+
+    def shared(self, timed_threads: int) -> float:
+        """How much longer each process's step takes than a step timed alone with ``timed_threads`` threads
+        under the same load: the node's runnable threads (its processes' and the other work's) over its
+        cores, against the same for the timing (1 where the cores are enough for both). A machine without
+        ``cores`` (a datasheet device: a process owns its device) shares nothing."""
+        cores = self.device.cores
+        if not cores:
+            return 1.0
+        run = max(1.0, (self.per_node * self.threads_per_process + self.load) / cores)
+        return run / max(1.0, (timed_threads + self.load) / cores)
+
+    def free_cores(self) -> int:
+        """The cores the other work (`load`) leaves idle, rounded, at least one (all of them on a datasheet device)."""
+        cores = self.device.cores
+        return max(1, math.floor(cores - self.load + 0.5)) if cores else 1
 
     def spans_nodes(self, group_size: int, stride: int = 1) -> bool:
         """Whether a group of ``group_size`` ranks ``stride`` apart (rank-major layout) crosses a node boundary."""

@@ -133,7 +133,7 @@ def _compute(s: Step, mem: _Memory, samples: float) -> tuple[float, float, float
     """(compute, optimizer, recompute) seconds per rank per step (docs/planner.md, "Time")."""
     dev, spec, shape, per, psi, settings = s.cluster.device, s.spec, s.shape, s.per, s.psi, s.settings
     tp, pp, stage, shard = shape.tp, shape.pp, mem.stage, mem.shard
-    timed = spec.step_fit if dev.local else None
+    timed = spec.fit_for(s.cluster.threads_per_process) if dev.local else None
     if timed is not None:
         # the model's whole step timed here (forward, backward, optimizer): per-operation overhead
         # stays whole on each rank, the per-sample part splits over tp and pp (see `local_compute`)
@@ -153,9 +153,11 @@ def _compute(s: Step, mem: _Memory, samples: float) -> tuple[float, float, float
 def _overhead(cost: StrategyCost, s: Step, compute: float) -> tuple[float, float, float]:
     """(overhead, units, scale): the strategy's own calibrated work per step (its profile's `Framework`)."""
     dev, shape = s.cluster.device, s.shape
-    framework = next((dev.framework[k] for k in cost.framework_keys(shape) if k in dev.framework), None)
     units = cost.framework_units(shape, s.spec)
     scale = cost.framework_period(shape) ** -0.5
+    if cost.timed_whole and dev.local and s.spec.step_fit is not None:
+        return 0.0, units, scale  # the timed step is this strategy's whole step (`StrategyCost.timed_whole`)
+    framework = next((dev.framework[k] for k in cost.framework_keys(shape) if k in dev.framework), None)
     overhead = framework.seconds(units, compute, s.psi) * scale if framework is not None else dev.step_overhead_s
     extra = cost.extra_overhead(s, dev.framework)
     if extra:
@@ -189,12 +191,19 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     total_comm = sum(c.seconds for c in s.collectives)
     overhead, units, scale = _overhead(cost, s, compute)
     step = compute + bubble + optimizer + exposed + overhead + offload
-    shared = cluster.per_node / dev.cores if dev.cores and cluster.per_node > dev.cores else 1.0
-    if shared > 1:  # more processes than cores: each runs a core's share of the time
+    threads = cluster.threads_per_process
+    fit = spec.fit_for(threads) if dev.local else None
+    if fit is not None and fit.threads != threads:
+        mem.notes.append(f"the model's step was timed with {fit.threads} thread(s), not the {threads} each process runs: costed as timed")
+    shared = cluster.shared(fit.threads if fit is not None else 1)
+    if shared > 1:  # more runnable threads than cores: each process runs a core's share of the time
         compute, bubble, optimizer, exposed, overhead, total_comm, step, recompute, offload = (
             x * shared for x in (compute, bubble, optimizer, exposed, overhead, total_comm, step, recompute, offload)
         )
-        mem.notes.append(f"{cluster.per_node} processes share {dev.cores} cores: every part of the step takes {shared:g} times as long")
+        n = cluster.per_node
+        who = f"{n} process{'es' if n > 1 else ''}" + (f" of {threads} threads" if threads > 1 else "")
+        other = f" and other work's {cluster.load:.2g} runnable threads (load)" if cluster.load else ""
+        mem.notes.append(f"{who}{other} share {dev.cores} cores: every part of the step takes {shared:.3g} times as long")
     time = {
         "compute_s": compute,
         "bubble_s": bubble,
@@ -211,6 +220,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
         "recompute_s": recompute,
         "offload_s": offload,
         "step_s": step,
+        "threads": threads,
+        "load": cluster.load,
+        "shared": shared,
     }
     memory = mem.memory
     fits = memory["total"] <= dev.memory_bytes

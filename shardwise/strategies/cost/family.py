@@ -34,6 +34,8 @@ PIPELINE = "pipeline"
 UNRELIABLE = "unreliable"
 REFERENCE = "reference"
 """Not a step: the one-device layout whose model state the guide's figures read."""
+ONE_PROCESS = "one-process"
+"""Before the guide: one process predicted faster than every multi-process candidate that fits (stay on one)."""
 
 CALIBRATION_LAYERS = (1, 4, 8)
 """The calibration network's depths: 8, 20 and 36 parameter tensors (digits has 6, charlm 69)."""
@@ -66,7 +68,8 @@ class Candidate:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items())
         extra = ";".join(x for x in (opts, mesh) if x)
         ac = f" +ac={self.activation_checkpointing}" if self.activation_checkpointing != "off" else ""
-        return (f"{self.strategy}({extra})" if extra else self.strategy) + ac
+        on = f" on {self.world_size}" if self.world_size is not None and self.world_size > 1 else ""  # fewer processes than the cluster's
+        return (f"{self.strategy}({extra})" if extra else self.strategy) + on + ac
 
 
 @dataclass
@@ -145,6 +148,9 @@ class StrategyCost:
     """What `framework_units` counts, as the calibration prints it."""
     world_size: int | None = None
     """The world size its candidates are planned at (None: the cluster's)."""
+    timed_whole = False
+    """Its step on a profile measured here is the model's timed step itself (the `Trainer`'s one-process step at the
+    same thread count, `shardwise.tools.advisor.models.time_step`): nothing to add, nothing to calibrate."""
 
     def __init__(self, name: str) -> None:
         self.name = name

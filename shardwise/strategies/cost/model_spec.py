@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -54,15 +54,18 @@ from shardwise.errors import ConfigError
 class StepFit:
     """A whole training step of the model timed on this machine: ``fixed_s + per_sample_s * samples``.
 
-    One process, one thread (as each trainer process runs here), forward, backward and the
-    optimizer's step, at two batch sizes (`shardwise.tools.advisor.models.time_step`). On CPU a small
-    model's step is mostly per-operation overhead that FLOPs do not see; the fixed part holds it.
+    One process with ``threads`` intra-op threads (one: as each of two trainer processes runs on two
+    cores; a single process runs torch's own count), forward, backward and the optimizer's step, at two
+    batch sizes (`shardwise.tools.advisor.models.time_step`). On CPU a small model's step is mostly
+    per-operation overhead that FLOPs do not see; the fixed part holds it.
     """
 
     fixed_s: float
     per_sample_s: float
     sizes: tuple[int, int] = (0, 0)
     """The two batch sizes timed."""
+    threads: int = 1
+    """The intra-op threads (``torch.set_num_threads``) the step was timed with."""
 
     def seconds(self, samples: float) -> float:
         return self.fixed_s + self.per_sample_s * samples
@@ -118,6 +121,23 @@ class ModelSpec:
     step_fit: StepFit | None = None
     """The model's step timed here (a recipe or factory module); a profile measured on this machine
     (``DeviceProfile.local``) uses it instead of FLOPs over FLOP/s."""
+    step_fits: tuple[StepFit, ...] = ()
+    """The same step timed at other thread counts (a single process's own, `fit_for`)."""
+
+    def fit_for(self, threads: int) -> StepFit | None:
+        """The step timed with ``threads`` threads; else the one timed with the most threads below it (a
+        process with more threads than were timed is costed as the timed count: no guessed speed-up)."""
+        fits = [f for f in (self.step_fit, *self.step_fits) if f is not None]
+        below = [f for f in fits if f.threads <= threads]
+        if below:
+            return max(below, key=lambda f: f.threads)
+        return min(fits, key=lambda f: f.threads) if fits else None
+
+    def with_fits(self, fits: Sequence[StepFit]) -> ModelSpec:
+        """The same model with its step timed at ``fits``' thread counts: the one-thread fit (or the fewest
+        threads) is `step_fit`, the others `step_fits`."""
+        ordered = sorted(fits, key=lambda f: f.threads)
+        return replace(self, step_fit=ordered[0] if ordered else None, step_fits=tuple(ordered[1:]))
 
     def with_act_bytes(self, act_bytes: int) -> ModelSpec:
         """The same model with activations stored at ``act_bytes`` per element (2 under mixed precision)."""
@@ -176,6 +196,7 @@ class ModelSpec:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
         if self.step_fit is not None:
             out["step_fit"] = dict(self.step_fit.__dict__)
+        out["step_fits"] = [dict(f.__dict__) for f in self.step_fits]
         return out
 
 

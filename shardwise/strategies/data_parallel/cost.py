@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from shardwise.comm.traffic import ALGORITHMS
-from shardwise.strategies.cost.family import CALIBRATION_LAYERS, REFERENCE, REPLICATE, Candidate, Point, Step, StrategyCost
+from shardwise.strategies.cost.family import CALIBRATION_LAYERS, ONE_PROCESS, REFERENCE, REPLICATE, Candidate, Point, Step, StrategyCost
 from shardwise.strategies.cost.terms import Shape
 
 if TYPE_CHECKING:
@@ -23,10 +23,16 @@ so is each of shardwise's allreduce algorithms (`ALGORITHMS`)."""
 
 
 class SingleCost(StrategyCost):
-    """One process: the reference layout the guide's figures read."""
+    """One process: the reference layout the guide's figures read, and the recommendation where it is the fastest
+    (`ONE_PROCESS`). Its step is the model's step timed with its own thread count; what a profile's framework cost
+    adds is nothing (`timed_whole`): the timing is the Trainer's own one-process step (docs/planner.md, "One process or many")."""
 
-    advised_for = (REFERENCE,)
+    advised_for = (REFERENCE, ONE_PROCESS)
     world_size = 1
+    timed_whole = True
+
+    def calibration_points(self) -> dict[str, Point]:
+        return {}  # its step is the timing itself (`timed_whole`)
 
 
 class DDPCost(StrategyCost):

@@ -127,19 +127,20 @@ def _measure(strategy: str, options: dict[str, Any], model: nn.Module, world: in
     return timed_fit(model, data, steps=steps, batch=batch, optimizer=_adam, loss_fn=_loss, strategy=strategy, options=options, nproc=world, log_every=every)
 
 
-def _spec(depth: int, width: int, batch: int, specs: dict[tuple[int, int, int], Any]) -> Any:
-    """The calibration network's spec at ``depth`` and ``width``, its step timed here at ``batch``, kept
-    in ``specs`` (one calibration round's): every key at that point in the round is set against the same timed compute."""
-    if (depth, width, batch) not in specs:
+def _spec(depth: int, width: int, batch: int, specs: dict[tuple[int, ...], Any], threads: int = 1) -> Any:
+    """The calibration network's spec at ``depth`` and ``width``, its step timed here at ``batch`` with ``threads``
+    threads (each calibration rank's), kept in ``specs`` (one calibration round's): every key at that point in the
+    round is set against the same timed compute."""
+    if (depth, width, batch, threads) not in specs:
         torch.manual_seed(0)
         model = CalibrationNet(depth, width)
         data = _data(max(SAMPLES, 8 * batch))
-        fit = time_step(model, data, _loss, _adam, (max(1, batch // 16), batch))
-        specs[depth, width, batch] = replace(measured_spec(f"calibration-{depth}x{width}", model, data.tensors[0][:8], 8), step_fit=fit)
-    return specs[depth, width, batch]
+        fit = time_step(model, data, _loss, _adam, (max(1, batch // 16), batch), threads)
+        specs[depth, width, batch, threads] = replace(measured_spec(f"calibration-{depth}x{width}", model, data.tensors[0][:8], 8), step_fit=fit)
+    return specs[depth, width, batch, threads]
 
 
-def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs: dict[tuple[int, int, int], Any] | None = None) -> dict[str, Any]:
+def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs: dict[tuple[int, ...], Any] | None = None) -> dict[str, Any]:
     """One calibration run at ``size`` layers or micro-batches, or at the ``"wide"`` point (`WIDE`):
     predicted without the strategy's own cost, measured, their difference, ``units`` (what
     `shardwise.strategies.cost.estimate.framework_units` counts for this layout: parameter tensors, micro-batches, or
@@ -156,7 +157,7 @@ def measure_point(key: str, size: int | str, profile: Any, world: int = 2, specs
     else:
         depth, micro = (PIPELINE_DEPTH, int(size)) if varies == "microbatches" else (int(size), None)
     opts = dict(options, microbatches=micro) if micro is not None else dict(options)
-    spec = _spec(depth, width, batch, {} if specs is None else specs)
+    spec = _spec(depth, width, batch, {} if specs is None else specs, Cluster(profile, world).threads_per_process)
     torch.manual_seed(0)
     model = CalibrationNet(depth, width)
     candidate = Candidate(strategy, opts, world_size=cost_of(strategy).world_size)
@@ -253,7 +254,7 @@ def calibrate_framework(profile: Any, keys: list[str] | None = None, repeats: in
     keys = keys or list(POINTS)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
     for r in range(repeats):
-        specs: dict[tuple[int, int, int], Any] = {}  # each round times the networks' steps again: their error averages too
+        specs: dict[tuple[int, ...], Any] = {}  # each round times the networks' steps again: their error averages too
         for key in keys:
             sizes: list[int | str] = [*POINTS[key][3], "wide"]
             runs[key] += [measure_point(key, size, profile, specs=specs) for size in sizes]

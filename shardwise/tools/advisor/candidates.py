@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
@@ -65,13 +66,20 @@ def evaluate(candidate: Candidate, spec: ModelSpec, cluster: Cluster, settings: 
     """Plan ``candidate`` with its strategy's own ``plan`` and cost it: one JSON-ready record."""
     world = candidate.world_size or cluster.nproc
     refusal = ""
+    in_process = False
     try:
         strategy = get_strategy(candidate.strategy, **dict(candidate.options))
+        in_process = world == 1 and not strategy.needs_process_group  # the Trainer runs it in the caller's process
         layout = strategy.plan(world, model=module, batch=Batch(settings.global_batch, settings.accumulate), mesh=dict(candidate.mesh) or None)
     except ConfigError as exc:
         refusal = str(exc)
         layout = _intended_layout(candidate, world)
-    run_cluster = cluster if world == cluster.nproc else Cluster(cluster.device, world, 1)
+    threads = fastest_threads(spec, own_threads(cluster), settings.global_batch) if in_process and cluster.device.local else 0
+    if world != cluster.nproc or threads:
+        nodes = -(-world // cluster.per_node)  # as many nodes as it needs, each as full as the cluster's
+        run_cluster = Cluster(cluster.device, world, nodes if world % nodes == 0 else world, threads=threads, load=cluster.load)
+    else:
+        run_cluster = cluster
     shape = shape_of(candidate, layout)
     est = estimate(spec, run_cluster, settings, shape)
     fits = est.fits and not refusal
@@ -92,16 +100,59 @@ def evaluate(candidate: Candidate, spec: ModelSpec, cluster: Cluster, settings: 
         "comm_bytes_per_step": est.comm_bytes_per_step,
         "comm_breakdown": [c.to_json() for c in est.collectives],
         "step_time_s": est.time["step_s"],
+        "samples_per_s": settings.global_batch / est.time["step_s"] if est.time["step_s"] > 0 else 0.0,
+        "threads": est.time["threads"],
+        "in_process": in_process,
         "time_breakdown": est.time,
         "notes": est.notes,
     }
+
+
+def own_threads(cluster: Cluster) -> int:
+    """The intra-op threads of a process the Trainer runs itself (``single``): torch's own count (``OMP_NUM_THREADS``, else
+    the cores), at most the cores other work leaves free (`Cluster.free_cores`): beside a busy machine a process with more
+    threads than free cores waits at every operation for its descheduled threads (docs/planner.md, "One process or many")."""
+    return max(1, min(torch.get_num_threads(), cluster.free_cores())) if cluster.device.cores else torch.get_num_threads()
+
+
+def planned_threads(cluster: Cluster) -> tuple[int, ...]:
+    """Every intra-op thread count the planned processes run on ``cluster``: a single process's own
+    (`own_threads`), and each launched process's at ``cluster.nproc`` and at `fewer_processes`' counts: the
+    counts the model's step is timed at (`shardwise.tools.advisor.models.thread_counts`)."""
+    from shardwise.tools.advisor.models import thread_counts
+
+    counts = [cluster.per_node, *({c.world_size or cluster.nproc for c in fewer_processes(cluster)})]
+    return thread_counts(cluster.device.cores, [min(n, cluster.per_node) for n in counts], own_threads(cluster))
+
+
+def fastest_threads(spec: ModelSpec, most: int, samples: int) -> int:
+    """Of the thread counts up to ``most`` the model's step was timed at, the one whose step of ``samples`` samples
+    was fastest: on a busy machine more threads time slower (they wait on each other), and the timing shows it
+    even where the load average does not; ``most`` when none was timed."""
+    fits = [f for f in (spec.step_fit, *spec.step_fits) if f is not None and f.threads <= most]
+    return min(fits, key=lambda f: (f.seconds(samples), f.threads)).threads if fits else most
+
+
+FEWER_ALGORITHMS = ("native", "tree")
+"""The allreduce algorithms `fewer_processes` proposes at each smaller process count (the library's and the
+measured profile's fastest of shardwise's own on two processes)."""
+
+
+def fewer_processes(cluster: Cluster) -> list[Candidate]:
+    """Replicas (ddp) at every power of two from 2 below ``cluster.nproc`` (those that fill whole nodes or fit in one):
+    fewer processes than asked, each with more of the cores (or of the links) to itself. ``single`` is the one-process candidate."""
+    counts = [n for n in (2**k for k in range(1, cluster.nproc.bit_length())) if n < cluster.nproc and (n <= cluster.per_node or n % cluster.per_node == 0)]
+    return [Candidate("ddp", {"allreduce": alg}, world_size=n) for n in counts for alg in FEWER_ALGORITHMS]
 
 
 def plan_all(spec: ModelSpec, cluster: Cluster, settings: Settings, module: nn.Module | None = None) -> list[dict[str, Any]]:
     """Every candidate's record, in enumeration order, then `memory_savers`' variants of those that do not fit."""
     candidates = enumerate_candidates(cluster, spec, settings.global_batch, settings.accumulate)
     records = [evaluate(c, spec, cluster, settings, module) for c in candidates]
-    return records + memory_savers(candidates, records, spec, cluster, settings, module)
+    if any(r["fits"] and r["world_size"] == 1 for r in records):  # the model fits on one device: fewer processes may too
+        extra = [evaluate(c, spec, cluster, settings, module) for c in fewer_processes(cluster)]
+        records += [r for r in extra if r["fits"]]
+    return records + memory_savers(candidates, records[: len(candidates)], spec, cluster, settings, module)
 
 
 def memory_savers(
@@ -138,4 +189,16 @@ def memory_savers(
     return out
 
 
-__all__ = ["Candidate", "enumerate_candidates", "evaluate", "memory_savers", "pipeline_microbatches", "plan_all", "shape_of"]
+__all__ = [
+    "Candidate",
+    "enumerate_candidates",
+    "evaluate",
+    "fastest_threads",
+    "fewer_processes",
+    "memory_savers",
+    "own_threads",
+    "pipeline_microbatches",
+    "plan_all",
+    "planned_threads",
+    "shape_of",
+]

@@ -50,6 +50,11 @@ class PlanOptions:
     precision: str | None = flag(None, "default: bf16-mixed on GPU profiles, 32 on cpu", choices=("32", "64", "bf16-mixed", "16-mixed"))
     optimizer: str = flag("adam", "optimizer state per parameter (default adam)", choices=("adam", "adamw", "sgd", "momentum"))
     unreliable: bool = flag(False, "workers are unreliable or slow: recommend asynchronous or local-update strategies")
+    load: float | None = flag(
+        None,
+        "other work's runnable threads on this machine, which the planned processes share its cores with "
+        "(default: the 1-minute load average when planning for this machine, 0 for another device); 0 plans for a quiet machine",
+    )
     all: bool = flag(False, "print every candidate, not only the 20 fastest that fit")
     json: str | None = flag(None, "write every candidate (and the recommendation) to this JSON file")
     png: str | None = flag(None, "write a picture of the candidates (memory per rank against step time; needs matplotlib)")
@@ -167,6 +172,8 @@ def write_png(records: list[dict[str, Any]], path: str, choice: str | None, titl
 def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from shardwise.strategies.cost.cluster import Cluster, load_profile
     from shardwise.strategies.cost.estimate import Settings
+    from shardwise.tools.advisor.candidates import planned_threads
+    from shardwise.tools.advisor.forecast import machine_load
     from shardwise.tools.advisor.models import load_model
     from shardwise.tools.recipes import available, get_recipe
 
@@ -176,17 +183,53 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ConfigError("shardwise plan needs --model (charlm, digits, PATH.json, module:factory) or --params N (e.g. --params 7.5e9)")
     here = args.model in available() or getattr(args, "validate", False)  # --validate measures on this machine
     device = load_profile(args.device or ("cpu" if here else "h100-80gb"))
-    cluster = Cluster(device, args.nproc, args.nodes)
+    cluster = Cluster(device, args.nproc, args.nodes, load=machine_load(args.load, device))
     batch = args.global_batch or (int(get_recipe(args.model).trainer_defaults["global_batch_size"]) if args.model in available() else 512)
     if batch < 1:
         raise ConfigError(f"--global-batch must be >= 1; got {batch}")
     # on a profile measured here, a real module's own step is timed here too (see plan.cost.local_compute)
     timed = batch if device.local else None
-    model = load_model(args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, timed_batch=timed)
+    threads = planned_threads(cluster) if device.local else None  # each count a planned process runs, timed
+    model = load_model(
+        args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, timed_batch=timed, threads=threads
+    )
     if args.accumulate < 1:
         raise ConfigError(f"--accumulate must be >= 1; got {args.accumulate}")
     precision = args.precision or ("32" if device.name.startswith("cpu") else "bf16-mixed")
     return model, cluster, Settings(batch, precision, args.optimizer, args.accumulate)
+
+
+def load_line(cluster: Any, records: list[dict[str, Any]], given: bool = False) -> str:
+    """What the planner saw of this machine's cores and how it costs them: the load (other work's runnable threads),
+    the threads a single process and each launched process run, and the stretch the sharing puts on the step."""
+    import torch
+
+    from shardwise.tools.advisor.candidates import own_threads
+
+    cores, load = cluster.device.cores, cluster.load
+    single = next((r for r in records if r["in_process"]), None)
+    capped, default = own_threads(cluster), torch.get_num_threads()
+    own = single["threads"] if single is not None else capped
+    line = (
+        f"cores: {cores}, load {load:.2f} (other work's runnable threads: {'--load' if given else 'the 1-minute load average'}); "
+        f"one process runs {own} thread(s), each of {cluster.nproc} processes {cluster.threads_per_process}"
+    )
+    if own < default:
+        why = (
+            f"the load leaves {cluster.free_cores()} core(s) free"
+            if capped < default
+            else f"its step timed with {capped} threads was slower than with {own}: the machine is busier than its load average says"
+        )
+        line += (
+            f"; single is costed at {own} thread(s), not torch's {default}: {why}, and a process with more threads than free cores "
+            f"waits at every operation for the descheduled ones (run it with OMP_NUM_THREADS={own})"
+        )
+    stretched = max((r["time_breakdown"].get("shared", 1.0) for r in records if r["fits"] and r["world_size"] == cluster.nproc), default=1.0)
+    if load and stretched > 1:
+        line += f"; the {cluster.nproc} processes share the cores with it: their steps take {stretched:.3g}x as long as the model's step timed now"
+    elif single is not None and load:
+        line += "; the cores are enough for the planned processes and the load: no stretch"
+    return line
 
 
 def _saves_memory(rec: dict[str, Any]) -> bool:
@@ -287,6 +330,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{si(dev.flops_for(settings.precision) * dev.efficiency, 'FLOP/s')} sustained; "
         f"global batch {settings.global_batch} (accumulate {settings.accumulate}), precision {settings.precision}, {settings.optimizer}"
     )
+    if dev.cores:
+        print(load_line(cluster, records, given=args.load is not None))
     print(table(records, args.all))
     print(f"recommendation: {advice['choice'] or 'none fits'}  ({advice['why']})")
     rec = advice["choice_record"]
@@ -302,11 +347,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if rec and (saving := saver_note(rec, records)):
         print(f"  {saving}")
     if advice["fastest"] and advice["fastest"] != advice["choice"]:
-        print(f"  fastest that fits: {advice['fastest']}")
+        print(f"  fastest multi-process candidate that fits: {advice['fastest']}")
     if args.json:
         out = {
             "model": spec.to_json(),
-            "cluster": {"nproc": cluster.nproc, "nodes": cluster.nodes, "device": dev.to_json()},
+            "cluster": {
+                "nproc": cluster.nproc,
+                "nodes": cluster.nodes,
+                "device": dev.to_json(),
+                "load": cluster.load,
+                "cores": dev.cores,
+                "threads_per_process": cluster.threads_per_process,
+            },
             "settings": {
                 "global_batch": settings.global_batch,
                 "accumulate": settings.accumulate,

@@ -12,8 +12,8 @@ import importlib
 import math
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +50,9 @@ def time_step(
     loss_fn: Callable[[Any, Any], torch.Tensor],
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
     sizes: tuple[int, int],
+    threads: int = 1,
 ) -> StepFit:
-    """Time the `Trainer`'s own step of a copy of ``model`` (``single``, one thread) at two batch sizes; fit a line.
+    """Time the `Trainer`'s own step of a copy of ``model`` (``single``, ``threads`` threads) at two batch sizes; fit a line.
 
     The Trainer's step, not a bare forward-backward-step loop: its loader, precision context, loss
     and optimizer call are part of what every strategy's step costs on each rank, and a strategy's
@@ -69,8 +70,8 @@ def time_step(
 
     runs: dict[int, list[float]] = {lo: [], hi: []}
     steps = dict.fromkeys((lo, hi), TIMED_STEPS)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     start = _now()
     try:
         for _ in range(TIMED_RUNS):
@@ -83,10 +84,29 @@ def time_step(
                     step = timed(size, steps[size])
                 runs[size].append(step)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     seconds = [statistics.median(runs[lo]), statistics.median(runs[hi])]
     per_sample = max(0.0, (seconds[1] - seconds[0]) / (hi - lo)) if hi > lo else 0.0
-    return StepFit(fixed_s=max(0.0, seconds[0] - per_sample * lo), per_sample_s=per_sample, sizes=(lo, hi))
+    return StepFit(fixed_s=max(0.0, seconds[0] - per_sample * lo), per_sample_s=per_sample, sizes=(lo, hi), threads=threads)
+
+
+def time_steps(
+    model: nn.Module,
+    data: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    sizes: tuple[int, int],
+    threads: Sequence[int] = (1,),
+) -> list[StepFit]:
+    """`time_step` at each of ``threads`` (each count once): the fits `ModelSpec.with_fits` keeps, one per thread count
+    the planned processes run (`thread_counts`)."""
+    return [time_step(model, data, loss_fn, make_optimizer, sizes, t) for t in sorted(set(threads))]
+
+
+def thread_counts(cores: int, nprocs: Sequence[int], own: int) -> tuple[int, ...]:
+    """The intra-op thread counts the planned processes run: ``own`` (a process the Trainer runs itself, `candidates.own_threads`)
+    and, for ``n`` launched processes, ``cores // n`` each (at least 1; `shardwise.launch`'s share)."""
+    return tuple(sorted({own, *(max(1, cores // n) if cores else 1 for n in nprocs)}))
 
 
 def _mean_output_loss(output: Any, batch: Any) -> torch.Tensor:
@@ -137,18 +157,17 @@ def _stack(samples: list[Any]) -> Any:
     return torch.stack([torch.as_tensor(s) for s in samples])
 
 
-def recipe_model(name: str, timed_batch: int | None = None) -> PlannedModel:
+def recipe_model(name: str, timed_batch: int | None = None, threads: Sequence[int] = (1,)) -> PlannedModel:
     """A built-in recipe's model, measured on its own first training samples.
 
-    With ``timed_batch``, its training step is also timed here (`time_step`, with the recipe's
-    loss and optimizer) at ``timed_batch / 16`` and ``timed_batch`` samples."""
+    With ``timed_batch``, its training step is also timed here (`time_steps`, with the recipe's
+    loss and optimizer) at ``timed_batch / 16`` and ``timed_batch`` samples, at each of ``threads``."""
     parts = get_recipe(name).parts()
     batch = _stack([parts.train[i] for i in range(EXAMPLE_SAMPLES)])
     example = batch[0] if isinstance(batch, tuple) else batch
     spec = measured_spec(name, parts.model, example, EXAMPLE_SAMPLES, loss=lambda out: parts.loss_fn(out, batch), tp_plan=tp_split(parts.model))
     if timed_batch:
-        fit = time_step(parts.model, parts.train, parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch))
-        spec = replace(spec, step_fit=fit)
+        spec = spec.with_fits(time_steps(parts.model, parts.train, parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch), threads))
     return PlannedModel(spec, parts.model, name)
 
 
@@ -208,7 +227,7 @@ def import_object(spec: str, flag: str) -> Callable[..., Any]:
     return obj
 
 
-def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
+def factory_model(spec: str, timed_batch: int | None = None, threads: Sequence[int] = (1,)) -> PlannedModel:
     """``module:callable`` returning an ``nn.Module`` or ``(module, example_input)``; without an
     example, the module's ``example_input`` attribute (a tensor with a batch dimension) is used."""
     made = import_object(spec, "--model")()
@@ -220,8 +239,7 @@ def factory_model(spec: str, timed_batch: int | None = None) -> PlannedModel:
     samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
     planned = measured_spec(spec, model, example, samples, tp_plan=tp_split(model))
     if timed_batch:
-        fit = time_step(model, repeated(example), _mean_output_loss, _adam, _timed_sizes(timed_batch))
-        planned = replace(planned, step_fit=fit)
+        planned = planned.with_fits(time_steps(model, repeated(example), _mean_output_loss, _adam, _timed_sizes(timed_batch), threads))
     return PlannedModel(planned, model, example=example)
 
 
@@ -234,18 +252,21 @@ def load_model(
     heads: int | None = None,
     seq: int | None = None,
     timed_batch: int | None = None,
+    threads: Sequence[int] | None = None,
 ) -> PlannedModel:
     """Resolve ``--model`` (or ``--params``) into a `PlannedModel`; an unknown name is a one-line `ConfigError`.
 
-    ``timed_batch``: time a real module's step here too (for a profile measured on this machine)."""
+    ``timed_batch``: time a real module's step here too (for a profile measured on this machine), at each of
+    ``threads`` intra-op threads (None: one, and torch's own count, a single process's: `thread_counts`)."""
+    threads = tuple(threads) if threads else tuple(sorted({1, torch.get_num_threads()}))
     if params is not None and spec in ("", None):
         return PlannedModel(from_param_count(params, layers=layers, hidden=hidden, heads=heads, seq=seq or 2048))
     if spec in recipes():
-        return recipe_model(spec, timed_batch)
+        return recipe_model(spec, timed_batch, threads)
     if spec.endswith(".json"):
         return PlannedModel(from_hf_config(Path(spec), seq=seq))
     if ":" in spec:
-        return factory_model(spec, timed_batch)
+        return factory_model(spec, timed_batch, threads)
     raise ConfigError(
         f"unknown --model {spec!r}; give a recipe ({', '.join(recipes())}), a Hugging Face config .json, module:factory, or --params N (e.g. --params 7.5e9)"
     )

@@ -12,6 +12,11 @@ The guide (the course's order of resort, each step the cheapest that removes the
    **pipeline parallelism** (point-to-point activations instead of whole-model allreduces);
 6. unreliable or slow workers (``--unreliable``): **asynchronous parameter servers or local SGD**.
 
+Before the guide, the course's first lesson: distributed training is not always beneficial, it is a
+trade-off. When one process (``single``, with the threads it would run) is predicted faster than every
+multi-process candidate that fits, the recommendation is to stay on one (rule ``one-process``), with
+both figures and their ratio (`one_or_many`); a candidate on fewer processes than asked is named as such.
+
 The rule picks the family (the strategies whose cost names the step in its ``advised_for``,
 `shardwise.strategies.cost.family.StrategyCost`); the candidate is the fastest one of that family that fits. The
 numbers behind the rule (bytes per category against the device's memory) are returned with it.
@@ -25,7 +30,7 @@ from typing import Any
 from shardwise.strategies.cost.cluster import Cluster
 from shardwise.strategies.cost.estimate import Settings
 from shardwise.strategies.cost.families import cost_of
-from shardwise.strategies.cost.family import PIPELINE, REFERENCE, REPLICATE, SHARD_ALL, SHARD_STATE, SPLIT_LAYERS, UNRELIABLE
+from shardwise.strategies.cost.family import ONE_PROCESS, PIPELINE, REFERENCE, REPLICATE, SHARD_ALL, SHARD_STATE, SPLIT_LAYERS, UNRELIABLE
 from shardwise.strategies.cost.model_spec import ModelSpec
 
 
@@ -104,14 +109,55 @@ def recommend(records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Clust
         choice = fastest
     elif choice is None:
         why = f"no candidate fits: {why}. {nothing_fits(records, mem)}"
+    versus = one_or_many(single, fastest)
+    if versus["stay_on_one_process"]:
+        rule, choice, why = ONE_PROCESS, single, versus["why"]
+    elif choice is not None and choice["world_size"] < cluster.nproc:
+        why += f"; on {choice['world_size']} of the {cluster.nproc} processes: fewer are faster here ({versus['why']})"
     return {
         "rule": rule,
         "why": why,
         "choice": choice["label"] if choice else None,
         "choice_record": choice,
         "fastest": fastest["label"] if fastest else None,
+        "processes": choice["world_size"] if choice else None,
+        "threads": choice.get("threads") if choice else None,
+        **{k: v for k, v in versus.items() if k != "why"},
         "numbers": numbers,
     }
+
+
+def _brief(r: dict[str, Any] | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    keys = ("label", "world_size", "threads", "step_time_s", "samples_per_s", "fits")
+    return {k: r.get(k) for k in keys}
+
+
+def one_or_many(single: dict[str, Any], multi: dict[str, Any] | None) -> dict[str, Any]:
+    """One process against the fastest multi-process candidate that fits (``multi``; None: none fits): what
+    distributing buys, in numbers. ``speedup`` is single's step over ``multi``'s (above 1: distributing pays);
+    ``stay_on_one_process`` when single fits and is predicted faster (or no multi-process candidate fits)."""
+    ms = 1e3
+    stay = bool(single["fits"]) and (multi is None or single["step_time_s"] < multi["step_time_s"])
+    speedup = single["step_time_s"] / multi["step_time_s"] if multi is not None and multi["step_time_s"] > 0 else None
+    one = f"single: {single['step_time_s'] * ms:.3g} ms a step, {single.get('samples_per_s', 0):.3g} samples/s with {single.get('threads', 1)} thread(s)"
+    if multi is None:
+        why = f"{one}, and no multi-process candidate fits: stay on one process"
+    else:
+        other = (
+            f"{multi['label']} on {multi['world_size']} processes: {multi['step_time_s'] * ms:.3g} ms, "
+            f"{multi.get('samples_per_s', 0):.3g} samples/s with {multi.get('threads', 1)} thread(s) each"
+        )
+        if stay:
+            why = (
+                f"one process is predicted faster than every multi-process candidate that fits: {one}, against the fastest of them, {other} "
+                f"({multi['step_time_s'] / single['step_time_s']:.2f}x the step): distributing is a trade-off and here it costs more "
+                "(communication, per-process work, shared cores) than it saves; stay on one process"
+            )
+        else:
+            why = f"{other} against {one}: {speedup:.2f}x the speed of one process"
+    return {"stay_on_one_process": stay, "one_process": _brief(single), "best_multiprocess": _brief(multi), "speedup": speedup, "why": why}
 
 
 def nothing_fits(records: Sequence[dict[str, Any]], device_bytes: float) -> str:

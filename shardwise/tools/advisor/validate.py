@@ -29,7 +29,6 @@ import json
 import math
 import statistics
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +200,8 @@ def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Setting
     """Train ``record``'s strategy on ``model`` (`PlannedModel.training`) for ``steps`` steps (None:
     `steps_for` its predicted step), logged every `log_every_for` its rounds; returns the measured step
     time, model state and activations."""
+    import torch
+
     from shardwise.trainer import Trainer
 
     training = model.training()
@@ -227,7 +228,13 @@ def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Setting
         loss_fn=loss_fn,
         callbacks=[MemoryProbe(str(out))],
     )
-    trainer.fit(module, data)
+    before = torch.get_num_threads()
+    if record.get("in_process"):  # run in this process: with the threads it was costed with (launched ranks get theirs from the launcher)
+        torch.set_num_threads(int(record["threads"]))
+    try:
+        trainer.fit(module, data)
+    finally:
+        torch.set_num_threads(before)
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     memory = measured_memory(out)
     return {
@@ -266,7 +273,7 @@ def validate(
             "--validate trains the model: give a built-in recipe (--model digits or charlm) or a module:factory returning "
             "(model, example_input); a config .json or --params describes a model's sizes only"
         )
-    records = [r for r in plan_all(model.spec, cluster, settings, model.module) if r["fits"] and r["world_size"] == cluster.nproc]
+    records = [r for r in plan_all(model.spec, cluster, settings, model.module) if r["fits"]]  # single and fewer processes too
     if only:
         records = [r for r in records if r["label"] in only or r["strategy"] in only]
     if not records:
@@ -275,13 +282,16 @@ def validate(
     failed: dict[str, list[str]] = {}
     rows = []
     rounds = max(1, repeats)
-    fits = [model.spec.step_fit] if model.spec.step_fit is not None and cluster.device.local else []
+    timed = [f for f in (model.spec.step_fit, *model.spec.step_fits) if f is not None] if cluster.device.local else []
+    fits = [timed] if timed else []  # each round's timings, one per thread count
     for r in range(rounds):  # in rounds over the candidates: a slow stretch of the machine lands on many once
         if r > 0 and fits:
-            fits.append(retimed(model, fits[0].sizes))
-            print(f"model step timed again, round {r + 1}: {fits[-1].fixed_s * 1e3:.3f} ms + {fits[-1].per_sample_s * 1e6:.2f} us a sample", flush=True)
+            fits.append([retimed(model, f) for f in timed])
+            for f in fits[-1]:
+                threads = f" with {f.threads} threads" if len(timed) > 1 else ""
+                print(f"model step timed again{threads}, round {r + 1}: {f.fixed_s * 1e3:.3f} ms + {f.per_sample_s * 1e6:.2f} us a sample", flush=True)
             if r == rounds - 1:
-                records = replanned(records, model, median_fit(fits), cluster, settings)
+                records = replanned(records, model, [median_fit([t[i] for t in fits]) for i in range(len(timed))], cluster, settings)
         if checks is not None and cluster.device.framework:
             c = machine_check(cluster.device)  # at 2 processes, as calibrated
             checks.append(c)
@@ -310,28 +320,29 @@ def validate(
     return rows
 
 
-def retimed(model: PlannedModel, sizes: tuple[int, int]) -> StepFit:
-    """The model's own step timed again (`shardwise.tools.advisor.models.time_step`, at the same two sizes),
-    on what ``--validate`` trains (`PlannedModel.training`)."""
+def retimed(model: PlannedModel, fit: StepFit) -> StepFit:
+    """The model's own step timed again as ``fit`` was (`shardwise.tools.advisor.models.time_step`, at the same two
+    sizes and thread count), on what ``--validate`` trains (`PlannedModel.training`)."""
     from shardwise.tools.advisor.models import time_step
 
     training = model.training()
     assert training is not None  # validate() refused the model otherwise
     module, data, loss_fn, optimizer = training
-    return time_step(module, data, loss_fn, optimizer, sizes)
+    return time_step(module, data, loss_fn, optimizer, fit.sizes, fit.threads)
 
 
 def median_fit(fits: list[StepFit]) -> StepFit:
-    """The median of the model's step timings: each part (fixed, per sample) taken apart."""
-    return StepFit(fixed_s=statistics.median(f.fixed_s for f in fits), per_sample_s=statistics.median(f.per_sample_s for f in fits), sizes=fits[0].sizes)
+    """The median of the model's step timings (at one thread count): each part (fixed, per sample) taken apart."""
+    fixed, per_sample = statistics.median(f.fixed_s for f in fits), statistics.median(f.per_sample_s for f in fits)
+    return StepFit(fixed_s=fixed, per_sample_s=per_sample, sizes=fits[0].sizes, threads=fits[0].threads)
 
 
-def replanned(records: list[dict[str, Any]], model: PlannedModel, fit: StepFit, cluster: Cluster, settings: Settings) -> list[dict[str, Any]]:
-    """``records`` planned again with the model's step ``fit`` (the median over the rounds' timings,
-    `median_fit`): the prediction's one measured input, timed in every round as the candidates are run
+def replanned(records: list[dict[str, Any]], model: PlannedModel, fits: list[StepFit], cluster: Cluster, settings: Settings) -> list[dict[str, Any]]:
+    """``records`` planned again with the model's step ``fits`` (at each thread count, the median over the rounds'
+    timings, `median_fit`): the prediction's one measured input, timed in every round as the candidates are run
     in every round, so that one slow stretch of the machine moves neither side alone."""
     labels = {r["label"] for r in records}
-    again = {r["label"]: r for r in plan_all(replace(model.spec, step_fit=fit), cluster, settings, model.module) if r["label"] in labels}
+    again = {r["label"]: r for r in plan_all(model.spec.with_fits(fits), cluster, settings, model.module) if r["label"] in labels}
     return [again[r["label"]] if r["label"] in again and r["world_size"] == again[r["label"]]["world_size"] else r for r in records]
 
 

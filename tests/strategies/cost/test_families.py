@@ -6,7 +6,7 @@ from __future__ import annotations
 from shardwise.strategies import available
 from shardwise.strategies.cost.cluster import Cluster, load_profile
 from shardwise.strategies.cost.families import all_costs, cost_modules, cost_of, propose
-from shardwise.strategies.cost.family import PIPELINE, REFERENCE, REPLICATE, SHARD_ALL, SHARD_STATE, SPLIT_LAYERS, UNRELIABLE, StrategyCost
+from shardwise.strategies.cost.family import ONE_PROCESS, PIPELINE, REFERENCE, REPLICATE, SHARD_ALL, SHARD_STATE, SPLIT_LAYERS, UNRELIABLE, StrategyCost
 from shardwise.strategies.cost.model_spec import transformer_spec
 
 
@@ -27,7 +27,7 @@ def test_every_proposed_candidate_is_costed_by_its_family_and_every_step_of_the_
     candidates = propose(cluster, transformer_spec("7b", layers=32, hidden=4096, heads=32, vocab=32000, seq=2048), 512)
     assert {c.strategy for c in candidates} == set(all_costs())
     steps = {step for cost in all_costs().values() for step in cost.advised_for}
-    assert steps == {REFERENCE, REPLICATE, SHARD_STATE, SHARD_ALL, SPLIT_LAYERS, PIPELINE, UNRELIABLE}
+    assert steps == {REFERENCE, ONE_PROCESS, REPLICATE, SHARD_STATE, SHARD_ALL, SPLIT_LAYERS, PIPELINE, UNRELIABLE}  # one-process: single (issue 39)
     # one process: the one-device reference alone
     small = transformer_spec("small", layers=4, hidden=512, heads=8, vocab=1000, seq=128)
     assert [c.strategy for c in propose(Cluster(load_profile("h100-80gb"), 1), small, 8)] == ["single"]
