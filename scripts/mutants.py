@@ -318,6 +318,13 @@ MUTANTS = [
     Mutant("mpirun's variables ignored (each process trains alone)", "shardwise/launcher/env.py",
            "    if family is None:\n        return None\n", "    if True:\n        return None\n",
            ("tests/launcher/test_mpi.py::test_two_shardwise_train_processes_started_with_openmpis_variables_train_one_job",)),
+    Mutant("hierarchical allreduce's leaders average over their node only (avg divided by the node size)", "shardwise/comm/hierarchical.py",
+           "        flat.div_(levels.node_size * levels.nodes)", "        flat.div_(levels.node_size)", ("tests/comm/test_hierarchical.py",)),
+    Mutant("a gather's root is recorded receiving every piece, its own included", "shardwise/comm/recorder.py",
+           "        root, other = (p - 1) * payload // p, payload // p", "        root, other = payload, payload // p", ("tests/engine/test_collectives.py",)),
+    Mutant("engine.reduce returns the (unspecified) tensor on ranks other than dst", "shardwise/engine/collectives.py",
+           "        reduce(tensor.clone(), dst, op, group=self.group, recorder=self.recorder)\n        return None",
+           "        return reduce(tensor, dst, op, group=self.group, recorder=self.recorder) or tensor", ("tests/engine/test_collectives.py",)),
 ]
 
 
