@@ -369,7 +369,7 @@ def pin(batch: Any) -> Any:
     """``batch`` with every tensor in page-locked memory (tuples, named tuples, lists and dicts followed;
     an object with its own ``pin_memory()`` method calls it, as torch's DataLoader does)."""
     if isinstance(batch, torch.Tensor):
-        return batch if batch.is_pinned() else batch.pin_memory()
+        return batch if batch.device.type != "cpu" or batch.is_pinned() else batch.pin_memory()  # a tensor already on a device stays
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(pin(x) for x in batch))
     if isinstance(batch, (list, tuple)):

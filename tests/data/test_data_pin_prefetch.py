@@ -96,10 +96,10 @@ def test_pin_follows_the_batch_structure(monkeypatch):
             return "pinned"
 
     Pair = namedtuple("Pair", "x y")
-    got = pin({"a": (torch.zeros(1), [torch.ones(1)]), "b": Pair(torch.zeros(1), 7), "c": Own(), "d": "text"})
+    got = pin({"a": (torch.zeros(1), [torch.ones(1)]), "b": Pair(torch.zeros(1), 7), "c": Own(), "d": "text", "e": torch.zeros(1, device="meta")})
     assert isinstance(got["a"], tuple) and isinstance(got["a"][1], list) and isinstance(got["b"], Pair)
     assert got["a"][0].item() == 100 and got["a"][1][0].item() == 101 and got["b"].x.item() == 100 and got["b"].y == 7
-    assert got["c"] == "pinned" and got["d"] == "text"
+    assert got["c"] == "pinned" and got["d"] == "text" and got["e"].device.type == "meta"  # only CPU tensors are pinned
 
 
 def test_a_dataloaders_own_pin_memory_and_prefetch_factor_are_read():
