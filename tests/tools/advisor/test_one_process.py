@@ -1,0 +1,144 @@
+"""When not to distribute (issue 39): ``single`` costed with its own thread count and the machine's load,
+fewer processes than asked as candidates, and the recommendation to stay on one process when it is
+predicted faster than every multi-process candidate, with the numbers.
+
+The decision is tested on controlled inputs (a model spec whose step timings are given, a profile with
+2 cores, the load given); which layout wins on digits depends on this machine's timing, so the CLI
+test checks the fields and their consistency only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.strategies.cost.cluster import A100_40GB, Cluster, Framework, Link
+from shardwise.strategies.cost.estimate import Settings, Shape, estimate
+from shardwise.strategies.cost.model_spec import ModelSpec, StepFit
+from shardwise.tools.advisor.candidates import fastest_threads, own_threads, plan_all
+from shardwise.tools.advisor.recommend import recommend
+
+LINK = Link(alpha=1e-4, beta=1e-9)
+TWO_CORES = replace(
+    A100_40GB, name="here", local=True, cores=2, memory_bytes=12e9, intra=LINK, inter=LINK, overlap=0.0, framework={"ddp": Framework(1e-3, 1e-4)}
+)
+ONE_THREAD = StepFit(fixed_s=2e-3, per_sample_s=1e-5, sizes=(4, 64), threads=1)
+TWO_THREADS = StepFit(fixed_s=1e-3, per_sample_s=6e-6, sizes=(4, 64), threads=2)
+
+
+def spec(*fits: StepFit) -> ModelSpec:
+    return ModelSpec("m", params=26_000, layers=3, layer_params=16_000, hidden=128, flops_per_sample=1.4e5, tensors=6).with_fits(fits)
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """A single process's own thread count is torch's: 2 here (the suite runs with 1), put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def plan(model: ModelSpec, nproc: int = 2, load: float = 0.0, batch: int = 64) -> tuple[list[dict], dict]:
+    cluster = Cluster(TWO_CORES, nproc, load=load)
+    settings = Settings(batch)
+    records = plan_all(model, cluster, settings)
+    return records, recommend(records, model, cluster, settings)
+
+
+def test_single_is_costed_with_the_step_timed_at_its_thread_count() -> None:
+    model = spec(ONE_THREAD, TWO_THREADS)
+    one = estimate(model, Cluster(TWO_CORES, 1, threads=1), Settings(64), Shape("single")).time
+    two = estimate(model, Cluster(TWO_CORES, 1, threads=2), Settings(64), Shape("single")).time
+    assert one["threads"] == 1 and one["step_s"] == pytest.approx(ONE_THREAD.seconds(64))
+    assert two["threads"] == 2 and two["step_s"] == pytest.approx(TWO_THREADS.seconds(64))  # no framework cost: the timing is its step
+    # two launched ranks on two cores run one thread each: the one-thread timing, half the batch each
+    ddp = estimate(model, Cluster(TWO_CORES, 2), Settings(64), Shape("ddp", dp=2)).time
+    assert ddp["threads"] == 1 and ddp["compute_s"] == pytest.approx(ONE_THREAD.seconds(32))
+    # a thread count never timed is costed as the most threads timed below it, never a guessed speed-up
+    assert model.fit_for(8) is TWO_THREADS and model.fit_for(1) is ONE_THREAD and spec(TWO_THREADS).fit_for(1) is TWO_THREADS
+
+
+def test_the_load_takes_cores_from_single_s_threads_and_stretches_the_ranks(torch_threads: None) -> None:
+    model = spec(ONE_THREAD, TWO_THREADS)
+    quiet = {r["label"]: r for r in plan(model)[0]}
+    assert quiet["single"]["threads"] == 2 and quiet["single"]["in_process"]
+    assert quiet["single"]["step_time_s"] == pytest.approx(TWO_THREADS.seconds(64))
+    # another job's runnable thread on two cores: one core left, single runs (and is costed with) one thread
+    busy = {r["label"]: r for r in plan(model, load=1.0)[0]}
+    assert own_threads(Cluster(TWO_CORES, 1, load=1.0)) == 1 and busy["single"]["threads"] == 1
+    assert busy["single"]["step_time_s"] == pytest.approx(ONE_THREAD.seconds(64))
+    # two one-thread ranks and that thread share two cores: 3/2 of the time (the timing had a core to itself)
+    ddp_quiet, ddp_busy = quiet["ddp(allreduce=native)"]["time_breakdown"], busy["ddp(allreduce=native)"]["time_breakdown"]
+    assert ddp_busy["shared"] == pytest.approx(1.5) and ddp_busy["step_s"] == pytest.approx(1.5 * ddp_quiet["step_s"])
+    assert any("other work's 1 runnable threads (load) share 2 cores" in n for n in busy["ddp(allreduce=native)"]["notes"])
+
+
+def test_a_thread_count_that_timed_slower_is_not_the_one_single_is_costed_with(torch_threads: None) -> None:
+    collapsed = replace(TWO_THREADS, fixed_s=0.1)  # a busy machine's two threads wait on each other (issue 39: 40x)
+    assert fastest_threads(spec(ONE_THREAD, collapsed), 2, 64) == 1 and fastest_threads(spec(ONE_THREAD, TWO_THREADS), 2, 64) == 2
+    records, advice = plan(spec(ONE_THREAD, collapsed))
+    single = next(r for r in records if r["label"] == "single")
+    assert single["threads"] == 1 and single["step_time_s"] == pytest.approx(ONE_THREAD.seconds(64))
+
+
+def test_one_process_faster_than_every_multi_process_candidate_is_the_recommendation_with_its_numbers(torch_threads: None) -> None:
+    records, advice = plan(spec(ONE_THREAD, TWO_THREADS))
+    single = next(r for r in records if r["label"] == "single")
+    multi = min((r for r in records if r["fits"] and r["world_size"] > 1), key=lambda r: r["step_time_s"])
+    assert single["step_time_s"] < multi["step_time_s"]  # the inputs: 1.4 ms against ddp's 2.3 ms compute alone
+    assert advice["rule"] == "one-process" and advice["choice"] == "single" and advice["stay_on_one_process"] is True
+    assert advice["processes"] == 1 and advice["threads"] == 2
+    assert advice["one_process"]["step_time_s"] == single["step_time_s"] and advice["one_process"]["samples_per_s"] == pytest.approx(64 / single["step_time_s"])
+    assert advice["best_multiprocess"]["label"] == multi["label"] and advice["speedup"] == pytest.approx(single["step_time_s"] / multi["step_time_s"])
+    why = advice["why"]
+    assert "stay on one process" in why and f"{single['step_time_s'] * 1e3:.3g} ms a step" in why and f"{multi['step_time_s'] * 1e3:.3g} ms" in why
+    assert f"({multi['step_time_s'] / single['step_time_s']:.2f}x the step)" in why and "distributing is a trade-off" in why
+
+
+def test_where_distributing_is_faster_the_guide_s_multi_process_choice_stands(torch_threads: None) -> None:
+    heavy = [replace(f, per_sample_s=1e-3) for f in (ONE_THREAD, TWO_THREADS)]  # compute dominates: half a batch each pays
+    records, advice = plan(spec(*heavy))
+    assert advice["stay_on_one_process"] is False and advice["rule"] == "ddp" and advice["choice"].startswith("ddp(")
+    assert advice["processes"] == 2 and advice["speedup"] > 1
+    single = next(r for r in records if r["label"] == "single")
+    assert advice["speedup"] == pytest.approx(single["step_time_s"] / advice["best_multiprocess"]["step_time_s"])
+
+
+def test_fewer_processes_than_asked_are_candidates_and_named_as_such(torch_threads: None) -> None:
+    heavy = [replace(f, per_sample_s=1e-3) for f in (ONE_THREAD, TWO_THREADS)]
+    records, advice = plan(spec(*heavy), nproc=4)
+    by_world = {r["label"]: r["world_size"] for r in records}
+    assert by_world["single"] == 1 and by_world["ddp(allreduce=native) on 2"] == 2 and by_world["ddp(allreduce=tree) on 2"] == 2
+    assert by_world["ddp(allreduce=native)"] == 4
+    # four one-thread ranks on two cores take twice as long as two: the two-process candidates win, said so
+    assert advice["processes"] == 2 and advice["choice"].endswith(" on 2") and "on 2 of the 4 processes: fewer are faster here" in advice["why"]
+    # a model that does not fit on one device gets no fewer-process candidates
+    big = replace(spec(*heavy), params=int(2e9), layer_params=int(1e8))
+    assert all(r["world_size"] in (1, 4) for r in plan(big, nproc=4)[0])
+
+
+def test_plan_json_carries_the_one_process_comparison(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardwise.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "digits", "--nproc", "2", "--load", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rec = doc["recommendation"]
+    for key in ("rule", "why", "choice", "fastest", "numbers"):  # the fields before issue 39 are still there
+        assert key in rec
+    one, multi = rec["one_process"], rec["best_multiprocess"]
+    assert one["label"] == "single" and one["world_size"] == 1 and one["threads"] >= 1 and one["step_time_s"] > 0
+    assert multi["world_size"] == 2 and rec["speedup"] == pytest.approx(one["step_time_s"] / multi["step_time_s"])
+    assert rec["stay_on_one_process"] is (one["step_time_s"] < multi["step_time_s"])
+    assert (rec["choice"] == "single") is rec["stay_on_one_process"] and (rec["rule"] == "one-process") is rec["stay_on_one_process"]
+    assert rec["processes"] == (1 if rec["stay_on_one_process"] else 2)
+    assert doc["cluster"]["load"] == 0 and doc["cluster"]["cores"] >= 1
+    assert all("threads" in r and "samples_per_s" in r for r in doc["candidates"])
+    printed = capsys.readouterr().out
+    assert "cores: " in printed and "load 0.00 (other work's runnable threads: --load)" in printed
