@@ -239,9 +239,9 @@ def _num(x: float | None, fmt: str, unit: str = "") -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width table: measured, then predicted."""
-    head = f"{'strategy':10s} {'procs':>5s} {'step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s} │ "
+    head = f"{'strategy':10s} {'procs':>5s} {'threads':>7s} {'step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s} │ "
     head += f"{'pred. step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s}"
-    lines = [f"{'':17s}{'measured':^37s} │ {'predicted by the planner':^37s}", head, "─" * len(head)]
+    lines = [f"{'':25s}{'measured':^37s} │ {'predicted by the planner':^37s}", head, "─" * len(head)]
     for r in rows:
         base = f" (vs {r['baseline']})" if r["baseline"] != r["strategy"] else ""
         if r.get("error"):
@@ -254,7 +254,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{_ms(r['predicted_step_s']):>10s} {_num(r['predicted_samples_per_s'], ',.0f'):>10s} "
             f"{_num(r['predicted_speedup'], '.2f', 'x'):>8s} {_num(r['predicted_efficiency'], '.0%'):>6s}"
         )
-        lines.append(f"{r['strategy']:10s} {r['nproc']:5d} {measured} │ {predicted}{base}")
+        threads = str(r.get("predicted_threads") or "-")
+        lines.append(f"{r['strategy']:10s} {r['nproc']:5d} {threads:>7s} {measured} │ {predicted}{base}")
     return "\n".join(lines)
 
 
@@ -292,35 +293,13 @@ def default_batch(recipe: str | None) -> int:
     return int(get_recipe(recipe).trainer_defaults["global_batch_size"]) if recipe else 64
 
 
-def setup(args: argparse.Namespace, batch: int) -> Any:
-    """The `PlannedModel` the predictions read: a recipe as ``shardwise plan --model NAME`` loads it, or the
-    ``--model`` factory's module counted on its example input (its own, or the data's first samples) with its
-    step timed here on ``--data`` with ``--loss`` and ``--optimizer``, as the runs train it."""
-    from dataclasses import replace
+def setup(args: argparse.Namespace, batch: int, counts: list[int]) -> Any:
+    """The `PlannedModel` the predictions read: ``--recipe`` or ``--model`` loaded as ``shardwise plan --model`` loads it
+    (`shardwise.tools.advisor.forecast.planned_model`: its step timed here at every thread count the runs use)."""
+    from shardwise.tools.advisor.forecast import planned_model
 
-    import torch
-
-    from shardwise.strategies.cost.model_spec import measured_spec
-    from shardwise.tools.advisor.models import EXAMPLE_SAMPLES, PlannedModel, import_object, load_model, time_step, tp_split
-
-    timed = batch * (max(parse_nproc(args.nproc)) if args.weak else 1)  # the largest global batch a run trains
-    if args.recipe is not None:
-        return load_model(args.recipe, timed_batch=timed)
-    made = import_object(args.model, "--model")()
-    model, example = (made[0], made[1]) if isinstance(made, tuple) else (made, getattr(made, "example_input", None))
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"--model {args.model!r} returned {type(model).__name__}, not a torch.nn.Module")
-    data = import_object(args.data, "--data")()
-    dataset = getattr(data, "dataset", data)  # a DataLoader's data set
-    if example is None:
-        first = [dataset[i] for i in range(min(EXAMPLE_SAMPLES, len(dataset)))]
-        example = torch.stack([torch.as_tensor(s[0] if isinstance(s, tuple | list) else s) for s in first])
-    samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
-    spec = measured_spec(args.model, model, example, samples, tp_plan=tp_split(model))
-    loss = import_object(args.loss, "--loss") if args.loss else None
-    optimizer = import_object(args.optimizer, "--optimizer") if args.optimizer else None
-    fit = time_step(model, dataset, loss, optimizer, (max(1, timed // 16), max(2, timed)))  # type: ignore[arg-type]  # None: the Trainer's defaults
-    return PlannedModel(replace(spec, step_fit=fit), model, example=example)
+    timed = batch * (max(counts) if args.weak else 1)  # the largest global batch a run trains
+    return planned_model(args.recipe or args.model, global_batch=timed, nprocs=counts)
 
 
 def baselines(strategies: list[str], counts: list[int], batch: int, weak: bool, planned: Any) -> tuple[list[tuple[Config, str]], list[str]]:
@@ -350,23 +329,20 @@ def baselines(strategies: list[str], counts: list[int], batch: int, weak: bool, 
     return chosen, skipped
 
 
-def predictions(configs: list[tuple[Config, str]], planned: Any) -> dict[Config, dict[str, Any]]:
-    """The planner's step time for each configuration (its candidate costed on the measured ``cpu`` profile), and its samples/s."""
-    from shardwise.strategies.cost.cluster import Cluster, load_profile
-    from shardwise.strategies.cost.estimate import Settings
-    from shardwise.strategies.cost.family import Candidate
-    from shardwise.tools.advisor.candidates import evaluate
+def predictions(configs: list[tuple[Config, str]], planned: Any, load: float) -> dict[Config, dict[str, Any]]:
+    """The planner's figures for each configuration (`shardwise.tools.advisor.forecast.predict_step` on the measured
+    ``cpu`` profile, with ``load``, the other work's load average before this command started, and the threads each process runs)."""
+    from shardwise.tools.advisor.forecast import predict_step
 
-    profile = load_profile("cpu")
     out = {}
     for config, _ in configs:
-        cluster, settings = Cluster(profile, config.nproc, 1), Settings(config.global_batch)
-        record = evaluate(Candidate(config.strategy, world_size=config.nproc), planned.spec, cluster, settings, planned.module)
-        step = float(record["step_time_s"])
+        p = predict_step(planned, config.strategy, config.nproc, global_batch=config.global_batch, load=load)
         out[config] = {
-            "predicted_step_s": step,
-            "predicted_samples_per_s": config.global_batch / step if step > 0 else None,
-            "predicted_fits": bool(record["fits"]),
+            "predicted_step_s": p.step_s,
+            "predicted_samples_per_s": p.samples_per_s,
+            "predicted_threads": p.threads,
+            "predicted_load": p.load,
+            "predicted_fits": p.fits,
         }
     return out
 
@@ -416,16 +392,16 @@ def main(argv: Sequence[str]) -> int:
     strategies, counts = check_options(args)
     batch = args.global_batch or default_batch(args.recipe)
     source = args.recipe or args.model
+    load = os.getloadavg()
     print(f"shardwise bench scaling: {source}, {', '.join(strategies)} on {', '.join(map(str, counts))} process(es), {args.max_steps} steps each", flush=True)
-    planned = setup(args, batch)
+    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} (1 min), {load[1]:.2f} (5 min) before starting", flush=True)
+    planned = setup(args, batch, counts)
     configs, skipped = baselines(strategies, counts, batch, args.weak, planned)
     for line in skipped:
         print(f"  skipped: {line}", flush=True)
     if not configs:
         raise ConfigError("no strategy can run at the process counts asked; see the lines above")
-    predicted = predictions(configs, planned)
-    load = os.getloadavg()
-    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} (1 min), {load[1]:.2f} (5 min) before the runs", flush=True)
+    predicted = predictions(configs, planned, load[0])
     with tempfile.TemporaryDirectory(prefix="shardwise-scaling-") as tmp:
         root = Path(args.out) if args.out else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
