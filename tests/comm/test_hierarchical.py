@@ -175,3 +175,26 @@ def test_ddp_refuses_bad_hierarchical_options_before_any_process_starts():
         DDP(allreduce="hierarchical", node_size=3).plan(4)
     with pytest.raises(ConfigError, match=r"Did you mean 'hierarchical'\?"):
         DDP(allreduce="hierarchial")
+
+
+def test_the_planner_prices_hierarchical_as_its_three_levels():
+    """2 nodes of 8 H100s, fp32 gradients of 1e8 parameters (N = 400 MB): a reduce of N inside each
+    node and a broadcast back (ceil(lg 8) = 3 rounds each, on NVLink), the two leaders' allreduce of N
+    (2(2-1)/2 N, 2 rounds, on InfiniBand); on one node it is not proposed."""
+    from shardwise.strategies.cost.cluster import H100_80GB, Cluster
+    from shardwise.strategies.cost.estimate import estimate
+    from shardwise.strategies.cost.model_spec import ModelSpec
+    from shardwise.strategies.cost.terms import Settings, Shape
+    from shardwise.strategies.data_parallel.cost import candidates
+
+    spec = ModelSpec("m", params=1e8, layers=4, layer_params=2.5e7, hidden=8, act_bytes_per_layer_sample=1.0, act_bytes_other_sample=1.0)
+    cluster, N = Cluster(H100_80GB, 16, nodes=2), 4e8
+    got = estimate(spec, cluster, Settings(64), Shape("ddp", dp=16, algorithm="hierarchical")).collectives
+    intra, inter = H100_80GB.intra, H100_80GB.inter
+    want = [("reduce", "node", 8, N, intra.time(3, N)), ("all_reduce", "leaders", 2, N, inter.time(2, N)), ("broadcast", "node", 8, N, intra.time(3, N))]
+    assert [(c.op, c.group, c.size, c.sent_bytes) for c in got] == [w[:4] for w in want]
+    assert [c.seconds for c in got] == pytest.approx([w[4] for w in want], rel=1e-12)
+    ring = estimate(spec, cluster, Settings(64), Shape("ddp", dp=16)).collectives[0]
+    assert ring.seconds == pytest.approx(inter.time(30, 2 * 15 / 16 * N)) and sum(c.seconds for c in got) < ring.seconds
+    labels = [c.label for c in candidates(cluster, spec, 64)]
+    assert "ddp(allreduce=hierarchical)" in labels and "ddp(allreduce=hierarchical)" not in [c.label for c in candidates(Cluster(H100_80GB, 8), spec, 64)]

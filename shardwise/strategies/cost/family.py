@@ -120,8 +120,17 @@ class Step:
         self.add(op, group, size, count, payload, wire_bytes(op, int(payload), size)[0], rounds(op, size), stride, hide)
 
     def reduce_gradients(self, algorithm: str = "native") -> None:
-        """Data parallelism's allreduce of the gradients over ``dp``, behind the backward."""
+        """Data parallelism's allreduce of the gradients over ``dp``, behind the backward. ``hierarchical``
+        (`shardwise.comm.hierarchical`): a reduce inside each node, the leaders' allreduce across nodes, a
+        broadcast back (binomial trees in the node: ``ceil(lg L)`` rounds of the whole vector each)."""
         shape = self.shape
+        if algorithm == "hierarchical":
+            local, w = min(self.cluster.per_node, shape.dp), self.grad_wire
+            self.add("reduce", "node", local, 1, w, w, (local - 1).bit_length(), 1, "backward")
+            sent, n = allreduce_sent(w, shape.dp // local, "native")
+            self.add("all_reduce", "leaders", shape.dp // local, 1, w, sent, n, local, "backward")
+            self.add("broadcast", "node", local, 1, w, w, (local - 1).bit_length(), 1, "backward")
+            return
         sent, n = allreduce_sent(self.grad_wire, shape.dp, algorithm)
         self.add("all_reduce", "dp", shape.dp, 1, self.grad_wire, sent, n, shape.tp * shape.pp, "backward")
 

@@ -84,6 +84,6 @@ def candidates(cluster: Cluster, spec: ModelSpec, global_batch: int, accumulate:
     out = [Candidate("single", world_size=1)]
     if cluster.nproc == 1:
         return out
-    out += [Candidate("ddp", {"allreduce": alg}) for alg in ALGORITHMS]
+    out += [Candidate("ddp", {"allreduce": alg}) for alg in (*ALGORITHMS, *(("hierarchical",) if cluster.nodes > 1 else ()))]
     out += [Candidate("ddp", {"compression": codec}) for codec in CODECS]
     return out
