@@ -334,6 +334,11 @@ MUTANTS = [
     Mutant("engine.reduce returns the (unspecified) tensor on ranks other than dst", "shardwise/engine/collectives.py",
            "        reduce(tensor.clone(), dst, op, group=self.group, recorder=self.recorder)\n        return None",
            "        return reduce(tensor, dst, op, group=self.group, recorder=self.recorder) or tensor", ("tests/engine/test_collectives.py",)),
+    Mutant("bench scaling: a row's speed-up against its own strategy's one-process run, not its baseline's (single's for ps)",
+           "shardwise/tools/bench/scaling.py", 'base = by_key.get((r["baseline"], 1))', 'base = by_key.get((r["strategy"], 1))',
+           ("tests/tools/test_bench_scaling.py",)),
+    Mutant("bench scaling: the warm-up intervals are counted in the throughput", "shardwise/tools/bench/scaling.py",
+           'r.get("step", 0) > warmup', 'r.get("step", 0) >= 0', ("tests/tools/test_bench_scaling.py",)),
 ]
 
 
