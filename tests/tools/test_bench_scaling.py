@@ -51,6 +51,12 @@ def test_bad_input_is_refused_before_anything_runs(nothing_runs, argv, message):
         bench_main(["scaling", *argv])
 
 
+def test_a_used_out_directory_is_refused_before_anything_runs(nothing_runs, tmp_path):
+    (tmp_path / "ddp-1proc").mkdir()
+    with pytest.raises(ConfigError, match=r"--out .* is not empty"):
+        bench_main(["scaling", "--recipe", "digits", "--out", str(tmp_path)])
+
+
 def test_the_command_prints_one_line_for_a_user_mistake():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(

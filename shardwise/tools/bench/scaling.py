@@ -48,7 +48,7 @@ REFERENCE = "single"
 """The one-process run a strategy that cannot run on one process is measured against."""
 _DESCRIPTION = "Measured speed-up and efficiency against the number of processes, beside the planner's prediction."
 _JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-"""A launcher's variables, not passed on: a run this command starts is a job of its own."""
+"""A launcher's variables (and mpirun's ``OMPI_COMM_WORLD_*``, ``PMI_*``), not passed on: each run is a job of its own."""
 _FACTORY = "MODULE:FACTORY"
 _SOURCE = ("what to train", "a built-in recipe, or your own model as `shardwise train` takes it (MODULE:NAME, imported from the current directory first)")
 
@@ -130,6 +130,8 @@ def check_options(args: argparse.Namespace) -> tuple[list[str], list[int]]:
             f"--max-steps {args.max_steps} leaves fewer than 2 logged intervals of {args.log_every} steps after the {args.warmup} warm-up steps; "
             f"give --max-steps {args.warmup + 2 * args.log_every} or more (or a smaller --warmup)"
         )
+    if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
+        raise ConfigError(f"--out {args.out} is not empty (an earlier bench's runs?); give a new or empty directory, so no run is mixed with another's")
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError(f"--global-batch must be >= 1; got {args.global_batch}")
     return strategies, nproc
@@ -165,7 +167,7 @@ def run_one(args: argparse.Namespace, config: Config, out: Path) -> dict[str, An
     cmd = [sys.executable, "-m", "shardwise", "train", *_source_args(args), "--strategy", config.strategy, "--nproc", str(config.nproc)]
     cmd += ["--max-steps", steps, "--log-every", str(args.log_every), "--val-every", steps, "--checkpoint-every", steps]
     cmd += ["--global-batch-size", str(config.global_batch), "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}  # each run starts its own processes
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES and not k.startswith(("OMPI_COMM_WORLD_", "PMI_"))}  # a job of its own
     load = os.getloadavg()[0]
     start = time.perf_counter()
     try:
@@ -182,6 +184,11 @@ def run_one(args: argparse.Namespace, config: Config, out: Path) -> dict[str, An
     return {"samples_per_s": sps, "intervals": intervals, "run_samples_per_s": summary["samples_per_s"], "wall_s": wall, "load_1min": load}
 
 
+def run_name(config: Config, round_: int, repeats: int) -> str:
+    """A run's directory under ``--out``: ``ddp-2proc`` (``ddp-2proc-run1``, ... with ``--repeats``)."""
+    return f"{config.strategy}-{config.nproc}proc" + (f"-run{round_ + 1}" if repeats > 1 else "")
+
+
 def measure(args: argparse.Namespace, configs: list[Config], root: Path) -> dict[Config, dict[str, Any]]:
     """Every configuration ``--repeats`` times, in rounds (a slow stretch of the machine lands on all alike); the median run of each."""
     runs: dict[Config, list[dict[str, Any]]] = {c: [] for c in configs}
@@ -190,7 +197,7 @@ def measure(args: argparse.Namespace, configs: list[Config], root: Path) -> dict
     for r in range(args.repeats):
         for c in configs:
             k += 1
-            got = run_one(args, c, root / (f"{c.strategy}-{c.nproc}proc" + (f"-run{r + 1}" if args.repeats > 1 else "")))
+            got = run_one(args, c, root / run_name(c, r, args.repeats))
             if "error" in got:
                 errors[c] = got["error"]
                 print(f"  [{k}/{total}] {c.strategy} on {c.nproc}: failed: {got['error']}", flush=True)
