@@ -149,10 +149,10 @@ def search_hparams(
     sets to try first (a known-good baseline); ``startup_trials``: finished trials before the median
     pruner stops any. Raises `ConfigError` for anything wrong before a trial starts."""
     optuna = _optuna()
-    direction = _direction(metric, direction)
     dims = parse_space(space)
     target = Target.build(dims, recipe=recipe, own={"model": model, "data": data, "val_data": val_data, "loss": loss, "optimizer": optimizer})
     target.configure(config, settings, max_steps=max_steps, metric=metric, report_every=report_every)
+    direction = _direction(metric, direction)
     _check_search(trials, parallel, startup_trials, grace_s, first, dims)
     study = optuna.create_study(
         direction=direction,

@@ -48,6 +48,9 @@ class HparamTrial:
     steps: int = 0
     """Steps the run made."""
     seconds: float = 0.0
+    started: float = 0.0
+    """When the run's process started and ended (``time.time()``): which trials overlapped."""
+    ended: float = 0.0
     intermediate: dict[int, float] = field(default_factory=dict)
     """Every value of the metric the run logged, by step (what the pruner saw)."""
     pid: int | None = None
@@ -63,6 +66,8 @@ class HparamTrial:
             "steps": self.steps,
             "pruned_at": self.pruned_at,
             "seconds": round(self.seconds, 3),
+            "started": self.started,
+            "ended": self.ended,
             "out": self.out,
             "intermediate": {str(k): v for k, v in sorted(self.intermediate.items())},
             "pid": self.pid,
@@ -127,7 +132,7 @@ def run_trial(
     out.mkdir(parents=True, exist_ok=True)
     (out / "command.txt").write_text(shlex.join(record.command) + "\n")
     tail = MetricsTail(out / "metrics.jsonl", metric)
-    start = time.perf_counter()
+    start, record.started = time.perf_counter(), time.time()
     with open(out / "output.log", "wb") as log:
         proc = subprocess.Popen(record.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
     record.pid = proc.pid
@@ -148,7 +153,7 @@ def run_trial(
     finally:  # pruned, or this thread leaves on an exception (Ctrl-C): the run does not outlive it
         stop(proc, grace_s)
         record.returncode = proc.wait()
-        record.seconds = time.perf_counter() - start
+        record.seconds, record.ended = time.perf_counter() - start, time.time()
     for step, value in tail.read():  # what it logged while it stopped: shown, not reported
         record.intermediate.setdefault(step, value)
     summary = _summary(out)
