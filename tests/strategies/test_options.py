@@ -38,7 +38,9 @@ DDP_DOCS = {
     "find_unused_parameters": "Allow parameters that get no gradient in some steps (slower: DDP walks the graph each step).",
     "static_graph": "Declare that the set of used parameters never changes across steps (lets DDP skip checks).",
     "broadcast_buffers": "Copy rank 0's buffers (BatchNorm statistics) to every rank before each forward.",
-    "allreduce": "Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms).",
+    "allreduce": "Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms), "
+    "or hierarchical (reduce inside each node, all-reduce among node leaders, broadcast back).",
+    "node_size": "Processes per node for allreduce=hierarchical (0: the launcher's LOCAL_WORLD_SIZE); a divisor of the world size.",
     "compression": "Gradient codec with error feedback: fp16, bf16, int8, topk:RATIO, powersgd:RANK, ... (shardwise.comm.codecs).",
     "record_buckets": "Also time each native gradient bucket (launch to completion) in the comm record; bytes are recorded either way.",
 }
@@ -150,6 +152,7 @@ def test_ddp_options_are_its_fields_with_their_docstrings():
         "static_graph": "bool",
         "broadcast_buffers": "bool",
         "allreduce": "str",
+        "node_size": "int",
         "compression": "str | None",
         "record_buckets": "bool",
     }
@@ -381,7 +384,7 @@ def test_toml_keys_are_checked_against_the_chosen_strategys_fields():
     with pytest.raises(
         ConfigError,
         match=r"strategy 'ddp' has no option 'bucket_cap' \(did you mean 'bucket_cap_mb'\?\) \(in trainer.strategy_options\); "
-        r"its options are: bucket_cap_mb, find_unused_parameters, static_graph, broadcast_buffers, allreduce, compression, record_buckets",
+        r"its options are: bucket_cap_mb, find_unused_parameters, static_graph, broadcast_buffers, allreduce, node_size, compression, record_buckets",
     ):
         resolve("ddp", {"bucket_cap": 2})
     with pytest.raises(ConfigError, match=r"strategy 'single' has no option 'x' \(in trainer.strategy_options\); its options are: none"):
