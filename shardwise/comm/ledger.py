@@ -29,7 +29,7 @@ from pathlib import Path
 ENV = "SHARDWISE_LEDGER_DIR"
 _SIZE = 4096
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
-_ENGINE = os.path.join(os.path.dirname(_COMM_DIR), "engine", "engine.py")  # the Engine's collectives are thin wrappers: name their caller
+_ENGINE = tuple(os.path.join(os.path.dirname(_COMM_DIR), "engine", f) for f in ("engine.py", "collectives.py"))  # the Engine's collectives are thin wrappers: name their caller
 _P2P = ("send", "recv", "isend", "irecv")
 
 
@@ -65,7 +65,7 @@ class Ledger:
         seq = self.counts.get(group, 0) + 1
         self.counts[group] = seq
         frame = sys._getframe(2)
-        while frame.f_back is not None and (frame.f_code.co_filename.startswith(_COMM_DIR) or frame.f_code.co_filename == _ENGINE):
+        while frame.f_back is not None and (frame.f_code.co_filename.startswith(_COMM_DIR) or frame.f_code.co_filename in _ENGINE):
             frame = frame.f_back
         site = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
         counts = ",".join(f"{g}={n}" for g, n in self.counts.items())
