@@ -29,7 +29,8 @@ from pathlib import Path
 ENV = "SHARDWISE_LEDGER_DIR"
 _SIZE = 4096
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
-_ENGINE = tuple(os.path.join(os.path.dirname(_COMM_DIR), "engine", f) for f in ("engine.py", "collectives.py"))  # the Engine's collectives are thin wrappers: name their caller
+# the Engine's collectives are thin wrappers: name their caller
+_ENGINE = tuple(os.path.join(os.path.dirname(_COMM_DIR), "engine", f) for f in ("engine.py", "collectives.py"))
 _P2P = ("send", "recv", "isend", "irecv")
 
 
