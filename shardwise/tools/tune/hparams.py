@@ -153,7 +153,7 @@ def search_hparams(
     target = Target.build(dims, recipe=recipe, own={"model": model, "data": data, "val_data": val_data, "loss": loss, "optimizer": optimizer})
     target.configure(config, settings, max_steps=max_steps, metric=metric, report_every=report_every)
     direction = _direction(metric, direction)
-    _check_search(trials, parallel, startup_trials, grace_s, first, dims)
+    _check_search(trials, parallel, threads, startup_trials, grace_s, first, dims)
     study = optuna.create_study(
         direction=direction,
         sampler=_sampler(sampler, dims, trials, seed),
@@ -165,27 +165,12 @@ def search_hparams(
         study.enqueue_trial(dict(params))
     root = _prepare_out(Path(out), overwrite)
     env = target.env(threads or max(1, (os.cpu_count() or 1) // (parallel * target.max_nproc())))
-    records: list[HparamTrial] = []
-    lock = threading.Lock()
     if echo:
         print(target.describe(trials, parallel, dims, root, env["OMP_NUM_THREADS"]), flush=True)
-
-    def objective(trial: Any) -> float:
-        params = {key: dim.suggest(trial) for key, dim in dims.items()}
-        record = HparamTrial(trial.number, params, str(root / f"trial-{trial.number:04d}"), [])
-        record.command = target.command(params, record.out)
-        with lock:
-            records.append(record)
-        try:
-            return run_trial(record, trial, metric=metric, env=target.trial_env(env, params), cwd=os.getcwd(), max_steps=target.max_steps, grace_s=grace_s)
-        finally:
-            if echo:
-                with lock:
-                    print(_progress(record, metric, target.max_steps), flush=True)
-
+    runner = _Runner(target, dims, root, env, metric, grace_s, echo)
     start = time.perf_counter()
-    study.optimize(objective, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
-    records.sort(key=lambda r: r.number)
+    study.optimize(runner, n_trials=trials, n_jobs=parallel, catch=(TrialFailed,))
+    records = sorted(runner.records, key=lambda r: r.number)
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     result = HparamSearchResult(
         metric=metric,
@@ -199,6 +184,29 @@ def search_hparams(
     )
     (root / "search.json").write_text(json.dumps(result.to_dict(), indent=1, default=str) + "\n")
     return result
+
+
+class _Runner:
+    """The objective Optuna calls in each of its threads: one trial's values, its run, its line of progress."""
+
+    def __init__(self, target: Target, dims: dict[str, Dimension], root: Path, env: dict[str, str], metric: str, grace_s: float, echo: bool) -> None:
+        self.target, self.dims, self.root, self.env, self.metric, self.grace_s, self.echo = target, dims, root, env, metric, grace_s, echo
+        self.records: list[HparamTrial] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, trial: Any) -> float:
+        params = {key: dim.suggest(trial) for key, dim in self.dims.items()}
+        record = HparamTrial(trial.number, params, str(self.root / f"trial-{trial.number:04d}"), [])
+        record.command = self.target.command(params, record.out)
+        with self.lock:
+            self.records.append(record)
+        env, steps = self.target.trial_env(self.env, params), self.target.max_steps
+        try:
+            return run_trial(record, trial, metric=self.metric, env=env, cwd=os.getcwd(), max_steps=steps, grace_s=self.grace_s)
+        finally:
+            if self.echo:
+                with self.lock:
+                    print(_progress(record, self.metric, steps), flush=True)
 
 
 def _optuna() -> Any:
@@ -224,10 +232,14 @@ def _direction(metric: str, direction: str | None) -> str:
     raise ConfigError(f"--metric {metric}: say whether to --direction minimize or maximize it")
 
 
-def _check_search(trials: int, parallel: int, startup: int, grace_s: float, first: Sequence[Mapping[str, Any]], dims: dict[str, Dimension]) -> None:
+def _check_search(
+    trials: int, parallel: int, threads: int | None, startup: int, grace_s: float, first: Sequence[Mapping[str, Any]], dims: dict[str, Dimension]
+) -> None:
     for name, value in (("trials", trials), ("parallel", parallel)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"--{name} must be a whole number >= 1; got {value!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"--threads must be a whole number >= 1; got {threads!r}")
     if startup < 0 or grace_s <= 0:
         raise ConfigError(f"startup_trials must be >= 0 and grace_s > 0; got {startup!r} and {grace_s!r}")
     for params in first:
