@@ -166,7 +166,20 @@ def test_with_repeats_the_model_s_step_is_timed_each_round_and_the_rows_predict_
     monkeypatch.setattr(validate, "run_candidate", lambda record, *a: {"step_s": 0.6, "model_state_bytes": 1.0, "activation_bytes": 1.0, "memory_bytes": 2.0})
     monkeypatch.setattr(cf, "machine_check", lambda profile: {"predicted_s": 1e-3, "measured_s": 1e-3, "ratio": 1.0})
     out = tmp_path / "validate.json"
-    flags = ["plan", "--validate", "--model", "digits", "--nproc", "2", "--repeats", "3", "--only", "local-sgd(sync_every=32)"]
+    flags = [
+        "plan",
+        "--validate",
+        "--model",
+        "digits",
+        "--nproc",
+        "2",
+        "--repeats",
+        "3",
+        "--only",
+        "local-sgd(sync_every=32)",
+        "--load",
+        "0",
+    ]  # no load stretch
     assert main([*flags, "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     # each part's median: fixed 0.5 s (of the planner's ~1 ms, 0.5 s and 0.7 s), per sample the planner's few us (of it, 0 and 1 ms)
