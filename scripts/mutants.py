@@ -345,6 +345,9 @@ MUTANTS = [
            ("tests/tools/test_bench_scaling.py",)),
     Mutant("bench scaling: the warm-up intervals are counted in the throughput", "shardwise/tools/bench/scaling.py",
            'r.get("step", 0) > warmup', 'r.get("step", 0) >= 0', ("tests/tools/test_bench_scaling.py",)),
+    Mutant("a preempted Flyte task returns its half-trained outputs (Flyte never retries it)", "shardwise/integrations/flyte.py",
+           '    if summary is not None and summary.get("preempted"):\n', '    if False:\n',
+           ("tests/integrations/test_orchestrators.py::test_a_preempted_flyte_gpu_task_is_retried_and_resumes_to_the_uninterrupted_result",)),
 ]
 
 

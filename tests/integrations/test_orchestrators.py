@@ -1,5 +1,6 @@
 """shardwise inside the systems teams already run: torchx (local scheduler), a Kubeflow PyTorchJob
-(two pods' environments set by hand, no torchrun) and Flyte (the example workflow, run locally).
+(two pods' environments set by hand, no torchrun) and Flyte (the example workflow, run locally; its GPU
+task preempted and retried).
 
 Each runs the digits recipe with ddp on 2 processes for 20 steps, and its summary.json must equal
 the same run started by ``shardwise train --nproc 2`` number for number: the launcher changes who
@@ -138,8 +139,87 @@ def test_the_flyte_example_workflow_runs_locally_and_returns_the_summary_and_che
     assert len(args) == 4 and args[:2] == ["python", "examples/flyte_workflow.py"] and args[3] == ARGS[-1], args  # the reference's 20 steps
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = reference
-    for name in ("plain", "elastic"):
+    for name in ("gpu", "elastic"):
         # The workflow's outputs, as the example prints them, and the run each task wrote.
         assert f"{name}: world_size 2  steps 20  train_loss {r['train_loss']:.4f}  val_accuracy {r['val_accuracy']:.4f}" in proc.stdout, proc.stdout
         assert f"{name}: checkpoints ['step-00000020']" in proc.stdout, proc.stdout
         _same_run(_summary(tmp_path / args[2] / name), reference)
+
+
+# -- Flyte on spot nodes: a preempted attempt raises a recoverable error, the retry resumes -------------------
+ATTEMPT = ROOT / "tests" / "support" / "scripts" / "flyte_attempt.py"
+
+
+def _attempt(out: Path, attempt: int, tmp: Path, preempt_after: int | None = None) -> tuple[int, str, str]:
+    """One attempt of the example's GPU task (the reference's 20 steps, a log step every 10) in a new process, as Flyte
+    runs each retry (flytekit's local execution runs none)."""
+    args = [sys.executable, str(ATTEMPT), str(out), ARGS[-1], "10", *([str(preempt_after)] if preempt_after is not None else [])]
+    env = _env(FLYTE_ATTEMPT_NUMBER=str(attempt), TMPDIR=str(tmp))
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp)
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, stdout, stderr
+
+
+def test_a_preempted_flyte_gpu_task_is_retried_and_resumes_to_the_uninterrupted_result(tmp_path, reference):
+    """The example's ``train_gpu`` (``interruptible=True, retries=3``) on this CPU machine: attempt 0 gets a SIGTERM after
+    step 5, checkpoints at the next log step (10) and raises FlyteRecoverableException; attempt 1, the same inputs in a new
+    process, resumes from that checkpoint in ``out`` and ends bitwise where the uninterrupted `shardwise train` run ends."""
+    from shardwise.checkpoint.export import model_weights
+
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "run"
+    code, _, err = _attempt(out, 0, tmp_path / "tmp", preempt_after=5)
+    assert code != 0 and "USER:Recoverable" in err and "preempted (SIGTERM) at step 10" in err, err[-3000:]
+    assert json.loads((out / "summary.json").read_text())["preempted"] == {"signal": "SIGTERM", "step": 10}
+    code, stdout, err = _attempt(out, 1, tmp_path / "tmp")
+    assert code == 0, err[-3000:]
+    assert "found no checkpoint" not in stdout  # the retry saw the first attempt's checkpoint
+    retried = json.loads(stdout.strip().splitlines()[-1])  # the task's output
+    assert (retried["steps"], retried["steps_this_run"], Path(retried["resumed_from"]).name) == (20, 10, "step-00000010")
+    same = ("world_size", "steps", "samples", "val_loss", "val_accuracy", "val_samples")  # train_loss: a mean over another log window
+    assert {k: retried[k] for k in same} == {k: reference[k] for k in same}
+    a, b = model_weights(Path(retried["last_checkpoint"])), model_weights(Path(reference["last_checkpoint"]))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+@pytest.fixture
+def flyte(tmp_path, monkeypatch):
+    """shardwise.integrations.flyte, imported with its temporary directories (flytekit's, made at import) under tmp_path."""
+    import signal
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    handler = signal.getsignal(signal.SIGINT)  # flytekit installs its own at import
+    pytest.importorskip("flytekit")
+    import shardwise.integrations.flyte as module
+
+    signal.signal(signal.SIGINT, handler)
+    return module
+
+
+def test_the_flyte_task_trains_on_the_gpus_it_got_else_on_the_cpu(flyte, monkeypatch, capsys):
+    import torch
+
+    for count, expected in ((2, "cuda"), (4, "cuda"), (1, "cpu"), (0, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda c=count: c > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        assert flyte.accelerator(2) == expected
+    said = capsys.readouterr().out.splitlines()
+    assert said == [f"shardwise: torch sees {n} CUDA device{s} for 2 processes: training on the CPU (gloo)" for n, s in ((1, ""), (0, "s"))]
+
+
+def test_a_retry_that_finds_no_checkpoint_says_out_is_not_durable(flyte, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FLYTE_ATTEMPT_NUMBER", raising=False)
+    assert flyte.note_attempt(tmp_path / "run") == 0 and capsys.readouterr().out == ""  # a first attempt, or a local run
+    monkeypatch.setenv("FLYTE_ATTEMPT_NUMBER", "2")
+    assert flyte.note_attempt(tmp_path / "run") == 2
+    assert "Flyte attempt 2 of this task found no checkpoint" in capsys.readouterr().out
+    (tmp_path / "run" / "checkpoints" / "step-00000010").mkdir(parents=True)
+    assert flyte.note_attempt(tmp_path / "run") == 2 and capsys.readouterr().out == ""
+    with pytest.raises(flyte.FlyteRecoverableException, match=r"preempted \(SIGTERM\) at step 10"):
+        flyte.outputs({"preempted": {"signal": "SIGTERM", "step": 10}, "last_checkpoint": "x"}, tmp_path / "run")
