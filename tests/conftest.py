@@ -127,6 +127,7 @@ _README_BLOCKS = {
     "EarlyStopping": 35.0,
     "--validate": 35.0,
     "bench comm": 30.0,
+    "tune hparams": 30.0,
 }
 """README blocks by a piece of their text (their line numbers move): estimated seconds, the
 longest that matches (a block that matches none counts as an e2e test)."""

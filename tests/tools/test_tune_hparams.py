@@ -19,13 +19,13 @@ from shardwise.errors import ConfigError
 from shardwise.tools.tune import hparam, search_hparams
 from shardwise.tools.tune.space import format_value, parse_space, parse_value
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 GOOD, BETTER, DIVERGES = 0.002, 0.01, 3.0
 """Learning rates of the digits recipe's AdamW: at 3.0 the validation loss is in the hundreds or
-more at step 10 (a fresh classifier's is ln 10 = 2.3; the others are below it). The runs are the
-recipe's 300 steps (~25 ms each on one thread), so that the pruned one has steps left to save."""
-STEPS, EVERY = 300, 10
+more at step 10 (a fresh classifier's is ln 10 = 2.3; the others are below it). The runs are 150
+steps (~25 ms each on one thread), so that the pruned one has steps left to save."""
+STEPS, EVERY = 150, 10
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,7 @@ def search(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.e2e
 def test_each_trial_is_a_run_of_its_own_and_two_ran_at_once(search):
     result, out = search
     assert [t.number for t in result.trials] == [0, 1, 2]
@@ -64,6 +65,7 @@ def test_each_trial_is_a_run_of_its_own_and_two_ran_at_once(search):
     assert first.started < second.ended and second.started < first.ended  # parallel=2: the first two overlapped
 
 
+@pytest.mark.e2e
 def test_the_best_is_the_best_value_of_the_table_and_its_command_reproduces_its_settings(search):
     result, _ = search
     complete = [t for t in result.trials if t.state == "complete"]
@@ -76,10 +78,12 @@ def test_the_best_is_the_best_value_of_the_table_and_its_command_reproduces_its_
     assert lines[0].split() == ["trial", "state", "val_loss", "steps", "seconds", "recipe.lr"]
     assert lines[1 + best.number].startswith(f"{best.number}*") and sum("*" in line for line in lines) == 1
     command = result.command()
-    assert command.startswith(f"shardwise train --recipe digits --max-steps {STEPS} --set trainer.val_every={EVERY} ") and command.endswith(f"--set recipe.lr={best.params['recipe.lr']!r}")
+    assert command.startswith(f"shardwise train --recipe digits --max-steps {STEPS} --set trainer.val_every={EVERY} ")
+    assert command.endswith(f"--set recipe.lr={best.params['recipe.lr']!r}")
     assert "--out" not in command
 
 
+@pytest.mark.e2e
 def test_a_clearly_worse_trial_is_pruned_and_its_process_ends(search):
     result, out = search
     bad = result.trials[2]
@@ -92,12 +96,14 @@ def test_a_clearly_worse_trial_is_pruned_and_its_process_ends(search):
         os.kill(bad.pid, 0)
 
 
+@pytest.mark.e2e
 def test_search_json_holds_the_table(search):
     result, out = search
     doc = json.loads((out / "search.json").read_text())
     assert doc == json.loads(json.dumps(result.to_dict()))
     assert [(t["trial"], t["state"]) for t in doc["trials"]] == [(0, "complete"), (1, "complete"), (2, "pruned")]
-    assert doc["best"]["trial"] == result.best.number and doc["best"]["command"] == result.command() and doc["metric"] == "val_loss" and doc["direction"] == "minimize"
+    assert doc["best"]["trial"] == result.best.number and doc["best"]["command"] == result.command()
+    assert doc["metric"] == "val_loss" and doc["direction"] == "minimize"
     assert doc["settings"]["space"] == {"recipe.lr": "loguniform:0.0001:10.0"} and doc["settings"]["report_every"] == EVERY
 
 
@@ -128,6 +134,7 @@ def opt(params):
 """
 
 
+@pytest.mark.e2e
 def test_the_command_line_searches_your_own_model_and_its_best_command_reproduces_the_best_value(tmp_path):
     (tmp_path / "mine.py").write_text(OWN)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -195,6 +202,7 @@ def test_without_optuna_the_error_names_the_install_command(monkeypatch):
         search_hparams(["recipe.lr=choice:0.1"], recipe="digits", echo=False)
 
 
+@pytest.mark.e2e
 def test_the_command_line_refuses_a_bad_space_in_one_line():
     proc = subprocess.run(
         [sys.executable, "-m", "shardwise", "tune", "hparams", "--recipe", "digits", "--space", "recipe.lr=loguniform:1e-4"],
