@@ -215,15 +215,17 @@ def load_line(cluster: Any, records: list[dict[str, Any]], given: bool = False) 
         f"one process runs {own} thread(s), each of {cluster.nproc} processes {cluster.threads_per_process}"
     )
     if own < default:
-        why = (
-            f"the load leaves {cluster.free_cores()} core(s) free"
-            if capped < default
-            else f"its step timed with {capped} threads was slower than with {own}: the machine is busier than its load average says"
-        )
-        line += (
-            f"; single is costed at {own} thread(s), not torch's {default}: {why}, and a process with more threads than free cores "
-            f"waits at every operation for the descheduled ones (run it with OMP_NUM_THREADS={own})"
-        )
+        if capped < default:
+            why = (
+                f"the load leaves {cluster.free_cores()} core(s) free, and a process with more threads than free cores waits at every "
+                "operation for the descheduled ones"
+            )
+        else:
+            why = (
+                f"its step timed with {capped} threads was slower than with {own} (threads waiting on each other: a machine busier "
+                "than its load average says, or a step too small to share)"
+            )
+        line += f"; single is costed at {own} thread(s), not torch's {default}: {why} (run it with OMP_NUM_THREADS={own})"
     stretched = max((r["time_breakdown"].get("shared", 1.0) for r in records if r["fits"] and r["world_size"] == cluster.nproc), default=1.0)
     if load and stretched > 1:
         line += f"; the {cluster.nproc} processes share the cores with it: their steps take {stretched:.3g}x as long as the model's step timed now"
