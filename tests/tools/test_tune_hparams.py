@@ -223,3 +223,21 @@ def test_space_values_go_to_the_runs_as_set_reads_them(monkeypatch):
     assert hparam("lr", 0.5) == 0.5
     monkeypatch.setenv("SHARDWISE_HPARAMS", json.dumps({"lr": 0.25}))
     assert hparam("lr", 0.5) == 0.25
+
+
+def test_overwrite_moves_the_earlier_search_aside_and_a_failed_run_is_told_by_its_error_line(tmp_path):
+    from shardwise.tools.tune.hparams import _prepare_out
+    from shardwise.tools.tune.trial import error_line
+
+    (tmp_path / "trial-0000").mkdir()
+    (tmp_path / "search.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    assert _prepare_out(tmp_path, overwrite=True) == tmp_path
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("replaced-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["search.json", "trial-0000"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([aside[0].name, "notes.txt"])  # nothing else moved or lost
+    log = tmp_path / "output.log"
+    log.write_text("step 5 train_loss 2.3\nshardwise: a worker failed:\n  rank 1: ValueError: bad shape\n  more\n")
+    assert error_line(log, 1) == f"exit 1: shardwise: a worker failed: rank 1: ValueError: bad shape (whole output: {log})"
+    log.write_text("Traceback (most recent call last):\nMemoryError\n")
+    assert error_line(log, -9) == f"killed by signal 9: MemoryError (whole output: {log})"

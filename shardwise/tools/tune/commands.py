@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,12 +205,13 @@ def _hparams(args: argparse.Namespace) -> int:
     )
     print(result.table())
     counts = {s: sum(t.state == s for t in result.trials) for s in ("complete", "pruned", "fail")}
-    print(f"{len(result.trials)} trials in {result.seconds:.1f} s: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    n = len(result.trials)
+    print(f"{n} trial{'s' if n != 1 else ''} in {result.seconds:.1f} s: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
     best = result.best
     _write_json(args.json, result.to_dict())
     if best is None:
         first = next((t.error for t in result.trials if t.error), "every trial was pruned")
-        print(f"shardwise: no trial completed; the first error: {first}")
+        print(f"shardwise: no trial completed; the first error: {first}", file=sys.stderr)
         return 1
     print(f"best: trial {best.number}, {result.metric} {best.value:.4g} ({result.direction}) after {best.steps} steps; its run: {best.out}")
     print(f"reproduce: {result.command()}")

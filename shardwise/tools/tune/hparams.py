@@ -214,7 +214,7 @@ def _optuna() -> Any:
         import optuna
     except ImportError:
         raise ConfigError(f"shardwise tune hparams needs Optuna: {INSTALL}") from None
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # a failed trial is our own line, not Optuna's warning and traceback
     return optuna
 
 

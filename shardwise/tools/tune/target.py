@@ -234,7 +234,7 @@ class Target:
         report = f", metric reported every {self.report_every} steps" if self.report_every else ""
         space = ", ".join(f"{k}={d.spec()}" for k, d in dims.items())
         return (
-            f"hyperparameter search: {what}, {trials} trials, {parallel} at a time ({threads} thread{'s' if threads != '1' else ''} "
+            f"hyperparameter search: {what}, {trials} trial{'s' if trials != 1 else ''}, {parallel} at a time ({threads} thread{'s' if threads != '1' else ''} "
             f"per process), {steps}{report}; space {space}; trials in {root}/trial-NNNN"
         )
 
