@@ -29,7 +29,7 @@ from shardwise.tools.recipes import get_recipe
 NPROC = 2
 """Processes per task: one per GPU where the pod has them."""
 RETRIES = 3
-"""Attempts after the first (a preemption of the elastic task counts against these; of a plain task, against the platform's)."""
+"""Attempts after the first failed with a recoverable error, which a preempted attempt raises (`outputs`)."""
 
 
 def train_digits(out: str, strategy: str, max_steps: int, device: str = "auto") -> TrainOutputs:
