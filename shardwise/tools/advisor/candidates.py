@@ -115,14 +115,18 @@ def own_threads(cluster: Cluster) -> int:
     return max(1, min(torch.get_num_threads(), cluster.free_cores())) if cluster.device.cores else torch.get_num_threads()
 
 
-def planned_threads(cluster: Cluster) -> tuple[int, ...]:
+def planned_threads(cluster: Cluster, one_process: bool = True) -> tuple[int, ...]:
     """Every intra-op thread count the planned processes run on ``cluster``: a single process's own
-    (`own_threads`), and each launched process's at ``cluster.nproc`` and at `fewer_processes`' counts: the
-    counts the model's step is timed at (`shardwise.tools.advisor.models.thread_counts`)."""
+    (`own_threads`; not with ``one_process`` False: ``--validate --only`` without single), and each launched
+    process's at ``cluster.nproc`` and at `fewer_processes`' counts: the counts the model's step is timed at
+    (`shardwise.tools.advisor.models.thread_counts`)."""
     from shardwise.tools.advisor.models import thread_counts
 
-    counts = [cluster.per_node, *({c.world_size or cluster.nproc for c in fewer_processes(cluster)})]
-    return thread_counts(cluster.device.cores, [min(n, cluster.per_node) for n in counts], own_threads(cluster))
+    launched = (cluster.per_node, *(c.world_size or cluster.nproc for c in fewer_processes(cluster))) if cluster.nproc > 1 else ()
+    counts = [min(n, cluster.per_node) for n in launched]  # one process alone is single's (the Trainer runs it itself)
+    if one_process:
+        return thread_counts(cluster.device.cores, counts, own_threads(cluster))
+    return tuple(sorted({max(1, cluster.device.cores // n) if cluster.device.cores else 1 for n in counts}))
 
 
 def fastest_threads(spec: ModelSpec, most: int, samples: int) -> int:

@@ -189,7 +189,8 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ConfigError(f"--global-batch must be >= 1; got {batch}")
     # on a profile measured here, a real module's own step is timed here too (see plan.cost.local_compute)
     timed = batch if device.local else None
-    threads = planned_threads(cluster) if device.local else None  # each count a planned process runs, timed
+    one_process = not (getattr(args, "validate", False) and args.only and "single" not in args.only.split(";"))
+    threads = planned_threads(cluster, one_process) if device.local else None  # each count a planned process runs, timed
     model = load_model(
         args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, timed_batch=timed, threads=threads
     )

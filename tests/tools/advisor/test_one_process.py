@@ -20,7 +20,7 @@ import torch
 from shardwise.strategies.cost.cluster import A100_40GB, Cluster, Framework, Link
 from shardwise.strategies.cost.estimate import Settings, Shape, estimate
 from shardwise.strategies.cost.model_spec import ModelSpec, StepFit
-from shardwise.tools.advisor.candidates import fastest_threads, own_threads, plan_all
+from shardwise.tools.advisor.candidates import fastest_threads, own_threads, plan_all, planned_threads
 from shardwise.tools.advisor.recommend import recommend
 
 LINK = Link(alpha=1e-4, beta=1e-9)
@@ -72,6 +72,9 @@ def test_the_load_takes_cores_from_single_s_threads_and_stretches_the_ranks(torc
     # another job's runnable thread on two cores: one core left, single runs (and is costed with) one thread
     busy = {r["label"]: r for r in plan(model, load=1.0)[0]}
     assert own_threads(Cluster(TWO_CORES, 1, load=1.0)) == 1 and busy["single"]["threads"] == 1
+    # the step is timed at the counts the planned processes run: single's own and the launched ranks' (one each here)
+    assert planned_threads(Cluster(TWO_CORES, 2)) == (1, 2) and planned_threads(Cluster(TWO_CORES, 2, load=1.0)) == (1,)
+    assert planned_threads(Cluster(TWO_CORES, 2), one_process=False) == (1,)  # --validate --only without single
     assert busy["single"]["step_time_s"] == pytest.approx(ONE_THREAD.seconds(64))
     # two one-thread ranks and that thread share two cores: 3/2 of the time (the timing had a core to itself)
     ddp_quiet, ddp_busy = quiet["ddp(allreduce=native)"]["time_breakdown"], busy["ddp(allreduce=native)"]["time_breakdown"]
