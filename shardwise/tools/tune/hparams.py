@@ -23,7 +23,7 @@ seconds and would put each run inside an actor that holds cores the run's own ra
 
 >>> result = search_hparams({"recipe.lr": "loguniform:1e-4:1e-1"}, recipe="digits", trials=4, parallel=2, max_steps=40)  # doctest: +SKIP
 >>> result.best.params, result.command()                                                                                 # doctest: +SKIP
-({'recipe.lr': 0.0114}, 'shardwise train --recipe digits --max-steps 40 --set trainer.val_every=8 --set recipe.lr=0.0114...')
+({'recipe.lr': 0.0694}, 'shardwise train --recipe digits --max-steps 40 --set trainer.val_every=8 --set trainer.log_every=8 --set recipe.lr=0.0694...')
 """
 
 from __future__ import annotations
