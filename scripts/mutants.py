@@ -189,6 +189,8 @@ MUTANTS = [
     Mutant("the hyperparameter search's trials run without their sampled settings", "shardwise/tools/tune/target.py",
            '        return [a for k, v in params.items() if not k.startswith("param.") for a in ("--set", f"{k}={format_value(v)}")]',
            "        return []", ("tests/tools/test_tune_hparams.py::test_each_trial_is_a_run_of_its_own_and_two_ran_at_once",)),
+    Mutant("the hyperparameter search's sampler is reseeded for each parallel trial", "shardwise/tools/tune/hparams.py",
+           '{"reseed_rng": lambda self: None}', "{}", ("tests/tools/test_tune_hparams.py::test_the_seed_gives_the_same_values_at_any_parallel",)),
     Mutant("plot divides traffic by calls instead of steps", "shardwise/tools/plot/runs.py",
            'out[name] = {"sent": t.get("sent_bytes", 0) / steps', 'out[name] = {"sent": t.get("sent_bytes", 0) / max(t.get("count", 1), 1)',
            ("tests/tools/test_plot.py",)),

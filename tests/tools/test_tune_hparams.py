@@ -241,3 +241,38 @@ def test_overwrite_moves_the_earlier_search_aside_and_a_failed_run_is_told_by_it
     assert error_line(log, 1) == f"exit 1: shardwise: a worker failed: rank 1: ValueError: bad shape (whole output: {log})"
     log.write_text("Traceback (most recent call last):\nMemoryError\n")
     assert error_line(log, -9) == f"killed by signal 9: MemoryError (whole output: {log})"
+
+
+@pytest.mark.parametrize("kind", ["random", "tpe", "grid"])
+def test_the_seed_gives_the_same_values_at_any_parallel(kind):
+    """The values that do not depend on which trials have finished (the random ones, TPE's first
+    trials, a grid's order) are the seed's, whether the trials run one or three at a time, with
+    threads finishing in any order (Optuna alone reseeds its sampler for each trial when n_jobs > 1)."""
+    import random
+    import time
+
+    import optuna
+
+    from shardwise.tools.tune.hparams import InOrder, _sampler
+
+    dims = parse_space(["recipe.lr=loguniform:1e-4:1", "trainer.global_batch_size=choice:16,32,64", "recipe.hidden=int:8:64"])
+    if kind == "grid":
+        dims = parse_space(["trainer.global_batch_size=choice:16,32,64", "recipe.hidden=choice:8,16"])
+    trials, jitter = 6, random.Random()
+
+    def values(parallel: int) -> list[dict]:
+        study, order = optuna.create_study(sampler=_sampler(kind, dims, trials, seed=7)), InOrder()
+
+        def objective(trial):
+            time.sleep(jitter.random() * 0.01)
+            params = order.suggest(trial, dims)
+            time.sleep(jitter.random() * 0.02)
+            return float(len(str(params)))
+
+        study.optimize(objective, n_trials=trials, n_jobs=parallel)
+        return [t.params for t in sorted(study.trials, key=lambda t: t.number)]
+
+    first = values(1)
+    startup = trials if kind != "tpe" else 2  # TPE's random first trials: max(2, 6 // 3)
+    assert values(3)[:startup] == first[:startup] and values(3)[:startup] == first[:startup]
+    assert len({json.dumps(p, sort_keys=True) for p in first}) == len(first)  # and they are not all one value

@@ -12,7 +12,8 @@ seconds and would put each run inside an actor that holds cores the run's own ra
   and ``param.NAME`` for your own factories (`hparam`); every key, every range's ends and every
   choice are checked against the trainer's settings, the strategy's options and the recipe's
   options before any trial starts, as is the metric's name;
-- the sampler: TPE (seeded; its first trials random), random, or a grid over choices;
+- the sampler: TPE (its first trials random), random, or a grid over choices, seeded at any
+  ``parallel`` (`InOrder`);
 - the pruner: the median rule (a trial whose best value so far is worse than the median of the
   finished trials' at the same step stops), successive halving, Hyperband, or none; the metric is
   reported every ``report_every`` steps (the trials' ``val_every``, or ``log_every`` for a training
@@ -193,9 +194,10 @@ class _Runner:
         self.target, self.dims, self.root, self.env, self.metric, self.grace_s, self.echo = target, dims, root, env, metric, grace_s, echo
         self.records: list[HparamTrial] = []
         self.lock = threading.Lock()
+        self.in_order = InOrder()
 
     def __call__(self, trial: Any) -> float:
-        params = {key: dim.suggest(trial) for key, dim in self.dims.items()}
+        params = self.in_order.suggest(trial, self.dims)
         record = HparamTrial(trial.number, params, str(self.root / f"trial-{trial.number:04d}"), [])
         record.command = self.target.command(params, record.out)
         with self.lock:
@@ -207,6 +209,25 @@ class _Runner:
             if self.echo:
                 with self.lock:
                     print(_progress(record, self.metric, steps), flush=True)
+
+
+class InOrder:
+    """Trials draw their values in the order of their numbers: with a sampler that keeps its seed
+    (`_sampler`), a search's values are then the same at any ``parallel`` wherever they do not
+    depend on which trials have finished (the random first trials, an enqueued one, a grid's order).
+    A thread whose turn does not come within ``wait_s`` draws anyway (the order is lost, not the search)."""
+
+    def __init__(self, wait_s: float = 120.0) -> None:
+        self.next, self.wait_s, self.turn = 0, wait_s, threading.Condition()
+
+    def suggest(self, trial: Any, dims: Mapping[str, Dimension]) -> dict[str, Any]:
+        with self.turn:
+            self.turn.wait_for(lambda: self.next >= trial.number, timeout=self.wait_s)
+            try:
+                return {key: dim.suggest(trial) for key, dim in dims.items()}
+            finally:
+                self.next = max(self.next, trial.number + 1)
+                self.turn.notify_all()
 
 
 def _optuna() -> Any:
@@ -252,14 +273,19 @@ def _sampler(sampler: Any, dims: dict[str, Dimension], trials: int, seed: int) -
 
     if not isinstance(sampler, str):
         return sampler
-    if sampler == "tpe":  # its first trials are random (a third of the search, 2 to 10), then TPE
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(2, min(10, trials // 3)))
-    if sampler == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
+    if sampler not in SAMPLERS:
+        raise ConfigError(f"--sampler is one of {', '.join(SAMPLERS)}; got {sampler!r}")
     if sampler == "grid":
         grid_size(dims)  # every dimension a choice or a whole-number range
-        return optuna.samplers.GridSampler({k: grid_values(d) for k, d in dims.items()}, seed=seed)
-    raise ConfigError(f"--sampler is one of {', '.join(SAMPLERS)}; got {sampler!r}")
+    # optimize(n_jobs=K) reseeds the sampler for every trial (its protection for samplers copied into
+    # processes); here K threads share one sampler and draw in turn (InOrder), so it keeps its seed
+    kinds = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler, "grid": optuna.samplers.GridSampler}
+    seeded = type(f"Seeded{kinds[sampler].__name__}", (kinds[sampler],), {"reseed_rng": lambda self: None})
+    if sampler == "tpe":  # its first trials are random (a third of the search, 2 to 10), then TPE
+        return seeded(seed=seed, n_startup_trials=max(2, min(10, trials // 3)))
+    if sampler == "grid":
+        return seeded({k: grid_values(d) for k, d in dims.items()}, seed=seed)
+    return seeded(seed=seed)
 
 
 def _pruner(pruner: Any, startup: int, report_every: int | None, max_steps: int | None) -> Any:
