@@ -22,9 +22,10 @@ seconds and would put each run inside an actor that holds cores the run's own ra
 - the result: a table (trial, state, metric, steps, seconds, params), the best trial, and the
   ``shardwise train`` command that reproduces it; ``search.json`` in the search's directory.
 
->>> result = search_hparams({"recipe.lr": "loguniform:1e-4:1e-1"}, recipe="digits", trials=4, parallel=2, max_steps=40)  # doctest: +SKIP
->>> result.best.params, result.command()                                                                                 # doctest: +SKIP
-({'recipe.lr': 0.0694}, 'shardwise train --recipe digits --max-steps 40 --set trainer.val_every=8 --set trainer.log_every=8 --set recipe.lr=0.0694...')
+>>> space = {"recipe.lr": "loguniform:1e-4:1e-1", "trainer.global_batch_size": [32, 64, 128]}
+>>> result = search_hparams(space, recipe="digits", trials=4, parallel=2, max_steps=40)  # doctest: +SKIP
+>>> result.best.params, result.command()                                                 # doctest: +SKIP
+({'recipe.lr': 0.00443, 'trainer.global_batch_size': 32}, 'shardwise train --recipe digits --max-steps 40 ... --set recipe.lr=0.00443...')
 """
 
 from __future__ import annotations
