@@ -109,9 +109,11 @@ def recommend(records: Sequence[dict[str, Any]], spec: ModelSpec, cluster: Clust
         choice = fastest
     elif choice is None:
         why = f"no candidate fits: {why}. {nothing_fits(records, mem)}"
-    versus = one_or_many(single, fastest)
+    alone = [r for r in records if r["world_size"] == 1 and r["fits"] and _advised(r, ONE_PROCESS)]  # single, or with a memory saver
+    one = min(alone, key=lambda r: r["step_time_s"]) if alone else single
+    versus = one_or_many(one, fastest)
     if versus["stay_on_one_process"]:
-        rule, choice, why = ONE_PROCESS, single, versus["why"]
+        rule, choice, why = ONE_PROCESS, one, versus["why"]
     elif choice is not None and choice["world_size"] < cluster.nproc:
         why += f"; on {choice['world_size']} of the {cluster.nproc} processes: fewer are faster here ({versus['why']})"
     return {
@@ -141,9 +143,10 @@ def one_or_many(single: dict[str, Any], multi: dict[str, Any] | None) -> dict[st
     ms = 1e3
     stay = bool(single["fits"]) and (multi is None or single["step_time_s"] < multi["step_time_s"])
     speedup = single["step_time_s"] / multi["step_time_s"] if multi is not None and multi["step_time_s"] > 0 else None
-    one = f"single: {single['step_time_s'] * ms:.3g} ms a step, {single.get('samples_per_s', 0):.3g} samples/s with {single.get('threads', 1)} thread(s)"
+    one = f"{single['label']}: {single['step_time_s'] * ms:.3g} ms a step, {single.get('samples_per_s', 0):.3g} samples/s"
+    one += f" with {single.get('threads', 1)} thread(s)"
     if multi is None:
-        why = f"{one}, and no multi-process candidate fits: stay on one process"
+        why = f"{one}; no multi-process candidate fits (or --nproc is 1): one process"
     else:
         other = (
             f"{multi['label']} on {multi['world_size']} processes: {multi['step_time_s'] * ms:.3g} ms, "
