@@ -21,9 +21,10 @@ TEST_WORKERS ?= 3
 
 .PHONY: setup setup-dev demo lint test bench mutants clean
 
-# the README's examples draw PNGs and write TensorBoard events: make setup installs those two extras
+# the README's examples draw PNGs, write TensorBoard events and search hyperparameters (Optuna):
+# make setup installs those three extras
 setup:
-	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-env.sh "[plot,tensorboard]"
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-env.sh "[plot,tensorboard,tune]"
 
 setup-dev:
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-env.sh "[dev]"
