@@ -145,3 +145,39 @@ def test_plan_json_carries_the_one_process_comparison(tmp_path: Path, capsys: py
     assert all("threads" in r and "samples_per_s" in r for r in doc["candidates"])
     printed = capsys.readouterr().out
     assert "cores: " in printed and "load 0.00 (other work's runnable threads: --load)" in printed
+
+
+def test_validate_runs_single_and_the_fewer_process_candidates_too(monkeypatch: pytest.MonkeyPatch, torch_threads: None) -> None:
+    import shardwise.tools.advisor.validate as validate
+    from shardwise.tools.advisor.models import PlannedModel
+
+    ran: list[tuple[str, int]] = []
+
+    def run(record: dict, *args: object) -> dict:
+        ran.append((record["label"], record["threads"]))
+        return {"step_s": record["step_time_s"], "model_state_bytes": 1.0, "activation_bytes": 1.0, "memory_bytes": 2.0}
+
+    monkeypatch.setattr(validate, "run_candidate", run)
+    model = PlannedModel(spec(ONE_THREAD, TWO_THREADS), recipe="digits")
+    rows = validate.validate(model, Cluster(TWO_CORES, 4, load=0.0), Settings(64), None, ["single", "ddp(allreduce=tree) on 2", "ddp"])
+    assert ("single", 2) in ran and ("ddp(allreduce=tree) on 2", 1) in ran and ("ddp(allreduce=native)", 1) in ran
+    assert {r["label"] for r in rows} == {label for label, _ in ran} and all(r["step_rel_error"] == 0 for r in rows)
+
+
+def test_a_validated_single_runs_with_the_threads_it_was_costed_with(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import shardwise.tools.advisor.validate as validate
+    from shardwise.tools.advisor.models import PlannedModel
+
+    seen: list[int] = []
+    start = validate.MemoryProbe.on_fit_start
+
+    def probe(self: object, trainer: object, engine: object) -> None:
+        seen.append(torch.get_num_threads())
+        start(self, trainer, engine)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(validate.MemoryProbe, "on_fit_start", probe)
+    records, _ = plan(spec(ONE_THREAD, TWO_THREADS))
+    before = torch.get_num_threads()
+    single = dict(next(r for r in records if r["label"] == "single"), threads=2, in_process=True)
+    got = validate.run_candidate(single, PlannedModel(spec(ONE_THREAD), recipe="digits"), Settings(64), 10, tmp_path)
+    assert seen == [2] and got["step_s"] > 0 and torch.get_num_threads() == before  # put back after the run
