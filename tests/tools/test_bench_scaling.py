@@ -137,6 +137,7 @@ def test_digits_ddp_on_one_and_two_processes(tmp_path, capsys):
         assert r["predicted_samples_per_s"] * r["predicted_step_s"] == pytest.approx(64)
         assert r["efficiency"] == pytest.approx(r["speedup"] / r["nproc"])
         assert r["predicted_efficiency"] == pytest.approx(r["predicted_speedup"] / r["nproc"])
+    assert [r["threads"] for r in rows] == [os.cpu_count() or 1, max(1, (os.cpu_count() or 1) // 2)]  # the launcher's cores // N
     assert one["speedup"] == 1.0 and one["predicted_speedup"] == 1.0
     assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert two["predicted_speedup"] == pytest.approx(two["predicted_samples_per_s"] / one["predicted_samples_per_s"])

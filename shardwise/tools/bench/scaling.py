@@ -216,6 +216,7 @@ def measure(args: argparse.Namespace, configs: list[Config], root: Path) -> dict
                 "samples_per_s": sps,
                 "step_s": c.global_batch / sps,
                 "runs": len(mine),
+                "runs_samples_per_s": [x["samples_per_s"] for x in mine],
                 "run_samples_per_s": statistics.median(x["run_samples_per_s"] for x in mine),
                 "wall_s": statistics.median(x["wall_s"] for x in mine),
                 "load_1min": max(x["load_1min"] for x in mine),
@@ -261,7 +262,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{_ms(r['predicted_step_s']):>10s} {_num(r['predicted_samples_per_s'], ',.0f'):>10s} "
             f"{_num(r['predicted_speedup'], '.2f', 'x'):>8s} {_num(r['predicted_efficiency'], '.0%'):>6s}"
         )
-        threads = str(r.get("predicted_threads") or "-")
+        threads = f"{r['threads']}/{r['predicted_threads']}" if r.get("threads") and r.get("predicted_threads") else "-"
         lines.append(f"{r['strategy']:10s} {r['nproc']:5d} {threads:>7s} {measured} │ {predicted}{base}")
     return "\n".join(lines)
 
@@ -291,6 +292,18 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                     "load on the cores; rerun on a quiet machine, or with --repeats)"
                 )
     return lines
+
+
+def run_threads(strategy: str, nproc: int) -> int:
+    """The intra-op threads each process of a run has: torch's own count where the Trainer runs the one process itself
+    (a strategy with no process group), the launcher's ``cores // N`` (at least 1) in the processes it starts."""
+    import torch
+
+    from shardwise.strategies import get_strategy
+
+    if nproc == 1 and not get_strategy(strategy).needs_process_group:
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 1) // nproc)
 
 
 def default_batch(recipe: str | None) -> int:
@@ -370,6 +383,8 @@ def write_png(rows: list[dict[str, Any]], path: str, title: str) -> None:
     cmap = plt.get_cmap("tab10")
     for i, name in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
         mine = sorted((r for r in rows if r["strategy"] == name), key=lambda r: r["nproc"])
+        if len(mine) < 2:
+            continue  # one process only (single): its speed-up is 1 by definition, under the others' first point
         for key, style, label in (("speedup", "o-", "measured"), ("predicted_speedup", "s--", "predicted")):
             pts = [(r["nproc"], r[key]) for r in mine if r.get(key)]
             if pts:
@@ -409,6 +424,7 @@ def main(argv: Sequence[str]) -> int:
     if not configs:
         raise ConfigError("no strategy can run at the process counts asked; see the lines above")
     predicted = predictions(configs, planned, load[0])
+    threads = {c: run_threads(c.strategy, c.nproc) for c, _ in configs}
     with tempfile.TemporaryDirectory(prefix="shardwise-scaling-") as tmp:
         root = Path(args.out) if args.out else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
@@ -416,7 +432,8 @@ def main(argv: Sequence[str]) -> int:
     rows = []
     for config, base in configs:
         pred = predicted[config]
-        row: dict[str, Any] = {"strategy": config.strategy, "nproc": config.nproc, "global_batch": config.global_batch, "baseline": base}
+        row: dict[str, Any] = {"strategy": config.strategy, "nproc": config.nproc, "threads": threads[config], "global_batch": config.global_batch}
+        row["baseline"] = base
         row.update({"samples_per_s": None, "step_s": None} | measured[config])
         row.update(pred)
         rows.append(row)
@@ -425,7 +442,10 @@ def main(argv: Sequence[str]) -> int:
     print(format_table(rows))
     for line in verdicts(rows):
         print(line)
-    print(f"load average after the runs: {os.getloadavg()[0]:.2f} (1 min); throughput: the median logged interval after step {args.warmup}")
+    print(
+        f"load average after the runs: {os.getloadavg()[0]:.2f} (1 min); samples/s: the median logged interval after step {args.warmup}; "
+        "threads: each process's, as run / as the planner costs it (no more than the cores the load leaves free)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
         print(f"wrote {len(rows)} rows to {args.json}")
