@@ -112,6 +112,7 @@ _LONGER = {
     "tests/launcher/test_zygote.py": 130.0,
     "tests/launcher/test_faults.py": 110.0,
     "tests/readme/test_readme_claims.py": 100.0,
+    "tests/tools/test_bench_scaling.py": 35.0,
 }
 """Files that take much longer than their marks say (seconds in full runs, from --durations).
 Only the order of the units reads these: a file that moved counts by its marks."""
@@ -127,6 +128,7 @@ _README_BLOCKS = {
     "EarlyStopping": 35.0,
     "--validate": 35.0,
     "bench comm": 30.0,
+    "bench scaling": 30.0,
     "tune hparams": 30.0,
 }
 """README blocks by a piece of their text (their line numbers move): estimated seconds, the
