@@ -66,6 +66,14 @@ def test_the_command_prints_one_line_for_a_user_mistake():
     assert proc.stderr.strip().splitlines() == ["shardwise: error: --nproc takes whole numbers >= 1 (e.g. --nproc 1,2,4); got '0'"]
 
 
+def test_the_png_without_matplotlib_is_one_line_naming_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    rows = [{"strategy": "ddp", "nproc": 1, "speedup": 1.0, "efficiency": 1.0}]
+    with pytest.raises(ConfigError, match=r"^bench scaling --png needs matplotlib: pip install 'shardwise\[plot\]'"):
+        scaling.write_png(rows, str(tmp_path / "x.png"), "t")
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_nproc_is_sorted_and_always_has_one():
     assert parse_nproc(["4,2", "2"]) == [1, 2, 4]
 
