@@ -9,9 +9,10 @@
     shardwise export CHECKPOINT_DIR OUT.safetensors      # consolidated weights, any strategy's checkpoint
     shardwise run [torchrun flags] script.py [args ...]
     shardwise bench comm [--nproc P] [--algorithms ...] [--sizes ...] [--json FILE]
+    shardwise bench scaling --recipe NAME --strategy S[,S] --nproc 1,2,4 [--json FILE] [--png FILE]   # measured speed-up beside the plan's
     shardwise strategies [NAME]                          # each strategy's options: flag, TOML key, default, help
     shardwise recipes
-    shardwise tune lr|batch-size --recipe NAME [...]          # learning-rate range test, largest batch that fits; see shardwise/tools/tune
+    shardwise tune lr|batch-size|hparams --recipe NAME [...]  # range test, largest batch that fits, parallel search; see shardwise/tools/tune
     shardwise plot RUN_DIR [RUN_DIR ...] [--out DIR]         # PNGs of runs; see shardwise/tools/plot
     shardwise plan --model NAME|PATH.json|module:factory|--params N --nproc N [...]   # which strategy; see shardwise/tools/advisor
     shardwise predict CHECKPOINT --recipe NAME --out DIR [--nproc N] [--strategy S]   # shards + index.json; see shardwise/tools/predict.py
