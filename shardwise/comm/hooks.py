@@ -182,6 +182,12 @@ def make_comm_hook(
     state = CommHookState(group=group, recorder=recorder, algorithm=algorithm, seed=seed)
     if algorithm == HIERARCHICAL:
         state.levels = NodeLevels.build(group, node_size)
+        if state.levels.nodes == 1 and group.size > 1 and group.rank == 0:  # said once, where the hook is made
+            print(
+                f"shardwise: allreduce='hierarchical' with node size {node_size} = the world size: one node, so it is a reduce "
+                "and a broadcast; pass --node-size N (node_size=N) to model nodes of N processes",
+                flush=True,
+            )
     if codec is None:
         return state, allreduce_hook
     state.codec = codec  # type: ignore[assignment]

@@ -26,7 +26,9 @@ _WIRE_DTYPES = (
 )  # fmt: skip
 _MAX_DIMS = 8
 SCATTER_HEADER_BYTES = 8 * (2 + _MAX_DIMS)
-"""The header `Collectives.scatter` broadcasts first (the pieces' dtype and shape, or src's refusal)."""
+"""The header `Collectives.scatter` broadcasts first (the pieces' dtype and shape, or src's refusal);
+`Collectives.gather` and `Collectives.reduce` all-gather one of these from every rank (each rank's dtype
+and shape) before the data, so unequal inputs raise a `ConfigError` on every rank instead of a crash."""
 
 
 class Collectives:
@@ -56,9 +58,13 @@ class Collectives:
 
         On ``dst``: the reduction, written into ``tensor`` (in place, as `all_reduce`) and returned.
         On every other rank: None, and ``tensor`` is left as it was (its copy is what is sent).
-        Shapes and dtypes must agree on every rank. Recorded as ``reduce``: each other rank sends
-        the tensor's bytes, ``dst`` receives them once (the bandwidth-optimal figures).
+        Shapes and dtypes must agree on every rank: each rank's dtype and shape go round first (an
+        all-gather of a `SCATTER_HEADER_BYTES` header per rank, recorded as ``all_gather``), and a
+        mismatch raises a `ConfigError` naming every rank's on every rank, before any data moves.
+        Recorded as ``reduce``: each other rank sends the tensor's bytes, ``dst`` receives them once
+        (the bandwidth-optimal figures).
         """
+        self._same_everywhere("reduce", tensor, "dst", dst)
         if self.group.rank == dst:
             return reduce(tensor, dst, op, group=self.group, recorder=self.recorder)
         reduce(tensor.clone(), dst, op, group=self.group, recorder=self.recorder)
@@ -66,15 +72,19 @@ class Collectives:
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
         """Every rank's ``tensor`` on rank ``dst``, as a list in rank order (its own included, as a
-        copy); None on every other rank. Shapes and dtypes must agree on every rank. Recorded as
-        ``gather``: payload the p tensors' bytes, ``dst`` receives p - 1 of them, each other rank sends one."""
+        copy); None on every other rank. Shapes and dtypes must agree on every rank, checked first as
+        in `reduce` (a header all-gathered, recorded as ``all_gather``; a `ConfigError` on every rank
+        naming each rank's shape and dtype). Recorded as ``gather``: payload the p tensors' bytes,
+        ``dst`` receives p - 1 of them, each other rank sends one."""
+        self._same_everywhere("gather", tensor, "dst", dst)
         return gather(tensor, dst, group=self.group, recorder=self.recorder)
 
     def scatter(self, tensors: Sequence[torch.Tensor] | None, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``tensors`` (one per rank, equal shapes and dtypes) handed out: every rank,
         ``src`` included, returns its own piece (``tensors[rank]``, a new tensor on this engine's device).
 
-        The other ranks pass None: a header of `SCATTER_HEADER_BYTES` (the pieces' dtype and shape)
+        The other ranks pass None, or anything: their ``tensors`` are ignored (so every rank may build
+        the same list and pass it). a header of `SCATTER_HEADER_BYTES` (the pieces' dtype and shape)
         is broadcast from ``src`` first, recorded as a ``broadcast``. Input ``src`` refuses (the wrong
         number of tensors, unequal shapes or dtypes, more than 8 dimensions) raises a `ConfigError`
         on every rank instead of leaving them waiting. Recorded as ``scatter``: payload the p
@@ -102,6 +112,37 @@ class Collectives:
         out = torch.empty([int(d) for d in header[2 : 2 + ndim]], dtype=dtype, device=self.device)
         pieces = [t.to(self.device) for t in tensors] if group.rank == src and tensors is not None else None
         return scatter(out, pieces, src, group=group, recorder=self.recorder)
+
+    def _same_everywhere(self, op: str, tensor: torch.Tensor, name: str, root: int) -> None:
+        """Raise the same `ConfigError` on every rank unless every rank's ``tensor`` has one shape and dtype."""
+        group = self.group
+        p = group.size
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < p:
+            raise ConfigError(f"{op}: {name}={root!r} is not a rank of group '{group.name}' (size {p}); pass a group rank 0 .. {p - 1}")
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"{op}: pass a tensor on every rank; rank {group.rank} passed {type(tensor).__name__}")
+        if p == 1:
+            return
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        header[0] = _WIRE_DTYPES.index(tensor.dtype) if tensor.dtype in _WIRE_DTYPES else -1
+        header[1] = tensor.dim()
+        if tensor.dim() <= _MAX_DIMS:
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        seen = [h.tolist() for h in all_gather(header, group=group, recorder=self.recorder)]
+        if all(h == seen[0] for h in seen) and seen[0][0] >= 0 and seen[0][1] <= _MAX_DIMS:
+            return
+
+        def described(h: list[int]) -> str:
+            dims = "more than 8 dims" if h[1] > _MAX_DIMS else str(tuple(h[2 : 2 + h[1]]))
+            return f"{dims} {_WIRE_DTYPES[h[0]] if h[0] >= 0 else 'an unsupported dtype'}"
+
+        ranks = ", ".join(f"rank {j} {described(h)}" for j, h in enumerate(seen))
+        odd = any(h[0] < 0 or h[1] > _MAX_DIMS for h in seen)
+        limits = f" (up to {_MAX_DIMS} dims; dtypes {', '.join(str(d) for d in _WIRE_DTYPES)})" if odd else ""
+        raise ConfigError(
+            f"{op}: every rank must pass one shape and dtype{limits}; got {ranks}. "
+            "Nothing was sent: pad or reshape to a common shape and cast to one dtype on every rank"
+        )
 
     def gather_for_metrics(self, outputs: Any, *, total: int, offset: int = 0) -> Any:
         """Every data-parallel rank's evaluation outputs, in dataset order, without the padding.
