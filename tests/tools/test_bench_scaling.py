@@ -19,7 +19,7 @@ import pytest
 from shardwise.errors import ConfigError
 from shardwise.tools.bench import main as bench_main
 from shardwise.tools.bench import scaling
-from shardwise.tools.bench.scaling import REFERENCE, Config, baselines, parse_nproc, speedups, steady_samples_per_s
+from shardwise.tools.bench.scaling import REFERENCE, Config, baselines, parse_nproc, speedups, steady_samples_per_s, verdicts
 
 
 @pytest.fixture
@@ -107,8 +107,62 @@ def test_speedup_and_efficiency_are_against_the_baseline_run():
     assert rows[2]["predicted_speedup"] == pytest.approx(2.0) and rows[2]["predicted_efficiency"] == pytest.approx(0.5)
     assert rows[3]["speedup"] == pytest.approx(0.5) and rows[3]["efficiency"] == pytest.approx(0.25)  # against single's 300
     assert rows[4]["speedup"] is None and rows[4]["predicted_speedup"] == pytest.approx(4.0)
+    # against the fastest one-process run of any strategy: single's 300 (predicted: single's 250)
+    assert [r["speedup_vs_best_one"] for r in rows] == [pytest.approx(1.0), pytest.approx(1 / 3), pytest.approx(1.0), pytest.approx(0.5), None]
+    assert rows[2]["predicted_speedup_vs_best_one"] == pytest.approx(180 / 250)
+    assert {r["best_one"] for r in rows} == {"single"}
     table = scaling.format_table([{**r, "step_s": None, "predicted_step_s": 0.01} for r in rows])
     assert "failed: boom" in table and "(vs single)" in table
+
+
+def _rows(single: float, ddp1: float, ddp2: float, predicted: tuple[float, float, float] = (100.0, 90.0, 50.0)) -> list[dict]:
+    rows = [
+        {"strategy": "single", "nproc": 1, "baseline": "single", "samples_per_s": single, "predicted_samples_per_s": predicted[0]},
+        {"strategy": "ddp", "nproc": 1, "baseline": "ddp", "samples_per_s": ddp1, "predicted_samples_per_s": predicted[1]},
+        {"strategy": "ddp", "nproc": 2, "baseline": "ddp", "samples_per_s": ddp2, "predicted_samples_per_s": predicted[2]},
+    ]
+    speedups(rows)
+    return rows
+
+
+def test_the_verdict_says_one_process_wins_against_the_fastest_one_process_run():
+    # the user's run with OMP_NUM_THREADS=1: ddp x2 is 9.47x ddp x1 but 0.30x of single
+    rows = _rows(20_394.0, 641.0, 6_074.0)
+    assert rows[2]["speedup"] == pytest.approx(6_074 / 641) and rows[2]["speedup_vs_best_one"] == pytest.approx(6_074 / 20_394)
+    lines = verdicts(rows)
+    assert lines[0].startswith("one process is fastest: single at 20,394 samples/s; the fastest on more processes, ddp on 2, reaches 0.30x of it")
+    assert "  ddp on 2 reaches 0.30x of single's one-process run; 9.48x its own one-process run (ddp), 474% efficiency" in lines
+    assert any("above 100%" in line for line in lines)
+    assert lines[-1] == "the planner predicts one process fastest (single; ddp on 2 at 0.50x of it)"
+    assert not any("fastest on 2" in line for line in lines)
+
+
+def test_the_verdict_names_a_faster_layout_against_the_fastest_one_process_run():
+    rows = _rows(727.0, 667.0, 13_988.0, predicted=(100.0, 90.0, 150.0))
+    lines = verdicts(rows)
+    assert lines[0] == "fastest: ddp on 2 processes at 13,988 samples/s, 19.24x the fastest one-process run (single at 727 samples/s)"
+    assert lines[-1] == "the planner predicts ddp on 2 fastest, 1.50x its fastest one-process run (single)"
+    table = scaling.format_table([{**r, "step_s": 0.001, "predicted_step_s": 0.01} for r in rows])
+    assert "vs best1" in table.splitlines()[1] and "19.24x" in table.splitlines()[-1]
+
+
+def test_a_model_factory_without_an_example_takes_the_first_sample_of_its_data(tmp_path, monkeypatch):
+    from shardwise.tools.advisor.models import load_model
+
+    (tmp_path / "benchmods.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def make_model():\n    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))\n"
+        "def make_data():\n    x = torch.randn(64, 8)\n    return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())\n"
+        "def make_loader():\n    return torch.utils.data.DataLoader(make_data(), batch_size=4)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for data in ("benchmods:make_data", "benchmods:make_loader"):
+        planned = load_model("benchmods:make_model", data=data)
+        assert planned.example.shape == (1, 8) and planned.trainable
+        assert planned.spec.params == 8 * 32 + 32 + 32 * 2 + 2
+    with pytest.raises(ConfigError, match=r"returned the module alone: .*return \(model, example_input\).*or pass --data MODULE:FACTORY"):
+        load_model("benchmods:make_model")
 
 
 def test_a_strategy_that_cannot_run_alone_is_measured_against_single():

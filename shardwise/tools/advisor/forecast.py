@@ -36,10 +36,15 @@ def machine_load(given: float | None, device: DeviceProfile) -> float:
         return 0.0
 
 
-def planned_model(model: str, *, global_batch: int | None = None, nprocs: Sequence[int] = (1, 2, 4), device: str = "cpu") -> PlannedModel:
+def planned_model(
+    model: str, *, global_batch: int | None = None, nprocs: Sequence[int] = (1, 2, 4), device: str = "cpu", data: str | None = None, best: bool = True
+) -> PlannedModel:
     """``model`` (a recipe name or ``module:factory``) loaded as ``shardwise plan --model`` loads it; on a profile
     measured here its step is timed at ``global_batch`` (None: the recipe's own, 512 for a factory) with every
-    thread count ``nprocs`` processes run (`shardwise.tools.advisor.models.thread_counts`)."""
+    thread count ``nprocs`` processes run (`shardwise.tools.advisor.models.thread_counts`), each count a few times,
+    keeping the fastest run (``best``: the model's capability, which the load planned then stretches; one timing
+    that other work slowed would otherwise move every prediction). ``data``: a factory's ``--data``, whose first
+    sample is the example input when the factory returns the module alone."""
     from shardwise.tools.advisor.candidates import own_threads
     from shardwise.tools.advisor.models import load_model, thread_counts
     from shardwise.tools.recipes import available, get_recipe
@@ -47,9 +52,9 @@ def planned_model(model: str, *, global_batch: int | None = None, nprocs: Sequen
     profile = load_profile(device)
     batch = global_batch or (int(get_recipe(model).trainer_defaults["global_batch_size"]) if model in available() else 512)
     if not profile.local:
-        return load_model(model)
+        return load_model(model, data=data)
     threads = thread_counts(profile.cores, list(nprocs), own_threads(Cluster(profile, 1, load=machine_load(None, profile))))
-    return load_model(model, timed_batch=batch, threads=threads)
+    return load_model(model, timed_batch=batch, threads=threads, best=best, data=data)
 
 
 @dataclass(frozen=True)

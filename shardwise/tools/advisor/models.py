@@ -51,6 +51,7 @@ def time_step(
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
     sizes: tuple[int, int],
     threads: int = 1,
+    best: bool = False,
 ) -> StepFit:
     """Time the `Trainer`'s own step of a copy of ``model`` (``single``, ``threads`` threads) at two batch sizes; fit a line.
 
@@ -60,6 +61,8 @@ def time_step(
     `TIMED_STEPS` steps (more for a short step); a run's time is the median logged interval after the first
     (`shardwise.tools.advisor.validate.measured_step_s`), a size's the median of its `TIMED_RUNS` runs, taken in
     turns with the other size's (fewer once the timing has taken `TIMED_BUDGET_S`). ``model`` is not changed.
+    ``best``: each size's fastest run instead of the median (the model's capability: one run that other work
+    slowed cannot move it; a load model then stretches it for the load planned).
     """
     from shardwise.tools.advisor.validate import timed_fit
 
@@ -85,7 +88,8 @@ def time_step(
                 runs[size].append(step)
     finally:
         torch.set_num_threads(before)
-    seconds = [statistics.median(runs[lo]), statistics.median(runs[hi])]
+    pick = min if best else statistics.median
+    seconds = [pick(runs[lo]), pick(runs[hi])]
     per_sample = max(0.0, (seconds[1] - seconds[0]) / (hi - lo)) if hi > lo else 0.0
     return StepFit(fixed_s=max(0.0, seconds[0] - per_sample * lo), per_sample_s=per_sample, sizes=(lo, hi), threads=threads)
 
@@ -97,10 +101,11 @@ def time_steps(
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
     sizes: tuple[int, int],
     threads: Sequence[int] = (1,),
+    best: bool = False,
 ) -> list[StepFit]:
-    """`time_step` at each of ``threads`` (each count once): the fits `ModelSpec.with_fits` keeps, one per thread count
-    the planned processes run (`thread_counts`)."""
-    return [time_step(model, data, loss_fn, make_optimizer, sizes, t) for t in sorted(set(threads))]
+    """`time_step` at each of ``threads`` (each count once; ``best`` as there): the fits `ModelSpec.with_fits` keeps, one per
+    thread count the planned processes run (`thread_counts`)."""
+    return [time_step(model, data, loss_fn, make_optimizer, sizes, t, best) for t in sorted(set(threads))]
 
 
 def thread_counts(cores: int, nprocs: Sequence[int], own: int) -> tuple[int, ...]:
@@ -157,7 +162,7 @@ def _stack(samples: list[Any]) -> Any:
     return torch.stack([torch.as_tensor(s) for s in samples])
 
 
-def recipe_model(name: str, timed_batch: int | None = None, threads: Sequence[int] = (1,)) -> PlannedModel:
+def recipe_model(name: str, timed_batch: int | None = None, threads: Sequence[int] = (1,), best: bool = False) -> PlannedModel:
     """A built-in recipe's model, measured on its own first training samples.
 
     With ``timed_batch``, its training step is also timed here (`time_steps`, with the recipe's
@@ -167,7 +172,7 @@ def recipe_model(name: str, timed_batch: int | None = None, threads: Sequence[in
     example = batch[0] if isinstance(batch, tuple) else batch
     spec = measured_spec(name, parts.model, example, EXAMPLE_SAMPLES, loss=lambda out: parts.loss_fn(out, batch), tp_plan=tp_split(parts.model))
     if timed_batch:
-        spec = spec.with_fits(time_steps(parts.model, parts.train, parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch), threads))
+        spec = spec.with_fits(time_steps(parts.model, parts.train, parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch), threads, best))
     return PlannedModel(spec, parts.model, name)
 
 
@@ -227,20 +232,42 @@ def import_object(spec: str, flag: str) -> Callable[..., Any]:
     return obj
 
 
-def factory_model(spec: str, timed_batch: int | None = None, threads: Sequence[int] = (1,)) -> PlannedModel:
-    """``module:callable`` returning an ``nn.Module`` or ``(module, example_input)``; without an
-    example, the module's ``example_input`` attribute (a tensor with a batch dimension) is used."""
+def factory_model(spec: str, timed_batch: int | None = None, threads: Sequence[int] = (1,), best: bool = False, data: str | None = None) -> PlannedModel:
+    """``module:callable`` returning an ``nn.Module`` or ``(module, example_input)``; without an example, the
+    module's ``example_input`` attribute (a tensor with a batch dimension), else ``data``'s first sample
+    (`example_from_data`) is used."""
     made = import_object(spec, "--model")()
     model, example = (made[0], made[1]) if isinstance(made, tuple) else (made, getattr(made, "example_input", None))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
+    if example is None and data is not None:
+        example = example_from_data(data)
     if example is None:
-        raise ConfigError(f"--model {spec!r}: return (model, example_input) from the factory so FLOPs and activations can be counted")
+        raise ConfigError(
+            f"--model {spec!r} returned the module alone: FLOPs and activations are counted on an example input, so return "
+            "(model, example_input) from the factory (example_input: a batch, e.g. torch.randn(8, 784)), "
+            "or give the module an example_input attribute, or pass --data MODULE:FACTORY (its first sample is used)"
+        )
     samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
     planned = measured_spec(spec, model, example, samples, tp_plan=tp_split(model))
     if timed_batch:
-        planned = planned.with_fits(time_steps(model, repeated(example), _mean_output_loss, _adam, _timed_sizes(timed_batch), threads))
+        planned = planned.with_fits(time_steps(model, repeated(example), _mean_output_loss, _adam, _timed_sizes(timed_batch), threads, best))
     return PlannedModel(planned, model, example=example)
+
+
+def example_from_data(data: str) -> Any:
+    """A batch of one built from the first sample of ``data`` (``module:factory`` returning a map-style data set or a
+    DataLoader over one, as ``shardwise train --data`` takes it): the sample's input, the ``x`` of an ``(x, y)`` item."""
+    made = import_object(data, "--data")()
+    dataset = getattr(made, "dataset", made)  # a DataLoader's data set
+    try:
+        item = dataset[0]
+    except (TypeError, IndexError, KeyError) as exc:
+        raise ConfigError(f"--data {data!r}: could not read its first sample (data[0]: {exc}); return a map-style Dataset or a DataLoader over one") from None
+    x = item[0] if isinstance(item, tuple | list) else item
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(f"--data {data!r}: its first sample's input is a {type(x).__name__}, not a tensor; return (model, example_input) from --model")
+    return x.unsqueeze(0)
 
 
 def load_model(
@@ -253,20 +280,24 @@ def load_model(
     seq: int | None = None,
     timed_batch: int | None = None,
     threads: Sequence[int] | None = None,
+    best: bool = False,
+    data: str | None = None,
 ) -> PlannedModel:
     """Resolve ``--model`` (or ``--params``) into a `PlannedModel`; an unknown name is a one-line `ConfigError`.
 
     ``timed_batch``: time a real module's step here too (for a profile measured on this machine), at each of
-    ``threads`` intra-op threads (None: one, and torch's own count, a single process's: `thread_counts`)."""
+    ``threads`` intra-op threads (None: one, and torch's own count, a single process's: `thread_counts`); ``best``: each
+    size's fastest timing run (`time_step`). ``data``: a factory's data (``--data``), whose first sample is the example
+    input when the factory returns the module alone."""
     threads = tuple(threads) if threads else tuple(sorted({1, torch.get_num_threads()}))
     if params is not None and spec in ("", None):
         return PlannedModel(from_param_count(params, layers=layers, hidden=hidden, heads=heads, seq=seq or 2048))
     if spec in recipes():
-        return recipe_model(spec, timed_batch, threads)
+        return recipe_model(spec, timed_batch, threads, best)
     if spec.endswith(".json"):
         return PlannedModel(from_hf_config(Path(spec), seq=seq))
     if ":" in spec:
-        return factory_model(spec, timed_batch, threads)
+        return factory_model(spec, timed_batch, threads, best, data)
     raise ConfigError(
         f"unknown --model {spec!r}; give a recipe ({', '.join(recipes())}), a Hugging Face config .json, module:factory, or --params N (e.g. --params 7.5e9)"
     )

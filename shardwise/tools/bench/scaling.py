@@ -226,8 +226,14 @@ def measure(args: argparse.Namespace, configs: list[Config], root: Path) -> dict
     return out
 
 
+def best_one(rows: list[dict[str, Any]], prefix: str = "") -> dict[str, Any] | None:
+    """The fastest one-process row (any strategy: ``single`` or a strategy's own one-process run), by ``prefix`` samples/s."""
+    return max((r for r in rows if r["nproc"] == 1 and r.get(f"{prefix}samples_per_s")), key=lambda r: r[f"{prefix}samples_per_s"], default=None)
+
+
 def speedups(rows: list[dict[str, Any]]) -> None:
-    """Each row's speed-up and efficiency (measured and predicted) against its ``baseline`` row, in place."""
+    """Each row's speed-up and efficiency (measured and predicted) against its ``baseline`` row, and its
+    ``speedup_vs_best_one`` against the fastest one-process row of any strategy (`best_one`), in place."""
     by_key = {(r["strategy"], r["nproc"]): r for r in rows}
     for r in rows:
         base = by_key.get((r["baseline"], 1))
@@ -235,6 +241,10 @@ def speedups(rows: list[dict[str, Any]]) -> None:
             sps, ref = r.get(f"{prefix}samples_per_s"), base.get(f"{prefix}samples_per_s") if base else None
             r[f"{prefix}speedup"] = sps / ref if sps and ref else None
             r[f"{prefix}efficiency"] = r[f"{prefix}speedup"] / r["nproc"] if r[f"{prefix}speedup"] else None
+            best = best_one(rows, prefix)
+            r[f"{prefix}speedup_vs_best_one"] = sps / best[f"{prefix}samples_per_s"] if sps and best else None
+        best = best_one(rows)
+        r["best_one"] = f"{best['strategy']}" if best else None
 
 
 def _ms(s: float | None) -> str:
@@ -247,20 +257,22 @@ def _num(x: float | None, fmt: str, unit: str = "") -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width table: measured, then predicted."""
-    head = f"{'strategy':10s} {'procs':>5s} {'threads':>7s} {'step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s} │ "
-    head += f"{'pred. step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s}"
-    lines = [f"{'':25s}{'measured':^37s} │ {'predicted by the planner':^37s}", head, "─" * len(head)]
+    head = f"{'strategy':10s} {'procs':>5s} {'threads':>7s} {'step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s} {'vs best1':>8s} │ "
+    head += f"{'pred. step':>10s} {'samples/s':>10s} {'speed-up':>8s} {'effic.':>6s} {'vs best1':>8s}"
+    lines = [f"{'':25s}{'measured':^46s} │ {'predicted by the planner':^46s}", head, "─" * len(head)]
     for r in rows:
         base = f" (vs {r['baseline']})" if r["baseline"] != r["strategy"] else ""
         if r.get("error"):
-            measured = f"{'failed: ' + r['error']:37.37s}"
+            measured = f"{'failed: ' + r['error']:46.46s}"
         else:
             measured = (
-                f"{_ms(r['step_s']):>10s} {_num(r['samples_per_s'], ',.0f'):>10s} {_num(r['speedup'], '.2f', 'x'):>8s} {_num(r['efficiency'], '.0%'):>6s}"
+                f"{_ms(r['step_s']):>10s} {_num(r['samples_per_s'], ',.0f'):>10s} {_num(r['speedup'], '.2f', 'x'):>8s} {_num(r['efficiency'], '.0%'):>6s} "
+                f"{_num(r.get('speedup_vs_best_one'), '.2f', 'x'):>8s}"
             )
         predicted = (
             f"{_ms(r['predicted_step_s']):>10s} {_num(r['predicted_samples_per_s'], ',.0f'):>10s} "
-            f"{_num(r['predicted_speedup'], '.2f', 'x'):>8s} {_num(r['predicted_efficiency'], '.0%'):>6s}"
+            f"{_num(r['predicted_speedup'], '.2f', 'x'):>8s} {_num(r['predicted_efficiency'], '.0%'):>6s} "
+            f"{_num(r.get('predicted_speedup_vs_best_one'), '.2f', 'x'):>8s}"
         )
         threads = f"{r['threads']}/{r['predicted_threads']}" if r.get("threads") and r.get("predicted_threads") else "-"
         lines.append(f"{r['strategy']:10s} {r['nproc']:5d} {threads:>7s} {measured} │ {predicted}{base}")
@@ -268,29 +280,43 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per strategy: its fastest process count, and whether distributing paid off."""
+    """The summary: the fastest layout measured against the fastest one-process run of any strategy (`best_one`),
+    saying plainly when one process wins, then one line per strategy that ran on several processes (its best
+    multi-process layout against that same one-process run, with its own speed-up beside), and the planner's order."""
+    best1 = best_one(rows)
+    many = [r for r in rows if r["nproc"] > 1 and r.get("samples_per_s")]
+    if best1 is None or not many:
+        return []
+    one = f"{best1['strategy']} at {best1['samples_per_s']:,.0f} samples/s"
+    fastest = max(many, key=lambda r: r["samples_per_s"])
     lines = []
-    for name in dict.fromkeys(r["strategy"] for r in rows):
-        mine = [r for r in rows if r["strategy"] == name and r.get("samples_per_s")]
-        many = [r for r in mine if r["nproc"] > 1 and r.get("speedup")]
-        if not many:
-            continue
-        best = max(mine, key=lambda r: r["samples_per_s"])
-        pred_best = max((r for r in mine if r.get("predicted_samples_per_s")), key=lambda r: r["predicted_samples_per_s"], default=None)
-        said = f"; the planner predicts its fastest on {pred_best['nproc']}" if pred_best is not None else ""
-        if all(r["speedup"] < 1 for r in many):
-            worst = min(many, key=lambda r: r["speedup"])
-            lines.append(
-                f"{name}: one process is faster than every larger count measured ({worst['nproc']} processes run at {worst['speedup']:.2f}x): "
-                f"here distributing costs more than it gains{said}"
-            )
+    if fastest["samples_per_s"] <= best1["samples_per_s"]:
+        lines.append(
+            f"one process is fastest: {one}; the fastest on more processes, {fastest['strategy']} on {fastest['nproc']}, "
+            f"reaches {fastest['speedup_vs_best_one']:.2f}x of it: here distributing costs more than it gains"
+        )
+    else:
+        lines.append(
+            f"fastest: {fastest['strategy']} on {fastest['nproc']} processes at {fastest['samples_per_s']:,.0f} samples/s, "
+            f"{fastest['speedup_vs_best_one']:.2f}x the fastest one-process run ({one})"
+        )
+    for name in dict.fromkeys(r["strategy"] for r in many):
+        top = max((r for r in many if r["strategy"] == name), key=lambda r: r["samples_per_s"])
+        own = f"; {top['speedup']:.2f}x its own one-process run ({top['baseline']}), {top['efficiency']:.0%} efficiency" if top.get("speedup") else ""
+        lines.append(f"  {name} on {top['nproc']} reaches {top['speedup_vs_best_one']:.2f}x of {best1['strategy']}'s one-process run{own}")
+    if any(r.get("speedup") and r["efficiency"] > 1.1 for r in many):
+        lines.append(
+            "  (an efficiency above 100%: that strategy's own one-process run was slower than its share, e.g. its threads competing with "
+            "other load on the cores; the comparison with the fastest one-process run above is the one to read)"
+        )
+    pred1, pred_many = best_one(rows, "predicted_"), [r for r in rows if r["nproc"] > 1 and r.get("predicted_samples_per_s")]
+    if pred1 is not None and pred_many:
+        top = max(pred_many, key=lambda r: r["predicted_samples_per_s"])
+        if top["predicted_samples_per_s"] <= pred1["predicted_samples_per_s"]:
+            said = f"one process fastest ({pred1['strategy']}; {top['strategy']} on {top['nproc']} at {top['predicted_speedup_vs_best_one']:.2f}x of it)"
         else:
-            lines.append(f"{name}: fastest on {best['nproc']} process(es), {best['speedup']:.2f}x one process at {best['efficiency']:.0%} efficiency{said}")
-            if best["efficiency"] > 1.1:
-                lines.append(
-                    f"  (above 100%: the one-process run was slower than its share of {best['nproc']}, e.g. its threads competing with other "
-                    "load on the cores; rerun on a quiet machine, or with --repeats)"
-                )
+            said = f"{top['strategy']} on {top['nproc']} fastest, {top['predicted_speedup_vs_best_one']:.2f}x its fastest one-process run ({pred1['strategy']})"
+        lines.append(f"the planner predicts {said}")
     return lines
 
 
@@ -319,7 +345,7 @@ def setup(args: argparse.Namespace, batch: int, counts: list[int]) -> Any:
     from shardwise.tools.advisor.forecast import planned_model
 
     timed = batch * (max(counts) if args.weak else 1)  # the largest global batch a run trains
-    return planned_model(args.recipe or args.model, global_batch=timed, nprocs=counts)
+    return planned_model(args.recipe or args.model, global_batch=timed, nprocs=counts, data=args.data)
 
 
 def baselines(strategies: list[str], counts: list[int], batch: int, weak: bool, planned: Any) -> tuple[list[tuple[Config, str]], list[str]]:
@@ -424,6 +450,13 @@ def main(argv: Sequence[str]) -> int:
     if not configs:
         raise ConfigError("no strategy can run at the process counts asked; see the lines above")
     predicted = predictions(configs, planned, load[0])
+    timed = [f for f in (planned.spec.step_fit, *planned.spec.step_fits) if f is not None]
+    fits = ", ".join(f"{f.seconds(batch) * 1e3:.2f} ms at {f.threads} thread{'s' if f.threads > 1 else ''}" for f in timed)
+    print(
+        f"predictions: the model's step timed here{' (' + fits + ', each the fastest of its timing runs)' if fits else ''}, "
+        f"stretched for a load of {load[0]:.2f} (other work's runnable threads: the 1-min load average before starting)",
+        flush=True,
+    )
     threads = {c: run_threads(c.strategy, c.nproc) for c, _ in configs}
     with tempfile.TemporaryDirectory(prefix="shardwise-scaling-") as tmp:
         root = Path(args.out) if args.out else Path(tmp)
