@@ -166,7 +166,7 @@ def run_one(args: argparse.Namespace, config: Config, out: Path) -> dict[str, An
     steps = str(args.max_steps)
     cmd = [sys.executable, "-m", "shardwise", "train", *_source_args(args), "--strategy", config.strategy, "--nproc", str(config.nproc)]
     cmd += ["--max-steps", steps, "--log-every", str(args.log_every), "--val-every", steps, "--checkpoint-every", steps]
-    cmd += ["--global-batch-size", str(config.global_batch), "--out", str(out)]
+    cmd += ["--global-batch-size", str(config.global_batch), "--out", str(out), "--threads", str(run_threads(config.strategy, config.nproc))]
     env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES and not k.startswith(("OMPI_COMM_WORLD_", "PMI_"))}  # a job of its own
     load = os.getloadavg()[0]
     start = time.perf_counter()
@@ -181,7 +181,8 @@ def run_one(args: argparse.Namespace, config: Config, out: Path) -> dict[str, An
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     summary = json.loads((out / "summary.json").read_text())
     sps, intervals = steady_samples_per_s(metrics, config.global_batch, args.warmup)
-    return {"samples_per_s": sps, "intervals": intervals, "run_samples_per_s": summary["samples_per_s"], "wall_s": wall, "load_1min": load}
+    figures = {"samples_per_s": sps, "intervals": intervals, "run_samples_per_s": summary["samples_per_s"], "wall_s": wall, "load_1min": load}
+    return figures | {"threads": summary["threads"]}  # as the run recorded it (it was given --threads)
 
 
 def run_name(config: Config, round_: int, repeats: int) -> str:
