@@ -33,6 +33,9 @@ class PlanOptions:
     """The flags of ``shardwise plan`` (`shardwise.config.flag`: each field's flag, default and help)."""
 
     model: str = flag("", "a recipe (charlm, digits), a Hugging Face config .json, or module:factory")
+    data: str | None = flag(
+        None, "with a module:factory --model that returns the module alone: its data (MODULE:FACTORY), whose first sample is the example input"
+    )
     params: float | None = flag(None, "a parameter count instead of --model (e.g. 7.5e9): a GPT-shaped model")
     layers: int | None = flag(None, "with --params: transformer layers")
     hidden: int | None = flag(None, "with --params: hidden size")
@@ -192,7 +195,15 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     one_process = not (getattr(args, "validate", False) and args.only and "single" not in args.only.split(";"))
     threads = planned_threads(cluster, one_process) if device.local else None  # each count a planned process runs, timed
     model = load_model(
-        args.model, params=args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, timed_batch=timed, threads=threads
+        args.model,
+        params=args.params,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        timed_batch=timed,
+        threads=threads,
+        data=getattr(args, "data", None),
     )
     if args.accumulate < 1:
         raise ConfigError(f"--accumulate must be >= 1; got {args.accumulate}")
@@ -226,7 +237,7 @@ def load_line(cluster: Any, records: list[dict[str, Any]], given: bool = False) 
                 f"its step timed with {capped} threads was slower than with {own} (threads waiting on each other: a machine busier "
                 "than its load average says, or a step too small to share)"
             )
-        line += f"; single is costed at {own} thread(s), not torch's {default}: {why} (run it with OMP_NUM_THREADS={own})"
+        line += f"; single is costed at {own} thread(s), not torch's {default}: {why} (run it with --threads {own}; OMP_NUM_THREADS={own} also works)"
     stretched = max((r["time_breakdown"].get("shared", 1.0) for r in records if r["fits"] and r["world_size"] == cluster.nproc), default=1.0)
     if load and stretched > 1:
         line += f"; the {cluster.nproc} processes share the cores with it: their steps take {stretched:.3g}x as long as the model's step timed now"
@@ -299,6 +310,23 @@ def fits_with_accumulation(model: Any, cluster: Any, settings: Any) -> str:
     return "Nothing fits at any accumulation either: more processes (--nproc) to shard the model state over, or a device with more memory (--device)"
 
 
+def _source(args: argparse.Namespace) -> str:
+    """How ``shardwise train`` is told the planned model: a recipe, a module's factory, else a placeholder (a spec or
+    --params is a size, not a model to train)."""
+    from shardwise.tools.recipes import available
+
+    if args.model in available():
+        return f"--recipe {args.model}"
+    return f"--model {args.model if args.model and ':' in args.model else 'MODULE:FACTORY'}"
+
+
+def _settings_flags(args: argparse.Namespace) -> list[str]:
+    """The plan's settings that a run must be given too (those the user set)."""
+    flags = ["--global-batch-size", str(args.global_batch)] if args.global_batch else []
+    flags += ["--precision", args.precision] if args.precision else []
+    return flags + (["--accumulate", str(args.accumulate)] if args.accumulate > 1 else [])
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Run ``shardwise plan`` (or ``--calibrate`` / ``--validate``)."""
     if args.calibrate:
@@ -311,7 +339,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         return cmd_validate(args, model, cluster, settings)
     from shardwise.tools.advisor.candidates import plan_all
-    from shardwise.tools.advisor.recommend import recommend
+    from shardwise.tools.advisor.recommend import recommend, run_command
 
     records = plan_all(model.spec, cluster, settings, model.module)
     for r in records:
@@ -336,8 +364,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if dev.cores:
         print(load_line(cluster, records, given=args.load is not None))
     print(table(records, args.all))
-    print(f"recommendation: {advice['choice'] or 'none fits'}  ({advice['why']})")
     rec = advice["choice_record"]
+    if rec:
+        advice["run"] = run_command(rec, _source(args), _settings_flags(args), cores_here=bool(dev.cores) and cluster.nodes == 1)
+    print(f"recommendation: {advice['choice'] or 'none fits'}  ({advice['why']})" + (f"; run it: {advice['run']}" if rec else ""))
     if rec:
         m, t = rec["memory_breakdown"], rec["time_breakdown"]
         print(

@@ -28,3 +28,23 @@ def test_planned_model_times_for_the_best_run_and_passes_the_data_on(monkeypatch
     monkeypatch.setattr(models, "load_model", lambda model, **kw: seen.update(kw, model=model))
     forecast.planned_model("m:make", global_batch=32, nprocs=(1, 2), data="m:data")
     assert seen["model"] == "m:make" and seen["best"] is True and seen["data"] == "m:data" and seen["timed_batch"] == 32
+
+
+def test_plan_takes_a_factory_that_returns_the_module_alone_with_data(tmp_path, monkeypatch, capsys) -> None:
+    from shardwise.cli import main
+    from shardwise.errors import ConfigError
+
+    (tmp_path / "planmods.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def make_model():\n    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))\n"
+        "def make_data():\n    x = torch.randn(64, 8)\n    return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flags = ["plan", "--model", "planmods:make_model", "--nproc", "2", "--device", "h100-80gb"]  # a datasheet device: nothing timed
+    assert main(flags) == 2
+    assert "returned the module alone: " in capsys.readouterr().err  # and says what to do:
+    with pytest.raises(ConfigError, match=r"return \(model, example_input\) from the factory .*or pass --data MODULE:FACTORY"):
+        models.load_model("planmods:make_model")
+    assert main([*flags, "--data", "planmods:make_data"]) == 0
+    assert "ddp" in capsys.readouterr().out
