@@ -92,6 +92,13 @@ def _int(environ: Mapping[str, str], key: str, default: int | None = None) -> in
         raise ConfigError(f"environment variable {key}={raw!r} is not an integer") from None
 
 
+def user_threads(environ: Mapping[str, str] | None = None) -> int | None:
+    """The thread count a user set in ``OMP_NUM_THREADS`` (its first level when it lists several), else None
+    (also for a value that is not a whole number >= 1, which OpenMP ignores too)."""
+    raw = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
 def first_slurm_host(nodelist: str) -> str:
     """First host name of a Slurm node list such as ``gpu[003-005,007],cpu01``."""
     m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())

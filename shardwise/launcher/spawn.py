@@ -96,7 +96,10 @@ class RemoteTraceback(Exception):
 
 
 def _default_threads(nproc: int) -> int:
-    return max(1, (os.cpu_count() or 1) // nproc)
+    """A user's ``OMP_NUM_THREADS``, else the cores shared out among the ranks (at least one each)."""
+    from shardwise.launcher.env import user_threads
+
+    return user_threads() or max(1, (os.cpu_count() or 1) // nproc)
 
 
 def launch(

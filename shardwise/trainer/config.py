@@ -53,6 +53,10 @@ class TrainerConfig:
     nproc: int = flag(1)
     """Processes to start on this machine when the run was not started by a launcher (under torchrun or srun the job's
     processes are used, and a different N > 1 is an error)."""
+    threads: int | None = flag(None, metavar="N")
+    """Intra-op threads (``torch.set_num_threads``) of each training process; None or 0: automatic, that is a user's
+    ``OMP_NUM_THREADS`` when set, else the cores shared out for started processes (cores // nproc) and torch's own count
+    for a run in this process. One process on a busy machine is often far faster with 1 than with torch's default."""
     accelerator: str = flag("auto", choices=("auto", "cpu", "cuda"))
     """'auto' (CUDA when present), 'cpu' or 'cuda'."""
     precision: str = flag("32")
@@ -175,6 +179,10 @@ class TrainerConfig:
 
         for name in ("nproc", "accumulate", "log_every", "keep_last"):
             positive(name, allow_none=False)
+        if self.threads == 0 and not isinstance(self.threads, bool):
+            object.__setattr__(self, "threads", None)  # 0 is automatic, as None
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"threads must be a whole number >= 1 (or 0 for automatic); got {self.threads!r} (e.g. --threads 1)")
         for name in ("global_batch_size", "max_steps", "max_epochs", "val_every", "val_batch_size", "checkpoint_every"):
             positive(name)
         if isinstance(self.strategy, str):  # a misspelt name is refused here, not at fit

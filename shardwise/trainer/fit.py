@@ -186,6 +186,11 @@ class FitRun:
             engine.print(f"shardwise: fast_dev_run: {self.total} step(s) and {self.total} validation batch(es) per rank; nothing is saved or logged")
         elif cfg.announce_outputs:
             engine.print(describe_outputs(cfg.out, cfg.checkpoint_every, cfg.keep_last))
+            threads, source = self.trainer.threads_note
+            engine.print(
+                f"shardwise: strategy {cfg.strategy} on {engine.world_size} process(es), {threads} thread(s) each "
+                f"({source}{'' if source == 'the threads setting' else '; --threads N sets another'})"
+            )
         self.batch_notes = self.trainer._batch_notes(self.global_batch, self.dl_batch, self.loader)
         if cfg.announce_outputs and not cfg.fast_dev_run:
             for note in self.batch_notes["lines"]:
@@ -418,6 +423,8 @@ class FitRun:
         summary: dict[str, Any] = {
             "strategy": cfg.strategy,
             "world_size": engine.world_size,
+            "threads": self.trainer.threads_note[0],  # this process's torch.get_num_threads() while it trained
+            "threads_from": self.trainer.threads_note[1],
             "mesh": dict(engine.layout.degrees),  # dp x pp x tp of the training ranks, as the strategy planned it
             "precision": cfg.precision,
             "global_batch_size": self.global_batch,

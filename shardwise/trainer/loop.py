@@ -7,10 +7,11 @@ ranks' interpreter imports torch while the caller builds its model and data."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from shardwise.data.batches import call_model, loss_from_output
 from shardwise.engine import Engine
 from shardwise.engine.loggers import Logger, flatten
 from shardwise.errors import ConfigError
-from shardwise.launcher.env import detect_env
+from shardwise.launcher.env import detect_env, user_threads
 from shardwise.launcher.spawn import launch, prestart, stop_if_bootstrapping
 from shardwise.strategies import Layout, OptimizerFactory, Strategy, materialize
 from shardwise.trainer import callbacks, evaluate, handoff, plan
@@ -101,6 +102,7 @@ class Trainer:
         self.optimizer_given = optimizer is not None
         self._adapter: ModelAdapter | None = None
         """The adapter of a module written for another API (`shardwise.trainer.adapters`); None for a plain module."""
+        self._threads_from: str | None = None  # set while launching: why the started ranks run their thread count
         self._return_weights = True  # whether fit's workers send the trained weights back (set by fit: `handoff.returns_weights`)
         self.loss_fn = loss_fn
         self.lr_scheduler = lr_scheduler
@@ -232,12 +234,20 @@ class Trainer:
         return results[0]
 
     def _launch_workers(self, worker: Callable[..., Any], model: Any, *args: Any) -> list[Any]:
+        threads, self._threads_from = self._threads_choice(self.config.nproc)
+        try:
+            return self._launch_ranks(worker, model, threads, *args)
+        finally:
+            self._threads_from = None
+
+    def _launch_ranks(self, worker: Callable[..., Any], model: Any, threads: int | None, *args: Any) -> list[Any]:
         return launch(
             worker,
             self,
             model,
             *args,
             nproc=self.config.nproc,
+            threads_per_proc=threads,
             start_method=self.config.start_method,
             accelerator="cpu" if self.config.accelerator == "cpu" else "auto",
             collective_timeout_s=self.config.timeout_s,
@@ -245,6 +255,31 @@ class Trainer:
             error_dir=Path(self.config.out) / "errors" if self.config.out else None,
             debug_collectives=self.config.debug_collectives,
         )
+
+    def _threads_choice(self, nproc: int | None) -> tuple[int | None, str]:
+        """The intra-op threads of each training process and why: for ``nproc`` started processes, or (None) for this
+        one, where None leaves torch's own count."""
+        if self.config.threads:
+            return self.config.threads, "the threads setting"
+        if user_threads():
+            return user_threads(), "OMP_NUM_THREADS"
+        if nproc is None:
+            return None, "torch's default"
+        cores = os.cpu_count() or 1
+        return max(1, cores // nproc), f"{cores} cores // {nproc} processes"
+
+    @contextlib.contextmanager
+    def _threads_applied(self) -> Iterator[None]:
+        """This process's threads for the run (put back after it); a started rank's were set by the launcher."""
+        before = torch.get_num_threads()
+        threads, source = (None, self._threads_from) if self._threads_from else self._threads_choice(None)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.threads_note = (torch.get_num_threads(), source)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def _make_engine(self) -> Engine:
         cfg = self.config
@@ -271,7 +306,7 @@ class Trainer:
         self.engine = engine
         self.preemption = Preemption()
         try:
-            with self.preemption.installed(self.config.preempt_signals):
+            with self.preemption.installed(self.config.preempt_signals), self._threads_applied():
                 return FitRun(self, engine, model, train_data, val_data, wall_start).run(return_state)
         finally:
             self.engine = self._engine = None
@@ -311,6 +346,10 @@ class Trainer:
         return result
 
     def _evaluate_here(self, model: nn.Module, kind: str, data: Any, ckpt_path: str | None) -> Any:
+        with self._threads_applied():
+            return self._evaluate_with(model, kind, data, ckpt_path)
+
+    def _evaluate_with(self, model: nn.Module, kind: str, data: Any, ckpt_path: str | None) -> Any:
         engine = self._make_engine()
         try:
             if self._adapter is not None:
