@@ -133,7 +133,7 @@ def test_the_verdict_says_one_process_wins_against_the_fastest_one_process_run()
     assert lines[0].startswith("one process is fastest: single at 20,394 samples/s; the fastest on more processes, ddp on 2, reaches 0.30x of it")
     assert "  ddp on 2 reaches 0.30x of single's one-process run; 9.48x its own one-process run (ddp), 474% efficiency" in lines
     assert any("above 100%" in line for line in lines)
-    assert lines[-1] == "the planner predicts one process fastest (single; ddp on 2 at 0.50x of it)"
+    assert lines[-1] == "the planner predicts one process fastest (single on 1; ddp on 2 at 0.50x of it)"
     assert not any("fastest on 2" in line for line in lines)
 
 

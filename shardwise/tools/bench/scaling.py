@@ -277,7 +277,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         )
         threads = f"{r['threads']}/{r['predicted_threads']}" if r.get("threads") and r.get("predicted_threads") else "-"
         lines.append(f"{r['strategy']:10s} {r['nproc']:5d} {threads:>7s} {measured} │ {predicted}{base}")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
@@ -314,7 +314,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     if pred1 is not None and pred_many:
         top = max(pred_many, key=lambda r: r["predicted_samples_per_s"])
         if top["predicted_samples_per_s"] <= pred1["predicted_samples_per_s"]:
-            said = f"one process fastest ({pred1['strategy']}; {top['strategy']} on {top['nproc']} at {top['predicted_speedup_vs_best_one']:.2f}x of it)"
+            said = f"one process fastest ({pred1['strategy']} on 1; {top['strategy']} on {top['nproc']} at {top['predicted_speedup_vs_best_one']:.2f}x of it)"
         else:
             said = f"{top['strategy']} on {top['nproc']} fastest, {top['predicted_speedup_vs_best_one']:.2f}x its fastest one-process run ({pred1['strategy']})"
         lines.append(f"the planner predicts {said}")
