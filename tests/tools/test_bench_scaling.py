@@ -130,7 +130,7 @@ def test_the_verdict_says_one_process_wins_against_the_fastest_one_process_run()
     rows = _rows(20_394.0, 641.0, 6_074.0)
     assert rows[2]["speedup"] == pytest.approx(6_074 / 641) and rows[2]["speedup_vs_best_one"] == pytest.approx(6_074 / 20_394)
     lines = verdicts(rows)
-    assert lines[0].startswith("one process is fastest: single at 20,394 samples/s; the fastest on more processes, ddp on 2, reaches 0.30x of it")
+    assert lines[0].startswith("one process is fastest: single on 1 process at 20,394 samples/s; the fastest on more processes, ddp on 2, reaches 0.30x of it")
     assert "  ddp on 2 reaches 0.30x of single's one-process run; 9.48x its own one-process run (ddp), 474% efficiency" in lines
     assert any("above 100%" in line for line in lines)
     assert lines[-1] == "the planner predicts one process fastest (single on 1; ddp on 2 at 0.50x of it)"
@@ -140,7 +140,7 @@ def test_the_verdict_says_one_process_wins_against_the_fastest_one_process_run()
 def test_the_verdict_names_a_faster_layout_against_the_fastest_one_process_run():
     rows = _rows(727.0, 667.0, 13_988.0, predicted=(100.0, 90.0, 150.0))
     lines = verdicts(rows)
-    assert lines[0] == "fastest: ddp on 2 processes at 13,988 samples/s, 19.24x the fastest one-process run (single at 727 samples/s)"
+    assert lines[0] == "fastest: ddp on 2 processes at 13,988 samples/s, 19.24x the fastest one-process run (single on 1 process at 727 samples/s)"
     assert lines[-1] == "the planner predicts ddp on 2 fastest, 1.50x its fastest one-process run (single)"
     table = scaling.format_table([{**r, "step_s": 0.001, "predicted_step_s": 0.01} for r in rows])
     assert "vs best1" in table.splitlines()[1] and "19.24x" in table.splitlines()[-1]

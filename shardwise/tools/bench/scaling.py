@@ -288,7 +288,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     many = [r for r in rows if r["nproc"] > 1 and r.get("samples_per_s")]
     if best1 is None or not many:
         return []
-    one = f"{best1['strategy']} at {best1['samples_per_s']:,.0f} samples/s"
+    one = f"{best1['strategy']} on 1 process at {best1['samples_per_s']:,.0f} samples/s"
     fastest = max(many, key=lambda r: r["samples_per_s"])
     lines = []
     if fastest["samples_per_s"] <= best1["samples_per_s"]:
