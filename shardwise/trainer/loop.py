@@ -258,13 +258,15 @@ class Trainer:
 
     def _threads_choice(self, nproc: int | None) -> tuple[int | None, str]:
         """The intra-op threads of each training process and why: for ``nproc`` started processes, or (None) for this
-        one, where None leaves torch's own count."""
+        one, where None leaves torch's own count (which torch took from a user's OMP_NUM_THREADS at its start, unless
+        this program has set another since: that one stands)."""
         if self.config.threads:
             return self.config.threads, "the threads setting"
-        if user_threads():
-            return user_threads(), "OMP_NUM_THREADS"
+        omp = user_threads()
         if nproc is None:
-            return None, "torch's default"
+            return None, "torch's default" if omp is None else "OMP_NUM_THREADS" if omp == torch.get_num_threads() else "torch.set_num_threads here"
+        if omp:
+            return omp, "OMP_NUM_THREADS"
         cores = os.cpu_count() or 1
         return max(1, cores // nproc), f"{cores} cores // {nproc} processes"
 

@@ -74,11 +74,15 @@ def test_without_threads_a_user_s_omp_num_threads_is_the_count_else_torch_s_own(
     summary, seen = _fit(tmp_path / "a")
     assert seen == {0: 2} and summary["threads"] == 2 and summary["threads_from"] == "torch's default"
     assert "2 thread(s) each (torch's default; --threads N sets another)" in capsys.readouterr().out
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # set after torch started: torch itself would not read it now
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # what torch starts with under OMP_NUM_THREADS=1
     summary, seen = _fit(tmp_path / "b")
     assert seen == {0: 1} and summary["threads"] == 1 and summary["threads_from"] == "OMP_NUM_THREADS"
     summary, seen = _fit(tmp_path / "c", threads=2)  # given, the setting wins over the environment
     assert seen == {0: 2} and summary["threads_from"] == "the threads setting"
+    torch.set_num_threads(2)  # a program's own count (the planner's validation sets one) stands over the environment's
+    summary, seen = _fit(tmp_path / "d")
+    assert seen == {0: 2} and summary["threads_from"] == "torch.set_num_threads here"
 
 
 def test_launched_ranks_run_the_threads_given_each(tmp_path, monkeypatch):
@@ -93,7 +97,7 @@ def test_the_launcher_s_automatic_count_is_a_user_s_omp_num_threads_else_the_cor
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert spawn._default_threads(1) == 8 and spawn._default_threads(2) == 4 and spawn._default_threads(16) == 1
     trainer = Trainer(strategy="ddp", nproc=1)
-    assert trainer._threads_choice(1) == (8, "8 cores // 1 processes") and trainer._threads_choice(None) == (None, "torch's default")
+    assert trainer._threads_choice(1) == (8, "8 cores // 1 processes") and trainer._threads_choice(None)[0] is None
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # issue 39: ddp on one process ran 2 threads whatever the user set
     assert spawn._default_threads(1) == 1 and trainer._threads_choice(1) == (1, "OMP_NUM_THREADS")
     assert Trainer(strategy="ddp", nproc=1, threads=3)._threads_choice(1) == (3, "the threads setting")

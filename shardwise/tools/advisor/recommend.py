@@ -163,6 +163,38 @@ def one_or_many(single: dict[str, Any], multi: dict[str, Any] | None) -> dict[st
     return {"stay_on_one_process": stay, "one_process": _brief(single), "best_multiprocess": _brief(multi), "speedup": speedup, "why": why}
 
 
+def run_command(record: dict[str, Any], source: str, settings_flags: Sequence[str] = (), cores_here: bool = True) -> str:
+    """The ``shardwise train`` command that runs ``record`` as planned: ``source`` (``--recipe NAME`` or ``--model
+    MODULE:FACTORY``), the strategy, its options as flags, the processes, ``settings_flags`` (batch, precision, ...), and
+    ``--threads k`` where the count it was costed with (``cores_here``: on this machine's cores) is not the one the run
+    would take by itself: torch's own count in one process, a user's OMP_NUM_THREADS or the cores shared out when started."""
+    import os
+    import shlex
+
+    import torch
+
+    from shardwise.launcher.env import user_threads
+
+    parts = ["shardwise train", source, "--strategy", record["strategy"]]
+    for key, value in record["options"].items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (str, int, float)):
+            parts += [flag, shlex.quote(str(value))]
+        else:
+            parts += ["--set", shlex.quote(f"trainer.strategy_options.{key}={value!r}")]
+    if record.get("activation_checkpointing", "off") != "off":
+        parts += ["--activation-checkpointing", str(record["activation_checkpointing"])]
+    parts += ["--nproc", str(record["world_size"]), *settings_flags]
+    threads = record.get("threads")
+    if cores_here and threads:
+        auto = torch.get_num_threads() if record.get("in_process") else user_threads() or max(1, (os.cpu_count() or 1) // record["world_size"])
+        if threads != auto:
+            parts += ["--threads", str(threads)]
+    return " ".join(parts)
+
+
 def nothing_fits(records: Sequence[dict[str, Any]], device_bytes: float) -> str:
     """Why no candidate fits, told by the candidate that needs the least memory per rank: its model state
     alone is too big (more processes to shard over, or a bigger device), or its activations are (smaller

@@ -41,6 +41,8 @@ class Target:
     report_every: int | None = None
     nprocs: list[int] = field(default_factory=lambda: [1])
     max_steps_flag: int | None = None
+    threads: int | None = None
+    """The threads each trial's processes run (set by `env`): the trials' commands and the reproduce line pass them."""
     """``--max-steps`` as given to the search (passed on to every trial as that flag)."""
 
     @classmethod
@@ -201,7 +203,10 @@ class Target:
             args += ["--config", self.config]
         if self.max_steps_flag is not None:
             args += ["--max-steps", str(self.max_steps_flag)]
-        return args + [a for s in self.sets for a in ("--set", s)]
+        args += [a for s in self.sets for a in ("--set", s)]
+        if self.threads is not None and not any(s.startswith("trainer.threads=") for s in self.sets) and "trainer.threads" not in self.dims:
+            args += ["--threads", str(self.threads)]  # the count the trials ran with, not a fresh run's automatic one
+        return args
 
     def sampled_args(self, params: Mapping[str, Any]) -> list[str]:
         return [a for k, v in params.items() if not k.startswith("param.") for a in ("--set", f"{k}={format_value(v)}")]
@@ -222,6 +227,7 @@ class Target:
         """The trials' environment: this one, less a launcher's rank variables, with ``threads`` per process."""
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and k != PARAMS_ENV}
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.threads = threads
         return env
 
     def trial_env(self, env: dict[str, str], params: Mapping[str, Any]) -> dict[str, str]:

@@ -145,6 +145,9 @@ def test_plan_json_carries_the_one_process_comparison(tmp_path: Path, capsys: py
     assert all("threads" in r and "samples_per_s" in r for r in doc["candidates"])
     printed = capsys.readouterr().out
     assert "cores: " in printed and "load 0.00 (other work's runnable threads: --load)" in printed
+    run = rec["run"]  # the recommendation line ends with the command that runs the choice
+    assert run.startswith("shardwise train --recipe digits --strategy ") and f" --nproc {rec['processes']}" in run
+    assert f"; run it: {run}\n" in printed and (" --threads " in run) is (rec["stay_on_one_process"] and rec["threads"] != torch.get_num_threads())
 
 
 def test_validate_runs_single_and_the_fewer_process_candidates_too(monkeypatch: pytest.MonkeyPatch, torch_threads: None) -> None:
@@ -181,3 +184,38 @@ def test_a_validated_single_runs_with_the_threads_it_was_costed_with(monkeypatch
     single = dict(next(r for r in records if r["label"] == "single"), threads=2, in_process=True)
     got = validate.run_candidate(single, PlannedModel(spec(ONE_THREAD), recipe="digits"), Settings(64), 10, tmp_path)
     assert seen == [2] and got["step_s"] > 0 and torch.get_num_threads() == before  # put back after the run
+
+
+def test_the_recommendation_ends_with_the_command_that_runs_it_and_names_threads_torch_would_not_take(
+    torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from shardwise.tools.advisor.commands import load_line
+    from shardwise.tools.advisor.recommend import run_command
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # issue 39: on a busy machine single is costed at 1 thread, torch's default is 2: the command says --threads 1
+    busy_records, advice = plan(spec(ONE_THREAD, TWO_THREADS), load=1.0)
+    assert advice["choice"] == "single" and advice["threads"] == 1
+    assert run_command(advice["choice_record"], "--recipe digits") == "shardwise train --recipe digits --strategy single --nproc 1 --threads 1"
+    line = load_line(Cluster(TWO_CORES, 2, load=1.0), busy_records, given=True)
+    assert "single is costed at 1 thread(s), not torch's 2" in line and "(run it with --threads 1; OMP_NUM_THREADS=1 also works)" in line
+    # costed at torch's own 2: nothing to add
+    _, advice = plan(spec(ONE_THREAD, TWO_THREADS))
+    assert advice["threads"] == 2 and run_command(advice["choice_record"], "--model m:f", ["--global-batch-size", "64"]) == (
+        "shardwise train --model m:f --strategy single --nproc 1 --global-batch-size 64"
+    )
+    # launched ranks: their options become flags; one thread each is the launcher's own 2 cores // 2, unless
+    # the user's OMP_NUM_THREADS says otherwise
+    heavy = [replace(f, per_sample_s=1e-3) for f in (ONE_THREAD, TWO_THREADS)]
+    _, advice = plan(spec(*heavy))
+    rec = advice["choice_record"]
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rec["options"].items())
+    assert rec["strategy"] == "ddp" and flags  # e.g. --compression topk:0.01
+    expected = f"shardwise train --recipe digits --strategy ddp {flags} --nproc 2"
+    assert rec["threads"] == 1 and run_command(rec, "--recipe digits") == expected
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert run_command(rec, "--recipe digits") == expected + " --threads 1"
+    assert run_command(rec, "--recipe digits", cores_here=False) == expected  # a datasheet device: no thread count to name
