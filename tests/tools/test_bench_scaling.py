@@ -44,6 +44,7 @@ def nothing_runs(monkeypatch):
         ([], r"--recipe NAME .* or your own --model"),
         (["--model", "m:make"], r"--model m:make needs --data"),
         (["--recipe", "digits", "--max-steps", "20"], r"--max-steps 20 leaves fewer than 2 logged intervals"),
+        (["--recipe", "digits", "--threads", "0"], r"--threads must be >= 1 .*got 0"),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(nothing_runs, argv, message):
@@ -72,6 +73,17 @@ def test_the_png_without_matplotlib_is_one_line_naming_the_extra(monkeypatch, tm
     with pytest.raises(ConfigError, match=r"^bench scaling --png needs matplotlib: pip install 'shardwise\[plot\]'"):
         scaling.write_png(rows, str(tmp_path / "x.png"), "t")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_each_run_gets_threads_given_else_omp_num_threads_else_its_own(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count() or 1
+    assert scaling.run_threads("ddp", 2, 3) == 3 and scaling.run_threads("single", 1, 3) == 3
+    assert scaling.run_threads("ddp", 2) == max(1, cores // 2) and scaling.run_threads("single", 1) == torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's count, as shardwise train takes it
+    assert scaling.run_threads("ddp", 1) == 1 and scaling.run_threads("ddp", 1, 2) == 2
 
 
 def test_nproc_is_sorted_and_always_has_one():
@@ -199,7 +211,8 @@ def test_digits_ddp_on_one_and_two_processes(tmp_path, capsys):
         assert r["predicted_samples_per_s"] * r["predicted_step_s"] == pytest.approx(64)
         assert r["efficiency"] == pytest.approx(r["speedup"] / r["nproc"])
         assert r["predicted_efficiency"] == pytest.approx(r["predicted_speedup"] / r["nproc"])
-    assert [r["threads"] for r in rows] == [os.cpu_count() or 1, max(1, (os.cpu_count() or 1) // 2)]  # the launcher's cores // N
+    assert [r["threads"] for r in rows] == [scaling.run_threads("ddp", 1), scaling.run_threads("ddp", 2)]  # as summary.json recorded them
+    assert one["speedup_vs_best_one"] == 1.0 and two["speedup_vs_best_one"] == pytest.approx(two["speedup"])  # ddp x1 is the only one-process run
     assert one["speedup"] == 1.0 and one["predicted_speedup"] == 1.0
     assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert two["predicted_speedup"] == pytest.approx(two["predicted_samples_per_s"] / one["predicted_samples_per_s"])

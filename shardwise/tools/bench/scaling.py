@@ -70,6 +70,7 @@ class ScalingOptions:
     warmup: int = flag(20, "steps left out of the throughput at the start of each run (default 20)")
     log_every: int = flag(5, "steps per logged interval; the throughput is the median interval's (default 5)")
     global_batch: int | None = flag(None, "samples per optimizer step over all processes (default: the recipe's, else 64)")
+    threads: int | None = flag(None, "every run's threads per process (train --threads; default OMP_NUM_THREADS, else torch's / cores // N)", metavar="N")
     weak: bool = flag(False, "weak scaling: the global batch grows with N (--global-batch x N), the batch per process stays")
     repeats: int = flag(1, "runs of every configuration, taken in rounds; each keeps its median (default 1)")
     json: str | None = flag(None, "write the rows as a JSON list", metavar="FILE")
@@ -132,6 +133,8 @@ def check_options(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         )
     if args.out and Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise ConfigError(f"--out {args.out} is not empty (an earlier bench's runs?); give a new or empty directory, so no run is mixed with another's")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1 (intra-op threads of each process); got {args.threads}")
     if args.global_batch is not None and args.global_batch < 1:
         raise ConfigError(f"--global-batch must be >= 1; got {args.global_batch}")
     return strategies, nproc
@@ -166,7 +169,7 @@ def run_one(args: argparse.Namespace, config: Config, out: Path) -> dict[str, An
     steps = str(args.max_steps)
     cmd = [sys.executable, "-m", "shardwise", "train", *_source_args(args), "--strategy", config.strategy, "--nproc", str(config.nproc)]
     cmd += ["--max-steps", steps, "--log-every", str(args.log_every), "--val-every", steps, "--checkpoint-every", steps]
-    cmd += ["--global-batch-size", str(config.global_batch), "--out", str(out), "--threads", str(run_threads(config.strategy, config.nproc))]
+    cmd += ["--global-batch-size", str(config.global_batch), "--out", str(out), "--threads", str(run_threads(config.strategy, config.nproc, args.threads))]
     env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES and not k.startswith(("OMPI_COMM_WORLD_", "PMI_"))}  # a job of its own
     load = os.getloadavg()[0]
     start = time.perf_counter()
@@ -221,6 +224,7 @@ def measure(args: argparse.Namespace, configs: list[Config], root: Path) -> dict
                 "run_samples_per_s": statistics.median(x["run_samples_per_s"] for x in mine),
                 "wall_s": statistics.median(x["wall_s"] for x in mine),
                 "load_1min": max(x["load_1min"] for x in mine),
+                "threads": mine[0]["threads"],  # as the run recorded it (summary.json)
             }
         else:
             out[c] = {"error": errors[c]}
@@ -306,10 +310,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         own = f"; {top['speedup']:.2f}x its own one-process run ({top['baseline']}), {top['efficiency']:.0%} efficiency" if top.get("speedup") else ""
         lines.append(f"  {name} on {top['nproc']} reaches {top['speedup_vs_best_one']:.2f}x of {best1['strategy']}'s one-process run{own}")
     if any(r.get("speedup") and r["efficiency"] > 1.1 for r in many):
-        lines.append(
-            "  (an efficiency above 100%: that strategy's own one-process run was slower than its share, e.g. its threads competing with "
-            "other load on the cores; the comparison with the fastest one-process run above is the one to read)"
-        )
+        lines.append("  (efficiency above 100%: its own one-process run was slowed, e.g. by other load: compare with the fastest one-process run)")
     pred1, pred_many = best_one(rows, "predicted_"), [r for r in rows if r["nproc"] > 1 and r.get("predicted_samples_per_s")]
     if pred1 is not None and pred_many:
         top = max(pred_many, key=lambda r: r["predicted_samples_per_s"])
@@ -321,13 +322,17 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def run_threads(strategy: str, nproc: int) -> int:
-    """The intra-op threads each process of a run has: torch's own count where the Trainer runs the one process itself
-    (a strategy with no process group), the launcher's ``cores // N`` (at least 1) in the processes it starts."""
+def run_threads(strategy: str, nproc: int, given: int | None = None) -> int:
+    """The intra-op threads each process of a run has: ``given`` (``--threads``), else a user's ``OMP_NUM_THREADS``, else
+    torch's own count where the Trainer runs the one process itself (a strategy with no process group), the launcher's
+    ``cores // N`` (at least 1) in the processes it starts."""
     import torch
 
+    from shardwise.launcher.env import user_threads
     from shardwise.strategies import get_strategy
 
+    if given or user_threads():
+        return int(given or user_threads() or 1)
     if nproc == 1 and not get_strategy(strategy).needs_process_group:
         return torch.get_num_threads()
     return max(1, (os.cpu_count() or 1) // nproc)
@@ -458,7 +463,7 @@ def main(argv: Sequence[str]) -> int:
         f"stretched for a load of {load[0]:.2f} (other work's runnable threads: the 1-min load average before starting)",
         flush=True,
     )
-    threads = {c: run_threads(c.strategy, c.nproc) for c, _ in configs}
+    threads = {c: run_threads(c.strategy, c.nproc, args.threads) for c, _ in configs}
     with tempfile.TemporaryDirectory(prefix="shardwise-scaling-") as tmp:
         root = Path(args.out) if args.out else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
