@@ -81,6 +81,8 @@ def test_the_best_is_the_best_value_of_the_table_and_its_command_reproduces_its_
     assert command.startswith(f"shardwise train --recipe digits --max-steps {STEPS} --set trainer.val_every={EVERY} ")
     assert command.endswith(f"--set recipe.lr={best.params['recipe.lr']!r}")
     assert "--out" not in command
+    threads = json.loads((Path(best.out) / "summary.json").read_text())["threads"]
+    assert f" --threads {threads} --set recipe.lr=" in command  # the count the trials ran with, not a fresh run's automatic one
 
 
 @pytest.mark.e2e
