@@ -56,7 +56,8 @@ class TrainerConfig:
     threads: int | None = flag(None, metavar="N")
     """Intra-op threads (``torch.set_num_threads``) of each training process; None or 0: automatic, that is a user's
     ``OMP_NUM_THREADS`` when set, else the cores shared out for started processes (cores // nproc), and torch's own count
-    for a run in this process (the OMP_NUM_THREADS it started with, or what the program set). One process on a busy machine is often far faster with 1 than with torch's default."""
+    for a run in this process (the OMP_NUM_THREADS it started with, or what the program set). One process on a busy
+    machine is often far faster with 1 than with torch's default."""
     accelerator: str = flag("auto", choices=("auto", "cpu", "cuda"))
     """'auto' (CUDA when present), 'cpu' or 'cuda'."""
     precision: str = flag("32")
