@@ -92,8 +92,10 @@ def test_generated_strategy_flags_reach_the_strategy_and_the_help_is_the_field_d
     text = " ".join(shardwise("train", "--help").stdout.split())  # argparse wraps to the terminal's width
     assert "strategy ddp: Distributed data parallel: whole model per rank, gradients averaged each step." in text
     assert (
-        "--allreduce ALLREDUCE Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms). (default: native)" in text
+        "--allreduce ALLREDUCE Gradient allreduce algorithm: native, ring, tree, recursive-doubling, ... (shardwise.comm.algorithms), "
+        "or hierarchical (reduce inside each node, all-reduce among node leaders, broadcast back). (default: native)" in text
     )
+    assert "--node-size N Processes per node for allreduce=hierarchical" in text
 
 
 def test_shardwise_run_restarts_a_crashed_job_and_resumes_from_its_checkpoint(tmp_path):
