@@ -56,7 +56,8 @@ class PlanOptions:
     load: float | None = flag(
         None,
         "other work's runnable threads on this machine, which the planned processes share its cores with "
-        "(default: the 1-minute load average when planning for this machine, 0 for another device); 0 plans for a quiet machine",
+        "(default: sampled now from /proc/stat, else the 1-minute load average, when planning for this machine; 0 for another device); "
+        "0 plans for a quiet machine",
     )
     all: bool = flag(False, "print every candidate, not only the 20 fastest that fit")
     json: str | None = flag(None, "write every candidate (and the recommendation) to this JSON file")
@@ -217,13 +218,14 @@ def load_line(cluster: Any, records: list[dict[str, Any]], given: bool = False) 
     import torch
 
     from shardwise.tools.advisor.candidates import own_threads
+    from shardwise.tools.advisor.forecast import load_method
 
     cores, load = cluster.device.cores, cluster.load
     single = next((r for r in records if r["in_process"]), None)
     capped, default = own_threads(cluster), torch.get_num_threads()
     own = single["threads"] if single is not None else capped
     line = (
-        f"cores: {cores}, load {load:.2f} (other work's runnable threads: {'--load' if given else 'the 1-minute load average'}); "
+        f"cores: {cores}, load {load:.2f} (other work's runnable threads: {load_method(load if given else None)}); "
         f"one process runs {own} thread(s), each of {cluster.nproc} processes {cluster.threads_per_process}"
     )
     if own < default:
@@ -235,7 +237,7 @@ def load_line(cluster: Any, records: list[dict[str, Any]], given: bool = False) 
         else:
             why = (
                 f"its step timed with {capped} threads was slower than with {own} (threads waiting on each other: a machine busier "
-                "than its load average says, or a step too small to share)"
+                "than its load says, or a step too small to share)"
             )
         line += f"; single is costed at {own} thread(s), not torch's {default}: {why} (run it with --threads {own}; OMP_NUM_THREADS={own} also works)"
     stretched = max((r["time_breakdown"].get("shared", 1.0) for r in records if r["fits"] and r["world_size"] == cluster.nproc), default=1.0)

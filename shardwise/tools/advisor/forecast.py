@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,15 +23,43 @@ from shardwise.strategies.cost.family import Candidate
 from shardwise.tools.advisor.models import PlannedModel
 
 
+def runnable_now(samples: int = 10, interval_s: float = 0.05, path: str = "/proc/stat") -> float | None:
+    """Other work's runnable threads right now: the median of ``samples`` readings of ``procs_running`` in
+    ``path`` (``/proc/stat``: every thread on a run queue, this reading one among them, so one less),
+    ``interval_s`` apart; None where the file is missing (not Linux). The 1-minute load average lags a minute behind in
+    both directions (after other work ends it still counts it, and it misses work that just began)."""
+    counts: list[int] = []
+    for i in range(samples):
+        try:
+            with open(path, encoding="ascii") as f:
+                counts += [int(line.split()[1]) for line in f if line.startswith("procs_running")]
+        except (OSError, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return float(max(0, statistics.median(counts) - 1)) if counts else None
+
+
+def load_method(given: float | None) -> str:
+    """How `machine_load` reads the load, in words for the plan's ``cores:`` line."""
+    if given is not None:
+        return "--load"
+    return "sampled now, over 0.5 s" if os.path.exists("/proc/stat") else "the 1-minute load average"
+
+
 def machine_load(given: float | None, device: DeviceProfile) -> float:
-    """Other work's runnable threads on this machine: ``given`` (``--load``), else the 1-minute load average
-    (``os.getloadavg``) on a profile measured here (``local``), else 0 (a datasheet device is not this machine)."""
+    """Other work's runnable threads on this machine: ``given`` (``--load``), else `runnable_now` (the
+    1-minute load average where there is no ``/proc/stat``) on a profile measured here (``local``), else 0
+    (a datasheet device is not this machine)."""
     if given is not None:
         if not (math.isfinite(given) and given >= 0):
             raise ConfigError(f"--load must be a number >= 0 (other work's runnable threads, e.g. --load 0 for a quiet machine); got {given}")
         return float(given)
     if not device.local:
         return 0.0
+    now = runnable_now()
+    if now is not None:
+        return now
     try:
         return float(os.getloadavg()[0])
     except OSError:  # pragma: no cover - a platform without a load average

@@ -16,9 +16,8 @@ and the whole command's wall time (interpreter start and data loading included) 
 - **speed-up** = samples/s at N processes over samples/s of the baseline: the same strategy on
   one process, or, for a strategy whose plan refuses one process, ``single``'s run;
 - **efficiency** = speed-up / N (1 is perfect scaling);
-- **predicted**: the planner's step time for the same layout (`shardwise.tools.advisor.candidates.evaluate`
-  on the measured ``cpu`` profile, the model's own step timed here as ``shardwise plan`` does), its
-  samples/s and speed-up computed the same way.
+- **predicted**: the planner's step time for the same layout (`shardwise.tools.advisor.forecast.predict_step`
+  on the measured ``cpu`` profile, the step timed here as ``shardwise plan`` does), samples/s and speed-up alike.
 
 A speed-up below 1 means one process trains faster than N: distributing is a trade-off (each step
 pays for its collectives and for its processes sharing the cores), not a free win. ``--global-batch``
@@ -383,7 +382,7 @@ def baselines(strategies: list[str], counts: list[int], batch: int, weak: bool, 
 
 def predictions(configs: list[tuple[Config, str]], planned: Any, load: float) -> dict[Config, dict[str, Any]]:
     """The planner's figures for each configuration (`shardwise.tools.advisor.forecast.predict_step` on the measured
-    ``cpu`` profile, with ``load``, the other work's load average before this command started, and the threads each process runs)."""
+    ``cpu`` profile, with ``load``, other work's runnable threads before this command started, and the threads each process runs)."""
     from shardwise.tools.advisor.forecast import predict_step
 
     out = {}
@@ -444,23 +443,26 @@ def main(argv: Sequence[str]) -> int:
     """``shardwise bench scaling``: check, predict, measure, print the table, write --json and --png."""
     args = build_parser().parse_args(list(argv))
     strategies, counts = check_options(args)
+    from shardwise.strategies.cost.cluster import load_profile
+    from shardwise.tools.advisor.forecast import load_method, machine_load
+
     batch = args.global_batch or default_batch(args.recipe)
     source = args.recipe or args.model
-    load = os.getloadavg()
+    load, now = os.getloadavg(), machine_load(None, load_profile("cpu"))  # the planner's: other work's threads now
     print(f"shardwise bench scaling: {source}, {', '.join(strategies)} on {', '.join(map(str, counts))} process(es), {args.max_steps} steps each", flush=True)
-    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} (1 min), {load[1]:.2f} (5 min) before starting", flush=True)
+    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} (1 min), other work's runnable threads {now:.2f} before starting", flush=True)
     planned = setup(args, batch, counts)
     configs, skipped = baselines(strategies, counts, batch, args.weak, planned)
     for line in skipped:
         print(f"  skipped: {line}", flush=True)
     if not configs:
         raise ConfigError("no strategy can run at the process counts asked; see the lines above")
-    predicted = predictions(configs, planned, load[0])
+    predicted = predictions(configs, planned, now)
     timed = [f for f in (planned.spec.step_fit, *planned.spec.step_fits) if f is not None]
     fits = ", ".join(f"{f.seconds(batch) * 1e3:.2f} ms at {f.threads} thread{'s' if f.threads > 1 else ''}" for f in timed)
     print(
         f"predictions: the model's step timed here{' (' + fits + ', each the fastest of its timing runs)' if fits else ''}, "
-        f"stretched for a load of {load[0]:.2f} (other work's runnable threads: the 1-min load average before starting)",
+        f"stretched for a load of {now:.2f} (other work's runnable threads: {load_method(None)} before starting)",
         flush=True,
     )
     threads = {c: run_threads(c.strategy, c.nproc, args.threads) for c, _ in configs}

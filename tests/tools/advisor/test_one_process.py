@@ -219,3 +219,23 @@ def test_the_recommendation_ends_with_the_command_that_runs_it_and_names_threads
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert run_command(rec, "--recipe digits") == expected + " --threads 1"
     assert run_command(rec, "--recipe digits", cores_here=False) == expected  # a datasheet device: no thread count to name
+
+
+def test_the_load_is_other_work_s_runnable_threads_now_not_the_lagging_average(tmp_path, monkeypatch):
+    from shardwise.strategies.cost.cluster import load_profile
+    from shardwise.tools.advisor import forecast
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nprocs_running 4\nprocs_blocked 0\n")
+    assert forecast.runnable_now(samples=3, interval_s=0, path=str(stat)) == 3.0  # this reading is one of the 4
+    stat.write_text("procs_running 1\n")
+    assert forecast.runnable_now(samples=2, interval_s=0, path=str(stat)) == 0.0
+    assert forecast.runnable_now(path=str(tmp_path / "missing")) is None
+    monkeypatch.setattr(forecast, "runnable_now", lambda: 2.0)
+    monkeypatch.setattr(forecast.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    here = load_profile("cpu")
+    assert forecast.machine_load(None, here) == 2.0  # not the 1-minute average's 7
+    assert forecast.machine_load(0.5, here) == 0.5
+    monkeypatch.setattr(forecast, "runnable_now", lambda: None)  # no /proc/stat: the average
+    assert forecast.machine_load(None, here) == 7.0
+    assert forecast.machine_load(None, load_profile("h100-80gb")) == 0.0
