@@ -1,6 +1,6 @@
 """Thin wrappers over c10d collectives: the one door to torch.distributed.
 
-The six collectives (`broadcast`, `scatter`, `gather`, `reduce`, `all_gather`, `all_reduce`),
+The six collectives (`broadcast`, `scatter`, `gather`, `reduce`, `all_gather`, `all_reduce`), `all_to_all`,
 `barrier`, and point-to-point messages and groups for ranks that pair up themselves.
 
 Each wrapper records what it sent into a `Recorder` (when given one) and turns a
@@ -368,3 +368,87 @@ def all_reduce_async(
 
     future: torch.futures.Future[torch.Tensor] = work.get_future().then(finished)
     return future
+
+
+# -- all-to-all ------------------------------------------------------------------------------------
+# Each rank sends a piece of its rows to every rank (expert parallelism's token dispatch and combine,
+# Ulysses' heads <-> sequence exchange). Bytes: this rank's payload is its whole input; it sends every
+# row except the piece addressed to itself, and receives every output row except the piece from
+# itself: sent = (rows_in - in_splits[me]) x row_bytes, received = (rows_out - out_splits[me]) x
+# row_bytes. With equal splits both are (p - 1) / p of the payload, `wire_bytes("all_to_all", ...)`.
+
+
+def _splits(splits: Sequence[int] | None, rows: int, p: int, what: str) -> list[int]:
+    if splits is None:
+        if rows % p:
+            raise ConfigError(f"all_to_all: {rows} rows do not split into {p} equal pieces; pass {what} (one count per rank)")
+        return [rows // p] * p
+    out = [int(s) for s in splits]
+    if len(out) != p or any(s < 0 for s in out):
+        raise ConfigError(f"all_to_all: {what}={out} must be {p} non-negative counts, one per rank of the group")
+    return out
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    input_splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+    *,
+    group: Group = WORLD,
+    recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """Send rows (dim 0) of ``tensor`` to every rank of the group: ``input_splits[j]`` rows, in order,
+    to group rank j; return the rows received, ``output_splits[j]`` from rank j, in group-rank order.
+
+    Splits None: equal pieces (the rows must divide by the group size). Not differentiable; see
+    `all_to_all_autograd`. Recorded as one ``all_to_all`` event with the bytes of the block comment above.
+    """
+    p = group.size
+    if p == 1 or not dist.is_initialized():
+        return tensor.clone()
+    tensor = tensor.contiguous()
+    ins = _splits(input_splits, tensor.shape[0], p, "input_splits")
+    if sum(ins) != tensor.shape[0]:
+        raise ConfigError(f"all_to_all: input_splits={ins} sum to {sum(ins)}, but the tensor has {tensor.shape[0]} rows")
+    outs = _splits(output_splits, tensor.shape[0], p, "output_splits")
+    out = tensor.new_empty((sum(outs), *tensor.shape[1:]))
+    row = tensor[0:0].new_empty((1, *tensor.shape[1:])).numel() * tensor.element_size()
+    me = group.rank
+    n = _nbytes(tensor)
+    sent, recv = (sum(ins) - ins[me]) * row, (sum(outs) - outs[me]) * row
+    with (recorder or _NULL).timed("all_to_all", group.name, p, n, sent, recv):
+        _guard("all_to_all", group, lambda: dist.all_to_all_single(out, tensor, outs, ins, group=group.pg))
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all whose backward is the all-to-all back (splits swapped): the gradient of each row
+    returns to the rank that sent it, as in GShard's dispatch/combine (Lepikhin et al., 2020)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, ins: list[int], outs: list[int], group: Group, recorder: Recorder | None) -> torch.Tensor:
+        ctx.ins, ctx.outs, ctx.group, ctx.recorder = ins, outs, group, recorder
+        return all_to_all(tensor, ins, outs, group=group, recorder=recorder)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        back = all_to_all(grad.contiguous(), ctx.outs, ctx.ins, group=ctx.group, recorder=ctx.recorder)
+        return back, None, None, None, None
+
+
+def all_to_all_autograd(
+    tensor: torch.Tensor,
+    input_splits: Sequence[int] | None = None,
+    output_splits: Sequence[int] | None = None,
+    *,
+    group: Group = WORLD,
+    recorder: Recorder | None = None,
+) -> torch.Tensor:
+    """`all_to_all` inside autograd: backward sends each row's gradient back to its sender (a second
+    recorded ``all_to_all`` with the splits swapped, so forward + backward move twice the bytes)."""
+    p = group.size
+    rows = tensor.shape[0]
+    ins = _splits(input_splits, rows, p, "input_splits")
+    outs = _splits(output_splits, rows, p, "output_splits")
+    out: torch.Tensor = _AllToAll.apply(tensor, ins, outs, group, recorder)  # type: ignore[no-untyped-call]
+    return out
