@@ -364,6 +364,8 @@ MUTANTS = [
     Mutant("a preempted Flyte task returns its half-trained outputs (Flyte never retries it)", "shardwise/integrations/flyte.py",
            '    if summary is not None and summary.get("preempted"):\n', '    if False:\n',
            ("tests/integrations/test_orchestrators.py::test_a_preempted_flyte_gpu_task_is_retried_and_resumes_to_the_uninterrupted_result",)),
+    Mutant("standalone_env keeps Slurm's task variables: a bench/tune child inside srun joins the parent's job", "shardwise/launcher/env.py",
+           '*("SLURM_PROCID", "SLURM_NTASKS", ', '*(', ("tests/launcher/test_env.py",)),
 ]
 
 

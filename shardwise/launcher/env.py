@@ -265,6 +265,28 @@ def mpi_env(env: Mapping[str, str]) -> DistEnv | None:
     )
 
 
+_JOINS = (
+    *("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"),  # torch's convention (torchrun's)
+    *_LAUNCHED,
+    *_PYTORCHJOB,
+    *("PET_MASTER_ADDR", "PET_MASTER_PORT"),  # `kubeflow_env`
+    *(name for names in _MPI_FAMILIES.values() for name in names),  # `mpi_env`
+    *("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+)
+"""Every variable `detect_env` reads to place a process in a job (a test reads detect_env under each launcher and
+checks that none it read is missing here)."""
+_JOIN_PREFIXES = ("OMPI_COMM_WORLD_", "PMI_")
+"""mpirun's per-rank families whole (MPICH's PMI_FD and PMI_PORT would connect a child to mpirun's process manager)."""
+
+
+def standalone_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) less every variable that would make a child process join this
+    process's job (torchrun's, Slurm's task, Kubeflow's PET_*, mpirun's; `_JOINS`): for a command that starts a
+    job of its own (``shardwise bench scaling``'s runs, ``shardwise tune hparams``'s trials)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k not in _JOINS and not k.startswith(_JOIN_PREFIXES)}
+
+
 def choose_device(accelerator: str, env: DistEnv) -> torch.device:
     """The device this rank computes on: 'auto' takes CUDA when present."""
     if accelerator not in ("auto", "cpu", "cuda"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shardwise.errors import ConfigError
-from shardwise.launcher.env import detect_env, first_slurm_host
+from shardwise.launcher.env import detect_env, first_slurm_host, standalone_env
 from shardwise.launcher.torchrun import prepare
 
 
@@ -232,3 +232,76 @@ def test_processes_within_the_gpus_or_on_the_cpu_pass_the_check(monkeypatch: pyt
         check_gpus("auto", 3)
     _GPUs(monkeypatch, 0)
     check_gpus("auto", 4)  # no GPU: 'auto' is the CPU
+
+
+class _Reads(dict[str, str]):
+    """An environment that records every name looked up in it."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        super().__init__(env)
+        self.read: set[str] = set()
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        self.read.add(key)
+        return super().get(key, default)
+
+
+_JOBS = {
+    "torchrun": {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "2940",
+        "TORCHELASTIC_RUN_ID": "x",
+    },
+    "slurm": {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "7", "SLURM_NODELIST": "n[1-2]"},
+    "kubeflow": {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "23456"},
+    "open mpi": {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+    "mpich": {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "5"},
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(_JOBS))
+def test_standalone_env_removes_every_variable_detect_env_reads_to_join_a_job(launcher: str) -> None:
+    # Every name detect_env looks up under this launcher (set or not) is dropped, so a command's own child
+    # (bench scaling's runs, tune's trials) is one plain process; other variables pass through.
+    extra = {"MASTER_ADDR": "h", "MASTER_PORT": "29400"} if launcher in ("open mpi", "mpich") else {}
+    env = _Reads({**_JOBS[launcher], **extra, "PATH": "/bin", "OMP_NUM_THREADS": "3"})
+    assert detect_env(env).distributed
+    child = standalone_env({k: "v" for k in env.read} | {"PATH": "/bin", "OMP_NUM_THREADS": "3", **_JOBS[launcher]})
+    assert child == {"PATH": "/bin", "OMP_NUM_THREADS": "3"}, f"{launcher}: left {sorted(set(child) - {'PATH', 'OMP_NUM_THREADS'})}"
+    assert detect_env(standalone_env(env)) == detect_env({})
+
+
+def test_bench_scaling_and_tune_pass_on_the_standalone_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.tools.tune.target import Target
+
+    for name, value in {**_JOBS["slurm"], **_JOBS["kubeflow"], "RANK": "1", "PMI_FD": "5"}.items():
+        monkeypatch.setenv(name, value)
+    trial = Target(recipe="digits", own={}, dims={}).env(threads=1)
+    assert not {"SLURM_PROCID", "SLURM_NTASKS", "PET_NNODES", "PET_NODE_RANK", "RANK", "PMI_FD"} & set(trial)
+    import argparse
+    import subprocess
+
+    from shardwise.tools.bench import scaling
+
+    seen: dict[str, str] = {}
+
+    def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        seen.update(kw["env"])  # type: ignore[arg-type]
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped here")
+
+    monkeypatch.setattr(scaling.subprocess, "run", run)
+    args = argparse.Namespace(max_steps=5, log_every=1, threads=None, timeout=5.0, recipe="digits")
+    assert scaling.run_one(args, scaling.Config("ddp", 2, 8), Path("unused")) == {"error": "stopped here"}
+    assert seen and not {"SLURM_PROCID", "SLURM_NTASKS", "PET_NNODES", "PET_NODE_RANK", "RANK", "PMI_FD"} & set(seen)

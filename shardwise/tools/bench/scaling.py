@@ -42,12 +42,11 @@ from typing import Any
 
 from shardwise.config import add_arguments, flag
 from shardwise.errors import ConfigError
+from shardwise.launcher.env import standalone_env
 
 REFERENCE = "single"
 """The one-process run a strategy that cannot run on one process is measured against."""
 _DESCRIPTION = "Measured speed-up and efficiency against the number of processes, beside the planner's prediction."
-_JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-"""A launcher's variables (and mpirun's ``OMPI_COMM_WORLD_*``, ``PMI_*``), not passed on: each run is a job of its own."""
 _FACTORY = "MODULE:FACTORY"
 _SOURCE = ("what to train", "a built-in recipe, or your own model as `shardwise train` takes it (MODULE:NAME, imported from the current directory first)")
 
@@ -169,7 +168,7 @@ def run_one(args: argparse.Namespace, config: Config, out: Path) -> dict[str, An
     cmd = [sys.executable, "-m", "shardwise", "train", *_source_args(args), "--strategy", config.strategy, "--nproc", str(config.nproc)]
     cmd += ["--max-steps", steps, "--log-every", str(args.log_every), "--val-every", steps, "--checkpoint-every", steps]
     cmd += ["--global-batch-size", str(config.global_batch), "--out", str(out), "--threads", str(run_threads(config.strategy, config.nproc, args.threads))]
-    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES and not k.startswith(("OMPI_COMM_WORLD_", "PMI_"))}  # a job of its own
+    env = standalone_env()  # a job of its own: no launcher's variables passed on
     load = os.getloadavg()[0]
     start = time.perf_counter()
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.launcher.env import standalone_env
 from shardwise.tools.tune.space import SEARCH_OWNS, Dimension, format_value
 
 PARAMS_ENV = "SHARDWISE_HPARAMS"
@@ -27,7 +27,6 @@ PARAMS_ENV = "SHARDWISE_HPARAMS"
 OWN_FLAGS = {"model": "--model", "data": "--data", "val_data": "--val-data", "loss": "--loss", "optimizer": "--optimizer"}
 ALWAYS = ("train_loss", "samples_per_s", "lr")
 """Metrics every run logs (``metrics.jsonl``); with validation data also ``val_loss`` and ``val_<metric>``."""
-_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 
 @dataclass
@@ -224,8 +223,8 @@ class Target:
         return {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("param.")}
 
     def env(self, threads: int) -> dict[str, str]:
-        """The trials' environment: this one, less a launcher's rank variables, with ``threads`` per process."""
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and k != PARAMS_ENV}
+        """The trials' environment: this one, less a launcher's variables (`standalone_env`), with ``threads`` per process."""
+        env = {k: v for k, v in standalone_env().items() if k != PARAMS_ENV}
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.threads = threads
         return env
