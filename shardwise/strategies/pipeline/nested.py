@@ -45,6 +45,16 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from shardwise.errors import ConfigError
+from shardwise.strategies.pipeline.stand_ins import (
+    _Elsewhere,
+    _hidden_of,
+    _Holder,
+    _Incoming,
+    _NotHere,
+    _output_tensor,
+    _replace_first_tensor,
+    _StageExit,
+)
 
 
 @dataclass(frozen=True)
@@ -279,101 +289,6 @@ def split_blocks(model: nn.Module, layout: NestedLayout, stages: int, split_poin
     return [keys[bounds[i] : bounds[i + 1]] for i in range(stages)]
 
 
-class _Holder:
-    """The activation a stage received, read by its stand-ins and its first block's pre-hook."""
-
-    tensor: torch.Tensor | None = None
-    started: bool = False
-    active: bool = False
-    """Whether this stage's forward is running (the hooks on the shared blocks act only then)."""
-    """Whether this forward has reached the stage's first block (a prelude stand-in must not run after it)."""
-
-
-class _Incoming(nn.Module):
-    """Stands in for a prelude module on a later stage: returns the received activation (which the
-    first block's pre-hook puts in place anyway), so the model's forward runs on shapes that fit.
-    Attributes the forward reads (ViT reads its patch projection's dtype) come from the module it
-    stands for, whose parameters it does not register."""
-
-    def __init__(self, holder: _Holder, original: nn.Module | None = None, name: str = "", blocks: str = "") -> None:
-        super().__init__()
-        self._holder = holder
-        self.__dict__["_original"] = original
-        self._name, self._blocks = name, blocks
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            original = self.__dict__.get("_original")
-            if original is None:
-                raise
-            return getattr(original, name)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._holder.started:
-            # never train a model with a layer silently skipped: the split was wrong for this forward
-            raise ConfigError(
-                f"the pipeline took {self._name} for a module that runs before the blocks ({self._blocks}) and gave it to "
-                "the first stage, but the forward ran it after them; pass layers=... and split_points=..., or use another strategy"
-            )
-        return self._holder.tensor
-
-
-class _NotHere(nn.Module):
-    """Stands in for a postlude module on a stage before the last (its forward stops earlier)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self._name = name
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError(
-            f"the pipeline took {self._name} for a module that runs after the blocks (it is declared after them), "
-            "but the forward ran it before them; pass layers=... and split_points=..., or use another strategy"
-        )
-
-
-class _StageExit(Exception):
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__("stage exit")
-        self.hidden = hidden
-
-
-def _hidden_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    hidden = getattr(output, "last_hidden_state", None)
-    if isinstance(hidden, torch.Tensor):
-        return hidden
-    raise ConfigError(f"a pipeline block returned {type(output).__name__}; the pipeline carries one tensor (the hidden states) between stages")
-
-
-def _output_tensor(output: Any) -> torch.Tensor:
-    """The tensor a last stage hands the schedule: the logits of a ModelOutput, the first element of a tuple."""
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise ConfigError(f"the model's output {type(output).__name__} holds no tensor the pipeline can return (logits, or a tensor)")
-
-
-def _replace_first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if args and isinstance(args[0], torch.Tensor):
-        return (hidden,) + tuple(args[1:]), kwargs
-    if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": hidden}
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return args, {**kwargs, k: hidden}
-    raise ConfigError("the pipeline could not find the hidden states among the first block's inputs")
-
-
 def _prune(module: nn.Module, prefix: str, keep: dict[str, nn.Module | None], path: set[str]) -> nn.Module:
     """A shallow copy of ``module`` whose children on ``path`` are pruned copies and whose children
     named in ``keep`` are replaced (the same parameters are shared, nothing is copied)."""
@@ -407,7 +322,10 @@ class NestedStage(nn.Module):
         self._holder = _Holder()
         blocks = block_list(model, layout)
         own = nn.ModuleList()
-        own._modules = {k: blocks._modules[k] for k in block_keys}  # original keys: original names
+        # every key, in order: the forward's loop counts the blocks as the whole model does (an index picks
+        # a per-layer pattern); another stage's blocks are stand-ins without parameters (original names)
+        mine = set(block_keys)
+        own._modules = {k: m if k in mine or m is None else _Elsewhere(self._holder, m, f"{layout.blocks}.{k}") for k, m in blocks._modules.items()}
         keep: dict[str, nn.Module | None] = {layout.blocks: own}
         for name in layout.prelude:
             if not first:
@@ -428,9 +346,10 @@ class NestedStage(nn.Module):
         self.layer_names = list(self.owned)
         self.output: Any = None
         """The whole output of the last forward on the last stage (a ModelOutput with ``loss``)."""
-        blocks_list = list(own)
+        blocks_list = [own._modules[k] for k in block_keys]
         if not first:
             blocks_list[0].register_forward_pre_hook(self._take_input, with_kwargs=True, prepend=True)
+            blocks_list[0].register_forward_hook(self._check_passed_on)
         self.__dict__["_last_block"] = blocks_list[-1]  # not a child: it is one of the blocks already
         self._stop_handle: Any = None
         if not last:
@@ -454,13 +373,21 @@ class NestedStage(nn.Module):
         self._holder.started = True
         return _replace_first_tensor(args, kwargs, self._holder.tensor)
 
+    def _check_passed_on(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._holder.active and self._holder.skipped and not isinstance(output, torch.Tensor):
+            raise ConfigError(
+                f"{type(module).__name__} returns {type(output).__name__}, not the hidden states tensor: the stand-ins for the "
+                f"blocks of earlier pipeline stages ({self.layout.blocks}) pass on a tensor, which this model's loop would read "
+                "differently; the pipeline splits models whose blocks return their hidden states; use another strategy"
+            )
+
     def _stop(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._holder.active:
             raise _StageExit(_hidden_of(output))
 
     def forward(self, *received: torch.Tensor, **batch: Any) -> torch.Tensor:
         self._holder.tensor = received[0] if received else None
-        self._holder.started, self._holder.active = False, True
+        self._holder.started, self._holder.active, self._holder.skipped = False, True, False
         args, kwargs = _call_args(batch)
         try:
             output = self.__dict__["_clone"](*args, **kwargs)
