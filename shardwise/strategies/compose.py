@@ -124,6 +124,28 @@ def average_grads(module: nn.Module, mesh: Mesh, *, dp_strategy: str, tp: int, s
         offset += g.numel()
 
 
+# -- expert parallelism inside the data-parallel dimension --------------------------------------------
+
+
+def check_expert_parallel(model: nn.Module | None, ep: int, dp: int) -> None:
+    """In the parent: ``ep`` divides ``dp`` and, given the model, its experts layers (`expert_parallel.check_model`)."""
+    from shardwise.strategies.expert_parallel import check_model
+
+    if model is None:
+        if ep < 1 or dp % ep:
+            raise ConfigError(f"ep={ep} does not divide the data-parallel degree {dp}; choose an ep that divides {dp}")
+        return
+    check_model(model, ep, dp)
+
+
+def expert_parallel(model: nn.Module, ep: int, mesh: Mesh, recorder: Recorder | None) -> Any:
+    """``model``'s experts split over ep groups of the mesh's dp dimension, in place: an
+    `expert_parallel.ExpertParallel` (reduce_grads, clip_grad_norm, whole_state, local_state)."""
+    from shardwise.strategies.expert_parallel import expert_parallel as apply_ep
+
+    return apply_ep(model, ep, mesh, recorder)
+
+
 def clip_grad_norm(
     model: nn.Module,
     max_norm: float,
@@ -174,3 +196,42 @@ def clip_grad_norm(
         torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
     dtype = locals_[0].dtype if locals_ else torch.float32
     return norm.to(dtype)
+
+
+# -- context parallelism under data or tensor parallelism ---------------------------------------------
+
+
+def check_context_parallel_options(strategy: str, cp: int, style: str) -> None:
+    """A `ConfigError` for a bad ``cp`` degree or ``cp_style`` (`context_parallel.check_options`)."""
+    from shardwise.strategies.context_parallel import check_options
+
+    check_options(strategy, cp, style)
+
+
+def context_parallel_layout(plan: Any, world_size: int, cp: int, strategy: str) -> Any:
+    """``plan(world_size // cp)``'s layout with ``cp`` in its mesh (`context_parallel.cp_layout`); ``plan(world_size)`` for cp 1."""
+    if cp == 1:
+        return plan(world_size)
+    from shardwise.strategies.context_parallel import cp_layout
+
+    return cp_layout(plan, world_size, cp, strategy)
+
+
+def check_context_parallel(model: nn.Module, batch: Any, cp: int, style: str, strategy: str) -> None:
+    """In the parent: the sequence splits, and every attention of ``model`` is reached and exact (`context_parallel.check_model`)."""
+    if cp == 1:
+        return
+    from shardwise.strategies.context_parallel import check_model
+
+    check_model(model, batch, cp, style, strategy)
+
+
+def apply_context_parallel(model: nn.Module, mesh: Mesh, recorder: Recorder, style: str) -> Mesh:
+    """Context parallelism first (the sequence over the mesh's ``cp`` ranks, in place); returns the
+    mesh the data- or tensor-parallel strategy then runs on: ``dp x cp`` folded into its ``dp``."""
+    if mesh.size("cp") == 1:
+        return mesh
+    from shardwise.strategies.context_parallel import apply_context_parallel as apply_cp
+
+    apply_cp(model, mesh.group("cp"), recorder, style)
+    return mesh.fold_cp()

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from shardwise.comm.recorder import Recorder
 from shardwise.comm.traffic import HIERARCHICAL
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
+from shardwise.strategies import compose
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict, plain_state_dict
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.precision import Precision
@@ -99,29 +100,36 @@ class DDPRun(Parallel):
 
     model: DistributedDataParallel
 
-    def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, strategy: DDP, world_size: int) -> None:
+    def __init__(self, model: DistributedDataParallel, optimizer: torch.optim.Optimizer, strategy: DDP, world_size: int, ep: Any = None) -> None:
         self.model, self.optimizer = model, optimizer
         self.placement = Placement()
         self._strategy, self._world_size = strategy, world_size
+        self._ep = ep  # expert parallelism (compose.expert_parallel), None without
 
     def module(self) -> nn.Module:
         return self.model.module
 
     def forward_backward(self, microbatches: Sequence[Any], step_fn: StepFn, precision: Precision) -> torch.Tensor:
-        return accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
+        loss = accumulate_backward(self.model, microbatches, step_fn, precision, no_sync=self.no_sync)
+        if self._ep is not None:
+            self._ep.reduce_grads()
+        return loss
 
     def no_sync(self) -> AbstractContextManager[None]:
         return self.model.no_sync()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        if self._ep is not None:
+            return self._ep.clip_grad_norm(self.module(), max_norm)  # type: ignore[no-any-return]
         # After the allreduce every rank holds the same full gradient: its local norm is global.
         return clip_local(self.model, max_norm)
 
     def state_dict(self, optimizer: bool) -> dict[str, Any]:
-        return plain_state_dict(self.module(), self.optimizer if optimizer else None)
+        state = plain_state_dict(self.module(), self.optimizer if optimizer else None)
+        return state if self._ep is None else self._ep.whole_state(state, self.optimizer if optimizer else None)  # type: ignore[no-any-return]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_plain_state_dict(self.module(), self.optimizer, state)
+        load_plain_state_dict(self.module(), self.optimizer, state if self._ep is None else self._ep.local_state(state, self.optimizer))
 
     def after_step(self, step: int) -> None:
         return None  # gradients were averaged in backward
@@ -137,7 +145,10 @@ class DDPRun(Parallel):
 
     def summary(self) -> dict[str, Any]:
         s = self._strategy
-        return {"ddp": {"bucket_cap_mb": s.bucket_cap_mb, "world_size": self._world_size, "allreduce": s.allreduce, "compression": s.compression}}
+        out = {"ddp": {"bucket_cap_mb": s.bucket_cap_mb, "world_size": self._world_size, "allreduce": s.allreduce, "compression": s.compression}}
+        if self._ep is not None:
+            out["expert_parallel"] = self._ep.summary()
+        return out
 
 
 @dataclass(frozen=True)
@@ -164,11 +175,21 @@ class DDP(Strategy):
     """Gradient codec with error feedback: fp16, bf16, int8, topk:RATIO, powersgd:RANK, ... (shardwise.comm.codecs)."""
     record_buckets: bool = False
     """Also time each native gradient bucket (launch to completion) in the comm record; bytes are recorded either way."""
+    ep: int = 1
+    """Expert parallelism: split each mixture-of-experts layer's experts over groups of ep data-parallel ranks
+    (tokens exchanged by all-to-all); a divisor of the world size and of the number of experts."""
+    cp: int = 1
+    """Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples."""
+    cp_style: Literal["ring", "ulysses"] = "ring"
+    """How context-parallel attention sees the whole sequence: ring (key/value blocks passed round) or ulysses (all-to-all over heads)."""
 
     def __post_init__(self) -> None:
+        compose.check_context_parallel_options(self.name, self.cp, self.cp_style)
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"bucket_cap_mb must be > 0; got {self.bucket_cap_mb}")
         parse_options(self.allreduce, self.compression)  # a bad name fails here, before any process starts
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"ep must be a whole number >= 1 (ranks that split the experts); got {self.ep!r}")
         if self.node_size < 0 or (self.node_size and self.allreduce != HIERARCHICAL):
             raise ConfigError(
                 f"node_size applies to allreduce='hierarchical' (processes per node, >= 1); got node_size={self.node_size} with allreduce={self.allreduce!r}"
@@ -180,7 +201,12 @@ class DDP(Strategy):
                 f"allreduce='hierarchical' needs whole nodes: node_size {self.node_size} does not divide the world size {world_size}; "
                 f"choose a node size that divides it, or a world size that is a multiple of {self.node_size}"
             )
-        return plan_layout(self.name, world_size, batch=batch, mesh=mesh)
+        if self.ep > 1:
+            compose.check_expert_parallel(model, self.ep, world_size)
+        return compose.context_parallel_layout(lambda w: plan_layout(self.name, w, batch=batch, mesh=mesh), world_size, self.cp, self.name)
+
+    def check_sample(self, model: nn.Module, batch: Any, layout: Layout) -> None:
+        compose.check_context_parallel(model, batch, self.cp, self.cp_style, self.name)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of torch's DistributedDataParallel these options stand for."""
@@ -199,8 +225,13 @@ class DDP(Strategy):
             raise ConfigError("strategy 'ddp' needs a process group; start the run with nproc >= 1 through shardwise (Trainer, launch, or shardwise run)")
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError(f"ddp got a model with no trainable parameters ({type(model).__name__}); nothing to synchronize")
+        model = model.to(mesh.device)
+        mesh = compose.apply_context_parallel(model, mesh, recorder, self.cp_style)  # cp first; ddp then averages over dp x cp
+        ep = compose.expert_parallel(model, self.ep, mesh, recorder) if self.ep > 1 else None
+        if ep is not None:
+            ep.ignore(model)
         wrapped = apply_ddp(
-            model.to(mesh.device),
+            model,
             mesh,
             recorder,
             allreduce=self.allreduce,
@@ -209,4 +240,4 @@ class DDP(Strategy):
             node_size=self.node_size,
             **self.ddp_kwargs(),
         )
-        return DDPRun(wrapped, make_optimizer(wrapped.parameters()), self, mesh.size("dp"))
+        return DDPRun(wrapped, make_optimizer(wrapped.parameters()), self, mesh.size("dp"), ep)
