@@ -3,8 +3,9 @@
 A mesh is built from the world size and the degrees a user asks for (data,
 pipeline, tensor, ...), validated before any process group is touched, and passed
 explicitly to whatever needs a group; there is no module-level group manager.
-Dimensions are laid out outermost first (``dp x pp x tp``), so the tensor-parallel
-ranks, which talk the most, are neighbours (same machine first).
+Dimensions are laid out outermost first (``dp x pp x cp x tp``), so the tensor-parallel
+ranks, which talk the most, are neighbours (same machine first), and the context-parallel
+ranks (a ring over the sequence) next to them.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import torch
 from shardwise.comm.collectives import WORLD, Group
 from shardwise.errors import ConfigError
 
-DIM_ORDER = ("dp", "pp", "tp")
+DIM_ORDER = ("dp", "pp", "cp", "tp")
+SHAPE_DIMS = ("dp", "pp", "tp")
+"""The dimensions `valid_shapes` lists by default (cp is asked for by name, never proposed)."""
 
 
-def valid_shapes(world_size: int, dims: tuple[str, ...] = DIM_ORDER) -> list[dict[str, int]]:
+def valid_shapes(world_size: int, dims: tuple[str, ...] = SHAPE_DIMS) -> list[dict[str, int]]:
     """Every assignment of degrees to ``dims`` whose product is ``world_size``."""
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     return [dict(zip(dims, combo, strict=True)) for combo in itertools.product(divisors, repeat=len(dims)) if prod(combo) == world_size]
@@ -44,20 +47,36 @@ class Mesh:
     _groups: dict[str, Group] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def build(*, world_size: int, rank: int = 0, device: torch.device | None = None, dp: int | None = None, pp: int = 1, tp: int = 1) -> Mesh:
-        """Validate the degrees and return the mesh; ``dp`` defaults to what is left."""
-        for name, deg in (("pp", pp), ("tp", tp)):
+    def build(*, world_size: int, rank: int = 0, device: torch.device | None = None, dp: int | None = None, pp: int = 1, tp: int = 1, cp: int = 1) -> Mesh:
+        """Validate the degrees and return the mesh; ``dp`` defaults to what is left. ``cp`` (context
+        parallel) appears in ``degrees`` only when > 1."""
+        for name, deg in (("pp", pp), ("cp", cp), ("tp", tp)):
             if not isinstance(deg, int) or deg < 1:
                 raise ConfigError(f"{name} degree must be a whole number >= 1; got {deg!r}")
+        cp_text = f" x cp {cp}" if cp > 1 else ""
         if dp is None:
-            if world_size % (pp * tp):
-                raise ConfigError(f"world size {world_size} is not divisible by pp {pp} x tp {tp}; valid shapes: " + _shapes_text(world_size))
-            dp = world_size // (pp * tp)
-        if dp * pp * tp != world_size:
+            if world_size % (pp * cp * tp):
+                raise ConfigError(f"world size {world_size} is not divisible by pp {pp}{cp_text} x tp {tp}; valid shapes: " + _shapes_text(world_size))
+            dp = world_size // (pp * cp * tp)
+        if dp * pp * cp * tp != world_size:
             raise ConfigError(
-                f"degrees dp {dp} x pp {pp} x tp {tp} = {dp * pp * tp} do not multiply to the world size {world_size}; valid shapes: {_shapes_text(world_size)}"
+                f"degrees dp {dp} x pp {pp}{cp_text} x tp {tp} = {dp * pp * cp * tp} do not multiply to the world size {world_size}; "
+                f"valid shapes: {_shapes_text(world_size)}"
             )
-        return Mesh(world_size=world_size, rank=rank, device=device or torch.device("cpu"), degrees=dict(zip(DIM_ORDER, (dp, pp, tp), strict=True)))
+        degrees = {"dp": dp, "pp": pp, "cp": cp, "tp": tp} if cp > 1 else {"dp": dp, "pp": pp, "tp": tp}
+        return Mesh(world_size=world_size, rank=rank, device=device or torch.device("cpu"), degrees=degrees)
+
+    def fold_cp(self) -> Mesh:
+        """This mesh with ``cp`` folded into ``dp`` (``dp x cp`` ranks as one data-parallel dimension):
+        the mesh a data- or tensor-parallel strategy runs on under context parallelism, where the
+        gradients of the cp ranks' shares of a sequence are averaged with the data-parallel ranks'.
+        Needs pp 1 (dp and cp are then adjacent); the same mesh without cp."""
+        if self.size("cp") == 1:
+            return self
+        if self.size("pp") > 1:
+            raise ConfigError(f"context parallelism with a pipeline (pp {self.size('pp')}) is not supported; use pp=1 with cp > 1")
+        degrees = {"dp": self.size("dp") * self.size("cp"), "pp": 1, "tp": self.size("tp")}
+        return Mesh(world_size=self.world_size, rank=self.rank, device=self.device, degrees=degrees)
 
     def size(self, dim: str) -> int:
         return self.degrees.get(dim, 1)
