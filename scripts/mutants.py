@@ -366,6 +366,9 @@ MUTANTS = [
            ("tests/integrations/test_orchestrators.py::test_a_preempted_flyte_gpu_task_is_retried_and_resumes_to_the_uninterrupted_result",)),
     Mutant("standalone_env keeps Slurm's task variables: a bench/tune child inside srun joins the parent's job", "shardwise/launcher/env.py",
            '*("SLURM_PROCID", "SLURM_NTASKS", ', '*(', ("tests/launcher/test_env.py",)),
+    Mutant("plan costs a module:factory on a datasheet GPU by FLOPs alone (3.2e-05 ms a step for a tiny MLP)", "shardwise/tools/advisor/commands.py",
+           "here = args.model in available() or factory or", "here = args.model in available() or",
+           ("tests/tools/advisor/test_forecast.py::test_plan_of_a_tiny_hand_written_factory_predicts_a_step_of_the_order_it_measures",)),
 ]
 
 

@@ -42,7 +42,9 @@ class PlanOptions:
     heads: int | None = flag(None, "with --params: attention heads")
     nproc: int | None = flag(None, "processes in the job (all nodes)")
     nodes: int = flag(1, "nodes the processes are spread over (default 1)")
-    device: str | None = flag(None, "cpu (this machine, measured), h100-80gb, a100-40gb, or a profile .toml/.json")
+    device: str | None = flag(
+        None, "cpu (this machine, measured), h100-80gb, a100-40gb, or a profile .toml/.json (default: cpu for a recipe or module:factory, else h100-80gb)"
+    )
     global_batch: int | None = flag(
         None,
         "samples per optimizer step over all ranks (default: the recipe's, else 512)",
@@ -185,7 +187,11 @@ def _settings_and_cluster(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise ConfigError("shardwise plan needs --nproc N (the processes of the job, e.g. --nproc 64 --nodes 8)")
     if not args.model and args.params is None:
         raise ConfigError("shardwise plan needs --model (charlm, digits, PATH.json, module:factory) or --params N (e.g. --params 7.5e9)")
-    here = args.model in available() or getattr(args, "validate", False)  # --validate measures on this machine
+    # A recipe or a module:factory is a real module here: its step is timed on this machine (a datasheet device would
+    # cost it by FLOPs alone: a small model's step then reads nanoseconds, 1e4x below its own timed step); --validate
+    # measures here too. A config .json or --params is planned for a datasheet device.
+    factory = bool(args.model) and ":" in args.model and not args.model.endswith(".json")
+    here = args.model in available() or factory or getattr(args, "validate", False)
     device = load_profile(args.device or ("cpu" if here else "h100-80gb"))
     cluster = Cluster(device, args.nproc, args.nodes, load=machine_load(args.load, device))
     batch = args.global_batch or (int(get_recipe(args.model).trainer_defaults["global_batch_size"]) if args.model in available() else 512)
