@@ -25,7 +25,7 @@ from shardwise.comm.collectives import Group
 from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
-from shardwise.strategies import materialize
+from shardwise.strategies import compose, materialize
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.compose import shard_data_parallel  # tp over FSDP2: a composition with the sharded family
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
@@ -105,6 +105,12 @@ def check_model_fits(model: nn.Module, plan: dict[str, str] | None, tp: int, seq
     if sequence_parallel:
         _sequence_blocks(model, resolved)
     roles(model, resolved, grad_sum, sequence_parallel)  # the backstop: a module no rule covers
+    permuted = [n for n, st in resolved.items() if st in ("packed_colwise", "moe_tp_experts")]
+    if dp_strategy == "fsdp" and permuted:
+        raise ConfigError(
+            f"{permuted[0]} ({resolved[permuted[0]]}) is split with its gate|up halves permuted per rank, which runs with "
+            "dp_strategy 'ddp' only; got dp_strategy 'fsdp'. Use dp_strategy='ddp'"
+        )
     if dp_strategy == "fsdp" and any(fused_parts(model, n) for n, st in resolved.items() if st == "colwise"):
         raise ConfigError(
             "a fused q|k|v projection split by heads (permuted per rank) runs with dp_strategy 'ddp' only; got dp_strategy 'fsdp'. Use dp_strategy='ddp'"
@@ -138,6 +144,10 @@ class TensorParallel(Strategy):
     """Count and record DTensor's collectives: a dispatch mode on a batch shape's first steps and every 32nd, replayed in between."""
     check_replicas: bool = False
     """After every step, compare the replicated parameters across the tp ranks bit for bit (a debug check)."""
+    cp: int = 1
+    """Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples."""
+    cp_style: Literal["ring", "ulysses"] = "ring"
+    """How context-parallel attention sees the whole sequence: ring (key/value blocks passed round) or ulysses (all-to-all over heads)."""
 
     def __init__(
         self,
@@ -147,6 +157,8 @@ class TensorParallel(Strategy):
         dp_strategy: Literal["ddp", "fsdp"] = "ddp",
         count_collectives: bool = True,
         check_replicas: bool = False,
+        cp: int = 1,
+        cp_style: Literal["ring", "ulysses"] = "ring",
         *,
         plan: dict[str, str] | str | None = None,
     ) -> None:
@@ -159,12 +171,15 @@ class TensorParallel(Strategy):
             dp_strategy=dp_strategy,
             count_collectives=count_collectives,
             check_replicas=check_replicas,
+            cp=cp,
+            cp_style=cp_style,
         )
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.__post_init__()
 
     def __post_init__(self) -> None:
+        compose.check_context_parallel_options(self.name, self.cp, self.cp_style)
         tp = self.tp
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise ConfigError(f"tp must be a whole number >= 1; got {tp!r}")
@@ -184,7 +199,10 @@ class TensorParallel(Strategy):
                 if style not in STYLES:
                     close = difflib.get_close_matches(str(style), STYLES, n=1)
                     raise ConfigError(
-                        f"tp_plan[{key!r}] = {style!r} is not a style." + (f" Did you mean {close[0]!r}?" if close else "") + " Styles: 'colwise', 'rowwise'"
+                        f"tp_plan[{key!r}] = {style!r} is not a style."
+                        + (f" Did you mean {close[0]!r}?" if close else "")
+                        + " Styles: "
+                        + ", ".join(map(repr, STYLES))
                     )
             plan = dict(plan)
         object.__setattr__(self, "tp_plan", plan)
@@ -205,6 +223,10 @@ class TensorParallel(Strategy):
             )
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
+        """The dp x tp layout; with ``cp`` > 1, that of the world less its cp factor, cp inserted (the cp ranks share samples)."""
+        return compose.context_parallel_layout(lambda w: self._plan(w, model, batch, mesh), world_size, self.cp, self.name)
+
+    def _plan(self, world_size: int, model: nn.Module | None, batch: Batch | None, mesh: Mapping[str, int] | None) -> Layout:
         pp = int((mesh or {}).get("pp", 1))
         if pp != 1:
             raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={pp}. Use strategy 'pipeline' with --tp for pp x tp")
@@ -222,12 +244,14 @@ class TensorParallel(Strategy):
         """Rehearse the split on one sample batch in the parent (`rehearse.rehearse`: meta tensors, a fake
         process group): a module the split would leave mixed or misshapen is a `ConfigError` naming it."""
         rehearse(model, batch, self.tp_plan, int(layout.degrees.get("tp", 1)), self.sequence_parallel)
+        compose.check_context_parallel(model, batch, self.cp, self.cp_style, self.name)
 
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> TensorParallelRun:
         if not dist.is_initialized():
             raise ConfigError("strategy 'tp' needs a process group; start the run through shardwise (Trainer, launch, or shardwise run)")
         if mesh.size("pp") != 1:
             raise ConfigError(f"strategy 'tp' runs on a dp x tp mesh; got pp={mesh.size('pp')}. Use strategy 'pipeline' with --tp for pp x tp")
+        mesh = compose.apply_context_parallel(model, mesh, recorder, self.cp_style)  # cp first; tp inside, dp over dp x cp
         degree, dp = mesh.size("tp"), mesh.size("dp")
         check_model_fits(model, self.tp_plan, degree, self.sequence_parallel, self.dp_strategy)  # on every rank, before any group is built
         model = materialize.to_device(model, mesh.device)

@@ -27,7 +27,11 @@ from torch import nn
 
 from shardwise.comm.collectives import Group, broadcast
 from shardwise.comm.recorder import Recorder
+from shardwise.strategies.tensor_parallel import experts
 from shardwise.strategies.tensor_parallel.plan import (
+    COLWISE,
+    EXPERTS,
+    GATHERED,
     LOCAL_ATTRS,
     _is_attention_input,
     _sequence_blocks,
@@ -86,15 +90,27 @@ def parallelize(
     role = roles(module, resolved, grad_sum, sequence_parallel)
     blocks = _sequence_blocks(module, resolved) if sequence_parallel else []
     fused = {n: fused_parts(module, n) for n, s in resolved.items() if s == "colwise" and fused_parts(module, n)}
+    fused.update({n: 2 for n, s in resolved.items() if s == "packed_colwise"})
+    out_layout = Shard(1) if sequence_parallel else Replicate()
     styles: dict[str, Any] = {}
     for name, style in resolved.items():
-        styles[name] = colwise(fused.get(name, 0)) if style == "colwise" else rowwise(Shard(1) if sequence_parallel else Replicate())
+        if style in COLWISE:
+            styles[name] = colwise(fused.get(name, 0))
+        elif style in GATHERED:
+            styles[name] = colwise(output_layouts=Replicate())
+        elif style == "rowwise_split_input":
+            styles[name] = rowwise(out_layout, input_layouts=Replicate())
+        elif style != EXPERTS:
+            styles[name] = rowwise(out_layout)
     parallelize_module(module, tp_mesh, styles)
+    fused_params: dict[str, tuple[int, int]] = {}
+    for name in [n for n, s in resolved.items() if s == EXPERTS]:
+        fused_params.update(experts.shard(module, name, tp_mesh))
     seq: dict[str, int] = {}  # the sequence length of this forward (shards may be uneven: ViT's 17 tokens on 2 ranks)
     for sub, cols in _sublayers(resolved).items():
         target = module.get_submodule(sub) if sub else module
         target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate(), seq), with_kwargs=True, prepend=True)
-        if any(_is_attention_input(c, target) for c in cols):
+        if any(resolved[c] in COLWISE and _is_attention_input(c, target) for c in cols):
             _localize(target, tp)
     if sequence_parallel:
         _sequence_boundaries(module, tp_mesh, blocks, seq)
@@ -111,6 +127,7 @@ def parallelize(
         "sum": role["sum"],
         "whole": role["whole"],
         "fused": fused,
+        "fused_params": fused_params,
         "mesh": tp_mesh,
     }
     return module

@@ -28,13 +28,23 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import re
 
 from torch import nn
 
 from shardwise.errors import ConfigError
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "packed_colwise", "colwise_gather_output", "rowwise_split_input")
+"""Styles a user plan may name: Megatron's pair, a fused gate|up projection split gate and up alike
+(``packed_colwise``), and a column split whose output is gathered whole again with the row split that
+takes its own slice of a whole input (any fused layout, at the cost of an all-gather)."""
+COLWISE = frozenset({"colwise", "packed_colwise"})
+"""Column splits whose output stays split (a sublayer between them and the row split runs on 1/tp)."""
+GATHERED = frozenset({"colwise_gather_output"})
+ROWWISE = frozenset({"rowwise", "rowwise_split_input"})
+EXPERTS = "moe_tp_experts"
+FUSED_GATE_UP = frozenset({"gate_up_proj", "gate_up", "w12", "wi_gate_up", "fc1_gate_up"})
 
 ATTN_COLWISE = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"})
 ATTN_ROWWISE = frozenset({"o", "out", "o_proj", "proj", "out_proj", "wo", "c_proj"})
@@ -180,56 +190,135 @@ def _encoder_plan(module: nn.Module, found: dict[str, str]) -> dict[str, str]:
 # transformers' tensor-parallel styles that concern modules shardwise keeps whole (embeddings, the
 # output head: every tp rank computes them on the same batch) or handles by role (norms).
 _HF_SKIPPED = frozenset(
-    {"embedding_rowwise", "colwise_gather_output", "gather", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep", "isolated", "local"}
+    {
+        "embedding_rowwise",
+        "embedding_colwise",
+        "colwise_gather_output_head",
+        "gather",
+        "sequence_parallel",
+        "replicate",
+        "isolated",
+        "local",
+    }
 )
 _HF_GRAD_SUM = "replicated_with_grad_allreduce"
+_HF_MODULE_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", EXPERTS})
+_HF_PARAM_STYLES = frozenset({"packed_colwise", "packed_rowwise", "colwise", "rowwise"})
+_HF_REFUSED = {
+    "local_params": "a bare parameter split by heads (attention sinks) that the attention indexes itself",
+    "all_reduce": "a module whose output is a partial sum (shared experts computed on a slice)",
+    "moe_identity_expert": "identity experts whose output the expert sum would count tp times",
+    "colwise_rep": "a column split whose output is gathered back, declared with the row split it feeds",
+    "rowwise_rep": "a row split of a replicated input",
+}
+
+
+def matches(pattern: str, name: str) -> bool:
+    """``name`` is ``pattern``, or matches it as an fnmatch pattern whose ``*`` and ``?`` stay inside one
+    dotted segment (``encoder.layer.*.output.dense`` is not ``encoder.layer.0.attention.output.dense``)."""
+    return name == pattern or _pattern_re(pattern).fullmatch(name) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def _pattern_re(pattern: str) -> re.Pattern[str]:
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        end = pattern.find("]", i + 2) if c == "[" else -1
+        if c == "*":
+            out.append("[^.]*")
+        elif c == "?":
+            out.append("[^.]")
+        elif end != -1:
+            body = pattern[i + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+def declared_raw(module: nn.Module) -> dict[str, str]:
+    """transformers' plan as the model declares it (``model._tp_plan``, else ``config.base_model_tp_plan``
+    under the base model's prefix): ``{pattern: style}``, untranslated; empty when none."""
+    raw = getattr(module, "_tp_plan", None)
+    if isinstance(raw, dict) and raw:
+        return dict(raw)
+    cfg = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+    if not isinstance(cfg, dict) or not cfg:
+        return {}
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    prefix = prefix if prefix and hasattr(module, prefix) else ""
+    return {_join(prefix, k): v for k, v in cfg.items()}
 
 
 def declared_plan(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
-    """The model's own tensor-parallel plan (transformers' ``model._tp_plan``, which carries the
-    config's ``base_model_tp_plan`` under the base model's prefix), as (``{pattern: colwise|rowwise}``,
+    """The model's own tensor-parallel plan (`declared_raw`) translated, as (``{pattern: style}``,
     patterns whose replicated parameters need their gradients summed over tp); ``None`` when the
-    model declares none."""
-    raw = getattr(module, "_tp_plan", None)
-    if not isinstance(raw, dict) or not raw:
-        cfg = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
-        if not isinstance(cfg, dict) or not cfg:
-            return None
-        prefix = getattr(module, "base_model_prefix", "") or ""
-        prefix = prefix if prefix and hasattr(module, prefix) else ""
-        raw = {_join(prefix, k): v for k, v in cfg.items()}
+    model declares none. Module styles are kept (``colwise``, ``rowwise``, ``colwise_gather_output``,
+    ``rowwise_split_input``, ``moe_tp_experts``); styles on parameters (``packed_colwise``,
+    ``packed_rowwise``, ``colwise``, ``rowwise`` on an experts module's 3-D weights) are read by
+    `shardwise.strategies.tensor_parallel.experts`; embedding and head styles are skipped (kept whole,
+    exact); a style that cannot be exact here is a `ConfigError` naming it, its module and what runs."""
+    raw = declared_raw(module)
+    if not raw:
+        return None
+    params = {n for n, _ in module.named_parameters()}
+    names = [n for n, _ in module.named_modules() if n]
     plan: dict[str, str] = {}
     grad_sum: list[str] = []
     for pattern, style in raw.items():
-        if style in STYLES:
-            plan[pattern] = style
-        elif style == _HF_GRAD_SUM:
+        on_param = any(matches(pattern, n) for n in params) and not any(matches(pattern, n) for n in names)
+        if style == _HF_GRAD_SUM:
             grad_sum.append(pattern)
-        elif style not in _HF_SKIPPED:
+        elif on_param and style in _HF_PARAM_STYLES:
+            continue  # an experts module's weights: read with the module (experts.layout)
+        elif style in _HF_MODULE_STYLES:
+            plan[pattern] = style
+        elif style in _HF_REFUSED or style not in _HF_SKIPPED:
+            what = _HF_REFUSED.get(style, "a style shardwise does not know")
             raise ConfigError(
-                f"{type(module).__name__} declares tensor-parallel style {style!r} for {pattern!r}, which shardwise does not "
-                "translate (it knows colwise, rowwise, replicated_with_grad_allreduce); pass tp_plan={...} naming the linears to split"
+                f"{type(module).__name__} declares tensor-parallel style {style!r} for {pattern!r} ({what}), which shardwise "
+                "does not translate exactly. Nearest working setting: pass tp_plan={...} naming only the linears to split "
+                f"(e.g. the MLP's: {_mlp_hint(module)}), or train it with a data-parallel or sharded strategy (ddp, fsdp)"
             )
+    # a gathered column split is half of a pair only next to a split-input row split; alone (the output
+    # head, a router) it is a linear computed whole on every rank, which keeping it whole is, exactly
+    pairs = {_parent(p) for p, st in plan.items() if st == "rowwise_split_input"}
+    plan = {p: st for p, st in plan.items() if st not in GATHERED or _parent(p) in pairs}
     return (plan, grad_sum) if plan else None
 
 
+def _mlp_hint(module: nn.Module) -> dict[str, str]:
+    try:
+        plan = auto_plan(module)
+    except ConfigError:
+        return {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    mlp = {re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", n): s for n, s in plan.items() if _leaf(n) in MLP_COLWISE | MLP_ROWWISE and _leaf(n) not in ATTN_ROWWISE}
+    return mlp or {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+
+
 def _expand(module: nn.Module, plan: dict[str, str], what: str = "tp_plan", lenient: bool = False) -> dict[str, str]:
-    """Patterns -> module names. ``lenient`` (a declared plan on part of a model, a pipeline stage):
-    a pattern that matches nothing is skipped."""
+    """Patterns -> module names (`matches`: one dotted segment per ``*``). ``lenient`` (a declared plan
+    on part of a model, a pipeline stage): a pattern that matches nothing is skipped."""
     names = [n for n, _ in module.named_modules() if n]
     resolved: dict[str, str] = {}
+    known = STYLES + ((EXPERTS,) if lenient else ())
     for pattern, style in plan.items():
-        if style not in STYLES:
+        if style not in known:
             close = difflib.get_close_matches(str(style), STYLES, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"tp_plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: 'colwise', 'rowwise'")
-        matched = [n for n in names if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+            raise ConfigError(f"tp_plan[{pattern!r}] = {style!r} is not a style.{hint} Styles: {', '.join(map(repr, STYLES))}")
+        matched = [n for n in names if matches(pattern, n)]
         if not matched and lenient:
             continue
         if not matched:
             close = difflib.get_close_matches(pattern, names, n=3)
+            wide = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
             raise ConfigError(
                 f"{what} names {pattern!r}, which matches no module of {type(module).__name__}"
+                + (f" (each '*' matches one dotted segment; across dots it would match {wide[:3]}: write each segment)" if wide else "")
                 + (f"; close names: {close}" if close else "")
                 + "; see model.named_modules() for the names"
             )
@@ -260,7 +349,7 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
                 f"the tensor-parallel plan {type(module).__name__} declares ({sorted(declared[0])}) matches none of its modules; pass tp_plan={{...}}"
             )
         names = [n for n, _ in module.named_modules() if n]
-        grad_sum = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in declared[1])]
+        grad_sum = [n for n in names if any(matches(pat, n) for pat in declared[1])]
     else:
         resolved, source = auto_plan(module), "auto"
         convs = [n for n, m in module.named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
@@ -295,11 +384,34 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
             )
     for name, style in resolved.items():
         sub = module.get_submodule(name)
+        if style == EXPERTS:
+            continue  # checked by experts.layout
         if not _splittable(sub):
             raise ConfigError(f"tp_plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules (and Conv1D); {name} is a {type(sub).__name__}")
+        if source == "user" and style == "colwise":
+            _check_fused(name, resolved)
     if tp is not None:
         check_divisible(module, resolved, tp)
     return resolved, grad_sum, source
+
+
+def _check_fused(name: str, plan: dict[str, str]) -> None:
+    """A user's column split of a fused projection whose layout a plain column split breaks."""
+    leaf = _leaf(name).lower()
+    if leaf in FUSED_GATE_UP:
+        raise ConfigError(
+            f"tp_plan[{name!r}] = 'colwise' splits a fused gate|up projection by columns: its output is gate then up "
+            "(chunked in two), so one rank would get all of gate and the other all of up, and training would be silently "
+            f"wrong. Use the layout that splits gate and up alike: tp_plan[{name!r}] = 'packed_colwise' (with its down "
+            "projection 'rowwise'), or 'colwise_gather_output' with the down projection 'rowwise_split_input'"
+        )
+    if leaf in FUSED and leaf not in STACKED_QKV:
+        raise ConfigError(
+            f"tp_plan[{name!r}] = 'colwise' splits a fused q|k|v projection by columns; whether a rank then holds whole "
+            "heads depends on its layout (stacked q|k|v, or interleaved per head), which the plan does not say. Leave "
+            "tp_plan unset (shardwise splits the layouts it knows by heads), or use the layout that is exact for any: "
+            f"tp_plan[{name!r}] = 'colwise_gather_output' with the output projection 'rowwise_split_input'"
+        )
 
 
 def _example_pair(module: nn.Module) -> tuple[str, str] | None:
@@ -357,8 +469,13 @@ def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
 
     for name, style in plan.items():
         lin = module.get_submodule(name)
+        if style == EXPERTS:
+            from shardwise.strategies.tensor_parallel.experts import layout
+
+            layout(module, name, tp)
+            continue
         fan_in, fan_out = features(lin)
-        width = fan_out if style == "colwise" else fan_in
+        width = fan_out // (2 if style == "packed_colwise" else 1) if style in COLWISE | GATHERED else fan_in
         attn = module.get_submodule(_parent(name)) if _parent(name) else module
         if style == "colwise" and _is_attention_input(name, attn):
             parts = fused_parts(module, name) or 1
@@ -376,7 +493,11 @@ def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
                         f"whole heads, key/value heads included); choose tp in {options}, or a model whose head counts are multiples of {tp}"
                     )
         if width % tp:
-            raise ConfigError(f"{name} ({style}) has {width} {'output' if style == 'colwise' else 'input'} features, not divisible by tp={tp}")
+            raise ConfigError(
+                f"{name} ({style}) has {width} {'input' if style in ROWWISE else 'output'} features"
+                + (" per half (gate, up)" if style == "packed_colwise" else "")
+                + f", not divisible by tp={tp}; choose tp among the divisors of {width}"
+            )
 
 
 # -- what a plan implies: sublayers (Megatron's f) and blocks (sequence parallelism) -----------
@@ -389,7 +510,7 @@ def _sublayers(plan: dict[str, str]) -> dict[str, list[str]]:
     blocks = set(_blocks_of(plan))
     out: dict[str, list[str]] = {}
     for name, style in plan.items():
-        if style == "colwise":
+        if style in COLWISE or style in GATHERED:
             parent = _parent(name)
             out.setdefault(name if parent in blocks else parent, []).append(name)
     return out
@@ -416,7 +537,7 @@ def _blocks(module: nn.Module, plan: dict[str, str]) -> list[str]:
         idx = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
         if idx:
             found.add(".".join(parts[: idx[-1] + 1]))
-        elif style == "rowwise" and _parent(name) and _parent(_parent(name)):
+        elif style in ROWWISE and _parent(name) and _parent(_parent(name)):
             found.add(_parent(_parent(name)))
     order = [n for n, _ in module.named_modules()]
     return [n for n in order if n in found]

@@ -30,6 +30,7 @@ def _fused_tensors(model: nn.Module) -> dict[str, tuple[int, int]]:
         mod = model.get_submodule(name)
         for pname, _ in mod.named_parameters(recurse=False):
             out[f"{name}.{pname}"] = (out_dim(mod) if pname == "weight" else 0, parts)
+    out.update(info.get("fused_params") or {})  # experts' packed gate|up weights (experts.shard)
     return out
 
 
@@ -111,7 +112,7 @@ def relayout_whole(modules: Iterable[nn.Module], model_state: dict[str, Any], op
     pipeline rank's stages (``modules``), so the same permutation is applied to plain tensors here."""
     for mod in modules:
         info = tp_info(mod)
-        if not info or not info.get("fused"):
+        if not info or not (info.get("fused") or info.get("fused_params")):
             continue
         for name, (dim, parts) in _fused_tensors(mod).items():
             if name in model_state:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.strategies.tensor_parallel.plan import _blocks, _join, _splittable, _sublayers
+from shardwise.strategies.tensor_parallel.plan import EXPERTS, GATHERED, ROWWISE, _blocks, _join, _splittable, _sublayers
 
 
 def _inside(name: str, prefixes: set[str] | list[str]) -> bool:
@@ -32,7 +32,16 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
     Returns ``{"blocks", "sublayers", "whole", "sum"}`` (``sum``: parameter names). A module no rule
     covers is a `ConfigError` naming it (the backstop)."""
     blocks = _blocks(module, plan)
-    sublayers = sorted(_sublayers(plan))
+    subs = _sublayers(plan)
+    sublayers = sorted(subs)
+    gathered = {s for s, cols in subs.items() if all(plan[c] in GATHERED for c in cols)}  # whole activations inside
+    special = [(n, s) for n, s in plan.items() if s == EXPERTS or s in GATHERED or (s in ROWWISE and s != "rowwise")]
+    if sequence_parallel and special:
+        name, style = special[0]
+        raise ConfigError(
+            f"sequence parallelism with tensor-parallel style {style!r} ({name}) is not built: that module's input is "
+            "whole on every rank, not a slice of the sequence. Nearest working setting: sequence_parallel=False (tp alone is exact)"
+        )
     split = set(plan)
     anchors = list(split) + sublayers  # modules that hold split work; their ancestors are transparent
     whole: list[str] = []
@@ -46,6 +55,8 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
             summed += [_join(name, n) for n in own_params]
             continue
         in_sub = [s for s in sublayers if s and name.startswith(s + ".")]  # a sublayer at the root: nothing to tell
+        if in_sub and in_sub[0] in gathered:
+            continue  # between a gathered column split and a split-input row split: whole, replicated, whole gradients
         if in_sub:
             if own_params:
                 raise ConfigError(

@@ -127,12 +127,12 @@ def _styles() -> tuple[type, type]:
     return Colwise, Rowwise
 
 
-def colwise(fused_parts: int = 0) -> Any:
-    return _styles()[0](fused_parts=fused_parts)
+def colwise(fused_parts: int = 0, **kw: Any) -> Any:
+    return _styles()[0](fused_parts=fused_parts, **kw)
 
 
-def rowwise(output_layout: Any) -> Any:
-    return _styles()[1](output_layouts=output_layout)
+def rowwise(output_layout: Any, **kw: Any) -> Any:
+    return _styles()[1](output_layouts=output_layout, **kw)
 
 
 # -- a module's main input, however it was passed ----------------------------------------------

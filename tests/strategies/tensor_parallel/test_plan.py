@@ -271,7 +271,8 @@ def test_the_options_are_a_frozen_dataclass_with_help_and_fixed_choices():
 
     strategy = get_strategy("tp", tp=2, dp_strategy="fsdp")
     assert isinstance(strategy, TensorParallel) and isinstance(strategy, Strategy)
-    assert [f.name for f in dataclasses.fields(TensorParallel)] == ["tp", "sequence_parallel", "tp_plan", "dp_strategy", "count_collectives", "check_replicas"]
+    fields = ["tp", "sequence_parallel", "tp_plan", "dp_strategy", "count_collectives", "check_replicas", "cp", "cp_style"]
+    assert [f.name for f in dataclasses.fields(TensorParallel)] == fields
     assert strategy.options() == {
         "tp": 2,
         "sequence_parallel": False,
@@ -279,6 +280,8 @@ def test_the_options_are_a_frozen_dataclass_with_help_and_fixed_choices():
         "dp_strategy": "fsdp",
         "count_collectives": True,
         "check_replicas": False,
+        "cp": 1,
+        "cp_style": "ring",
     }
     with pytest.raises(dataclasses.FrozenInstanceError):
         strategy.tp = 4  # type: ignore[misc]
