@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from shardwise.checkpoint import optimizer_state_by_name, parameter_names
 from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
-from shardwise.strategies import materialize
+from shardwise.strategies import compose, materialize
 from shardwise.strategies.common import accumulate_backward
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
 from shardwise.strategies.precision import Precision
@@ -228,8 +228,13 @@ class ShardedDataParallel(Strategy):
     """Keep the parameter, gradient and optimizer shards in CPU memory (FSDP2's CPUOffloadPolicy)."""
     count_collectives: bool = True
     """Record FSDP2's all-gathers, reduce-scatters and allreduces on the run's Recorder (one Python call per collective)."""
+    cp: int = 1
+    """Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples."""
+    cp_style: Literal["ring", "ulysses"] = "ring"
+    """How context-parallel attention sees the whole sequence: ring (key/value blocks passed round) or ulysses (all-to-all over heads)."""
 
     def __post_init__(self) -> None:
+        compose.check_context_parallel_options(self.name, self.cp, self.cp_style)
         if self.mixed_precision is not None and self.mixed_precision not in _MP_DTYPES:
             raise ConfigError(f"mixed_precision must be 'bf16', 'fp16' or None; got {self.mixed_precision!r}")
         wrap: Any = self.wrap
@@ -248,18 +253,22 @@ class ShardedDataParallel(Strategy):
         return 1, world_size
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
-        layout = plan_layout(self.name, world_size, batch=batch, mesh=mesh)
+        layout = compose.context_parallel_layout(lambda w: plan_layout(self.name, w, batch=batch, mesh=mesh), world_size, self.cp, self.name)
         require_dp_only(self.name, layout.degrees)
-        self.shape(layout.data_parallel)  # refuses a shape that does not divide the ranks
+        self.shape(layout.data_parallel * self.cp)  # refuses a shape that does not divide the ranks (cp ranks shard too)
         if model is not None:
             require_trainable(model, self.name)
             units = resolve_units(model, self.wrap)  # an unknown unit name fails here, in the parent
             layout = dataclasses.replace(layout, units=tuple(units))
         return layout
 
+    def check_sample(self, model: nn.Module, batch: Any, layout: Layout) -> None:
+        compose.check_context_parallel(model, batch, self.cp, self.cp_style, self.name)
+
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> FSDPRun:
         require_process_group(self.name)
         require_trainable(model, self.name)
+        mesh = compose.apply_context_parallel(model, mesh, recorder, self.cp_style)  # cp first; then sharded over dp x cp
         require_dp_only(self.name, mesh.degrees)
         replicate, shard = self.shape(mesh.size("dp"))
         units = resolve_units(model, self.wrap)

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from shardwise.comm.collectives import Group, broadcast_async
 from shardwise.comm.mesh import Mesh
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
+from shardwise.strategies import compose
 from shardwise.strategies.common import accumulate_backward, clip_local, load_plain_state_dict
 from shardwise.strategies.compose import replicate_with_ddp
 from shardwise.strategies.contract import Batch, Layout, OptimizerFactory, Parallel, Placement, StepFn, Strategy, plan_layout
@@ -306,8 +307,13 @@ class Zero1(Strategy):
 
     offload: bool = False
     """Refused: zero1 keeps parameters and gradients whole on the device (zero2, zero3 and hsdp offload to CPU)."""
+    cp: int = 1
+    """Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples."""
+    cp_style: Literal["ring", "ulysses"] = "ring"
+    """How context-parallel attention sees the whole sequence: ring (key/value blocks passed round) or ulysses (all-to-all over heads)."""
 
     def __post_init__(self) -> None:
+        compose.check_context_parallel_options(self.name, self.cp, self.cp_style)
         if self.offload:
             raise ConfigError(
                 "strategy 'zero1' does not support offload=True: its parameters and gradients stay whole on the device "
@@ -316,15 +322,19 @@ class Zero1(Strategy):
             )
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:
-        layout = plan_layout(self.name, world_size, batch=batch, mesh=mesh)
+        layout = compose.context_parallel_layout(lambda w: plan_layout(self.name, w, batch=batch, mesh=mesh), world_size, self.cp, self.name)
         require_dp_only(self.name, layout.degrees)
         if model is not None:
             require_trainable(model, self.name)
         return layout
 
+    def check_sample(self, model: nn.Module, batch: Any, layout: Layout) -> None:
+        compose.check_context_parallel(model, batch, self.cp, self.cp_style, self.name)
+
     def apply(self, model: nn.Module, make_optimizer: OptimizerFactory, mesh: Mesh, recorder: Recorder) -> Zero1Run:
         require_process_group(self.name)
         require_trainable(model, self.name)
+        mesh = compose.apply_context_parallel(model, mesh, recorder, self.cp_style)  # cp first; then dp over dp x cp
         require_dp_only(self.name, mesh.degrees)
         wrapped, optimizer = apply_zero1(model, make_optimizer, mesh, recorder)
         probe = ModelStateProbe(self.name, mesh.size("dp"))

@@ -1,0 +1,152 @@
+"""Context parallelism: float64 parity with single, ring and all-to-all bytes against their formulas, refusals.
+
+Two launches: 2 processes (cp 2 under ddp, zero3 and zero1; ring and Ulysses) and 4 processes
+(cp 2 x tp 2), each over Llama, GPT-2 or nanoGPT, and Qwen2 (`cells.py`), 5 SGD steps with every
+step clipped, against `single` on the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise import launch
+from shardwise.errors import ConfigError
+from shardwise.strategies.context_parallel.ring import ring_bytes, ulysses_bytes
+from shardwise.strategies.data_parallel.ddp import DDP
+from shardwise.strategies.tensor_parallel import TensorParallel
+from tests.strategies.context_parallel import cells
+from tests.support import harness, zoo
+
+TWO = [
+    ("llama", "ddp", {"cp": 2}),
+    ("gpt2", "ddp", {"cp": 2}),
+    ("qwen2", "ddp", {"cp": 2}),
+    ("nanogpt", "ddp", {"cp": 2}),
+    ("llama", "ddp", {"cp": 2, "cp_style": "ulysses"}),
+    ("nanogpt", "zero3", {"cp": 2, "cp_style": "ulysses"}),
+    ("gpt2", "zero1", {"cp": 2}),
+]
+FOUR = [
+    ("llama", "tp", {"tp": 2, "cp": 2}),
+    ("gpt2", "tp", {"tp": 2, "cp": 2}),
+    ("qwen2", "tp", {"tp": 2, "cp": 2}),
+]
+_REFS: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    if name not in _REFS:
+        _REFS[name] = cells.train(name)[1]  # type: ignore[assignment]
+    return _REFS[name]
+
+
+def _kv_heads(name: str) -> tuple[int, int]:
+    """(heads, key/value heads) of the cell's model; head dim 8 in every one (hidden 32, 4 heads)."""
+    return (4, 2) if name in ("llama", "qwen2") else (4, 4)
+
+
+def _expected(name: str, cp: int, tp: int, style: str) -> dict[str, int]:
+    """Bytes rank 0 sends over the run: per step one micro-batch of the global batch (dp 1), 2 layers."""
+    b, s, d = harness.GLOBAL_BATCH, zoo.SEQ, 8
+    heads, kv = _kv_heads(name)
+    heads, kv = heads // tp, kv // tp
+    calls = harness.STEPS * 2
+    k_bytes = b * kv * (s // cp) * d * 8
+    if style == "ring":
+        fwd, bwd = ring_bytes(k_bytes, cp)
+        return {"cp/ring_attention": calls * fwd, "cp/ring_attention_backward": calls * bwd}
+    q_bytes = b * heads * (s // cp) * d * 8
+    kv_sent = k_bytes if kv % cp == 0 else q_bytes  # key/value heads repeated when they do not divide
+    per_call = 2 * (2 * ulysses_bytes(q_bytes, cp) + 2 * ulysses_bytes(kv_sent, cp))  # q, k, v, out; forward and backward
+    return {"cp/all_to_all": calls * per_call}
+
+
+def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any], tp: int) -> None:
+    for (name, strategy, options), (summary, state) in zip(cell_list, results, strict=True):
+        diff = harness.max_difference(state, _reference(name))
+        assert diff <= harness.TOL, f"{name} {strategy} {options}: largest parameter difference from single {diff:.3g}"
+        by_op = summary["comm"]["by_op"]
+        for key, want in _expected(name, options["cp"], tp, options.get("cp_style", "ring")).items():
+            assert by_op[key]["sent_bytes"] == want, f"{name} {strategy} {options}: {key} sent {by_op[key]['sent_bytes']}, formula {want}"
+
+
+@pytest.mark.timeout(900)
+def test_cp2_matches_single_and_bytes_match_the_formulas() -> None:
+    results = launch(cells.run, TWO, nproc=2, threads_per_proc=1, timeout=800)[0]
+    _check_cells(TWO, results, tp=1)
+
+
+@pytest.mark.timeout(900)
+def test_cp2_with_tp2_matches_single() -> None:
+    results = launch(cells.run, FOUR, nproc=4, threads_per_proc=1, timeout=800)[0]
+    _check_cells(FOUR, results, tp=2)
+
+
+# -- refusals, in the parent ----------------------------------------------------------------------
+
+
+def _sample(name: str, seq: int = zoo.SEQ) -> Any:
+    b = zoo.batch(cells.data_name(name), 1)
+    return {k: v[:, :seq] for k, v in b.items()} if isinstance(b, dict) else tuple(t[:, :seq] for t in b)
+
+
+def test_refuses_a_sequence_that_does_not_split_into_2cp_chunks() -> None:
+    with pytest.raises(ConfigError, match=r"sequence length 14 is not divisible by 8"):
+        DDP(cp=4).check_sample(cells.build("llama"), _sample("llama", 14), DDP(cp=4).plan(4))
+
+
+def test_refuses_sliding_windows_and_padding() -> None:
+    model = cells.build("qwen2")
+    model.config.use_sliding_window, model.config.sliding_window = True, 4
+    with pytest.raises(ConfigError, match=r"sliding-window attention \(window 4\)"):
+        DDP(cp=2).check_sample(model, _sample("qwen2"), DDP(cp=2).plan(2))
+    padded = dict(_sample("llama"), attention_mask=torch.tensor([[0] * 4 + [1] * 12]))
+    with pytest.raises(ConfigError, match=r"attention_mask with padding"):
+        DDP(cp=2).check_sample(cells.build("llama"), padded, DDP(cp=2).plan(2))
+
+
+class _HandAttention(nn.Module):
+    """Attention written out by hand (softmax of q k^T): no routing reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        return torch.softmax((q @ k.transpose(1, 2)).masked_fill(~mask, float("-inf")), -1) @ v
+
+
+class _HandModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.attn, self.head = nn.Embedding(64, 8), _HandAttention(), nn.Linear(8, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(self.emb(idx)))
+
+
+def test_refuses_an_attention_the_routing_does_not_reach() -> None:
+    with pytest.raises(ConfigError, match=r"1 attention module\(s\) compute theirs another way: \['attn'\]"):
+        DDP(cp=2).check_sample(_HandModel(), _sample("nanogpt"), DDP(cp=2).plan(2))
+
+
+def test_refuses_bad_options() -> None:
+    with pytest.raises(ConfigError, match=r"cp \(context-parallel degree\) must be a whole number >= 1; got 0"):
+        DDP(cp=0)
+    with pytest.raises(ConfigError, match=r"cp_style must be one of ring, ulysses; got 'star'"):
+        TensorParallel(cp=2, cp_style="star")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by cp 2"):
+        DDP(cp=2).plan(3)
+    with pytest.raises(ConfigError, match=r"'ulysses' splits attention heads over cp; 4 heads do not divide by cp 8"):
+        DDP(cp=8, cp_style="ulysses").check_sample(cells.build("gpt2"), _sample("gpt2"), DDP(cp=8).plan(8))
+
+
+def test_layout_puts_cp_between_dp_and_tp() -> None:
+    layout = TensorParallel(tp=2, cp=2).plan(8)
+    assert dict(layout.degrees) == {"dp": 2, "pp": 1, "cp": 2, "tp": 2} and layout.data_parallel == 2
