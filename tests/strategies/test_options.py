@@ -43,6 +43,8 @@ DDP_DOCS = {
     "node_size": "Processes per node for allreduce=hierarchical (0: the launcher's LOCAL_WORLD_SIZE); a divisor of the world size.",
     "compression": "Gradient codec with error feedback: fp16, bf16, int8, topk:RATIO, powersgd:RANK, ... (shardwise.comm.codecs).",
     "record_buckets": "Also time each native gradient bucket (launch to completion) in the comm record; bytes are recorded either way.",
+    "ep": "Expert parallelism: split each mixture-of-experts layer's experts over groups of ep data-parallel ranks "
+    "(tokens exchanged by all-to-all); a divisor of the world size and of the number of experts.",
 }
 """DDP's field docstrings as written in ddp.py: the help its flags must carry word for word."""
 

@@ -202,6 +202,8 @@ class DDP(Strategy):
                 f"choose a node size that divides it, or a world size that is a multiple of {self.node_size}"
             )
         if self.ep > 1:
+            if self.cp > 1:
+                raise ConfigError(f"ep={self.ep} with cp={self.cp}: expert and context parallelism do not compose yet; use one of them")
             compose.check_expert_parallel(model, self.ep, world_size)
         return compose.context_parallel_layout(lambda w: plan_layout(self.name, w, batch=batch, mesh=mesh), world_size, self.cp, self.name)
 
