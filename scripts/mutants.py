@@ -369,6 +369,26 @@ MUTANTS = [
     Mutant("plan costs a module:factory on a datasheet GPU by FLOPs alone (3.2e-05 ms a step for a tiny MLP)", "shardwise/tools/advisor/commands.py",
            "here = args.model in available() or factory or", "here = args.model in available() or",
            ("tests/tools/advisor/test_forecast.py::test_plan_of_a_tiny_hand_written_factory_predicts_a_step_of_the_order_it_measures",)),
+    # -- issue 40 (pipeline): per-layer patterns, a training_step calling self(x, y) ---------------------
+    Mutant("pipeline: a nested stage's block list holds only its own blocks (the loop's index picks block 0's layer type)",
+           "shardwise/strategies/pipeline/nested.py",
+           'own._modules = {k: m if k in mine or m is None else _Elsewhere(self._holder, m, f"{layout.blocks}.{k}") for k, m in blocks._modules.items()}',
+           "own._modules = {k: m for k, m in blocks._modules.items() if k in mine}",
+           ("tests/strategies/pipeline/test_own_step_and_patterns.py",)),
+    Mutant("pipeline: the targets of a training_step's self(x, y) never reach the stages", "shardwise/strategies/pipeline/run.py",
+           "            kwargs = self._call.stage_kwargs(batch) if self._call is not None else batch_kwargs(call_args, call_kwargs)",
+           "            kwargs = batch_kwargs(call_args, call_kwargs)",
+           ("tests/strategies/pipeline/test_own_step_and_patterns.py",)),
+    Mutant("context parallel: a block from an earlier cp rank is attended whole (its second chunk lies in the future)",
+           "shardwise/strategies/context_parallel/ring.py",
+           "        return slice(0, n), slice(0, half), False",
+           "        return slice(0, n), slice(0, n), False",
+           ("tests/strategies/context_parallel/test_context_parallel.py::test_cp2_matches_single_and_bytes_match_the_formulas",)),
+    Mutant("context parallel: labels split without the shift by one (each chunk's last token scored against its own)",
+           "shardwise/strategies/context_parallel/zigzag.py",
+           "    return torch.cat([labels[:, 1:], pad], dim=1)",
+           "    return labels",
+           ("tests/strategies/context_parallel/test_context_parallel.py::test_the_model_s_own_loss_is_the_loss_of_all_tokens",)),
 ]
 
 

@@ -105,6 +105,33 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class NanoGPTTargets(NanoGPT):
+    """nanoGPT as Karpathy writes it: ``forward(idx, targets=None)`` asserts the length (so torch.fx
+    cannot trace it), returns ``(logits, loss)`` with targets and the last position's logits without;
+    ``training_step`` calls ``self(x, y)``."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+        b, t = idx.size()
+        assert t <= SEQ, f"Cannot forward sequence of length {t}, block size is only {SEQ}"
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits, loss = self.lm_head(x[:, [-1], :]), None
+        return logits, loss
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        _, loss = self(x, y)
+        assert loss is not None
+        return loss
+
+
 def nanogpt_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     """The loss a nanoGPT user writes: next-token cross-entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
@@ -145,6 +172,22 @@ def _hf(name: str, layers: int) -> nn.Module:
             **common,
         )
         return tf.GPT2LMHeadModel(cfg)  # lm_head tied to wte
+    if name == "qwen2_alt":  # blocks that differ by position: sliding and full attention alternating
+        cfg = tf.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            use_sliding_window=True,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+            tie_word_embeddings=False,
+            **common,
+        )
+        return tf.Qwen2ForCausalLM(cfg)
     if name == "bert":
         cfg = tf.BertConfig(
             vocab_size=VOCAB,
@@ -183,14 +226,14 @@ def _hf(name: str, layers: int) -> nn.Module:
 def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, layers: int = 4) -> nn.Module:
     """The model ``name`` with random weights drawn from ``seed``, in ``dtype``."""
     torch.manual_seed(seed)
-    model = NanoGPT(layers=layers) if name == "nanogpt" else _hf(name, layers)
+    model = NanoGPT(layers=layers) if name == "nanogpt" else NanoGPTTargets(layers=layers) if name == "nanogpt_targets" else _hf(name, layers)
     return model.to(dtype)
 
 
 def sample(name: str, i: int, seed: int = 0) -> Any:
     """Sample ``i`` of the data set for ``name`` (a pure function of seed and index)."""
     g = torch.Generator().manual_seed(seed * 100_003 + i)
-    if name in ("llama", "gpt2"):
+    if name in ("llama", "gpt2", "qwen2_alt"):
         ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
         return {"input_ids": ids, "labels": ids.clone()}
     if name == "bert":
@@ -198,7 +241,7 @@ def sample(name: str, i: int, seed: int = 0) -> Any:
         return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": torch.randint(0, 3, (), generator=g)}
     if name in ("vit", "resnet"):
         return {"pixel_values": torch.randn(3, 16, 16, generator=g, dtype=torch.float64), "labels": torch.randint(0, 10, (), generator=g)}
-    if name == "nanogpt":
+    if name in ("nanogpt", "nanogpt_targets"):
         ids = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
         return ids[:-1], ids[1:]
     raise KeyError(f"unknown model {name!r}; known: {MODELS}")
@@ -250,6 +293,6 @@ def causal_lm_loss64(output: Any, batch: Any) -> torch.Tensor:
 
 def parity_loss_fn(name: str) -> Callable[[Any, Any], torch.Tensor] | None:
     """The loss for float64 parity: float64 throughout (the model's own loss where it is float64 already)."""
-    if name in ("llama", "gpt2"):
+    if name in ("llama", "gpt2", "qwen2_alt"):
         return causal_lm_loss64
     return loss_fn(name)

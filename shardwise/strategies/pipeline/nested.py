@@ -401,9 +401,8 @@ class NestedStage(nn.Module):
 
 def _call_args(batch: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The model's call for a micro-batch passed as keywords (a tuple batch's inputs travel as ``_arg{i}``)."""
-    if batch and all(k.startswith("_arg") for k in batch):
-        return tuple(batch[f"_arg{i}"] for i in range(len(batch))), {}
-    return (), dict(batch)
+    n = sum(1 for k in batch if k.startswith("_arg"))
+    return tuple(batch[f"_arg{i}"] for i in range(n)), {k: v for k, v in batch.items() if not k.startswith("_arg")}
 
 
 def batch_kwargs(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -70,9 +70,10 @@ def _needs_sample(model: nn.Module, why: str, where: str) -> ConfigError:
     )
 
 
-def _prove(model: nn.Module, r: Route, sample: Any, where: str) -> None:
+def _prove(model: nn.Module, r: Route, sample: Any, where: str, call: Any = None) -> None:
     """The stages of ``r``, on a float64 copy of ``model`` run one after another on ``sample``, give
-    the model's own output exactly (`traced.check_composition`), or a `ConfigError` naming where not."""
+    the model's own output exactly (`traced.check_composition`), or a `ConfigError` naming where not.
+    ``call`` (an `own_step.Call`): the model called as its ``training_step`` calls it (``self(x, y)``)."""
     from shardwise.data.batches import model_args
 
     if materialize.has_meta(model):
@@ -84,7 +85,7 @@ def _prove(model: nn.Module, r: Route, sample: Any, where: str) -> None:
         )
 
     model64 = traced.float64_copy(model)
-    args, kwargs = model_args(sample)
+    args, kwargs = call.bind(sample) if call is not None else model_args(sample)
     args64, kwargs64 = traced.to_float64(tuple(args)), traced.to_float64(dict(kwargs))
     stage_of: dict[str, int] = {}
     if r.kind == "nested":

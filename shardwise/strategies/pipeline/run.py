@@ -8,13 +8,14 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from shardwise.comm import Recorder, all_gather
 from shardwise.comm.mesh import Mesh
+from shardwise.data.batches import model_args
 from shardwise.errors import ConfigError
 from shardwise.strategies import materialize
 from shardwise.strategies.compose import (
@@ -32,7 +33,8 @@ from shardwise.strategies.pipeline.nested import (
     tied_aliases,
 )
 from shardwise.strategies.pipeline.observe import _Clock, bubble_section, gather_events, record_stage_traffic, write_timeline
-from shardwise.strategies.pipeline.route import Route
+from shardwise.strategies.pipeline.own_step import Call, has_own_step, probe_call
+from shardwise.strategies.pipeline.route import Route, _prove
 from shardwise.strategies.pipeline.schedule import (
     _Replay,
     _schedule_class,
@@ -75,7 +77,9 @@ class PipelineRun(Parallel):
         self._tied: list[Tie] = []  # weights tied across pipeline ranks
         # the checks of plan(), again (an Engine may not have been given the model), and the proof
         # of a split the tracer did not give, on the sample the Trainer's check_sample left
-        route = options.route(model, options.__dict__.get("_sample"))
+        route, self._unproven = _route(options, model)
+        self._user_model, self._call = model, cast("Call | None", None)
+        """The user's model and how its training_step calls it (`own_step.Call`, read on the first step)."""
         self._nested = route.kind == "nested"
         self.stage_layers = route.names
         """The layer (block) names of each stage, over all ranks."""
@@ -107,6 +111,8 @@ class PipelineRun(Parallel):
         self.holds_first = 0 in stages
         self.holds_last = (self.num_stages - 1) in stages
         self.model = PipelineModule(stages, runners, self.num_stages, group, mesh.device, recorder)
+        if has_own_step(model):
+            self.model.__dict__["training_step"] = _direct_step  # so the Trainer's step function goes through training_step
         params = list({id(p): p for s in sorted(stages) for p in stages[s].parameters()}.values())  # a tie on one rank: once
         self._last_stage = stages.get(self.num_stages - 1)
         self._params = params
@@ -159,7 +165,8 @@ class PipelineRun(Parallel):
         batch = self._chunks[i]
         full = getattr(self._last_stage, "output", None) if self._nested else None
         assert self._step_fn is not None
-        loss = self._step_fn(_Replay(output, batch, full), batch)  # type: ignore[arg-type]
+        own = (self._user_model, self._call) if self._call is not None else None
+        loss = self._step_fn(_Replay(output, batch, full, own), batch)  # type: ignore[arg-type]
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ConfigError(f"the pipeline's step function must return a scalar loss tensor; got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
         self._losses[i] = loss.detach()  # by index: torch's shape inference may run micro-batch 0 once more
@@ -172,17 +179,18 @@ class PipelineRun(Parallel):
         m = int(self.options.microbatches or 1)
         batch = concat_batches(microbatches)
         check_rows(batch_rows(batch), m, "pipeline forward_backward")  # every rank, before any send
-        from shardwise.data.batches import model_args
-
         self._chunks = split_batch(batch, m)
         self._step_fn, self._precision = step_fn, precision
         self._losses = {}
         self._clock.events = []
         call_args, call_kwargs = model_args(batch)
+        if has_own_step(self._user_model) and self._call is None:
+            self._first_own_step(self._chunks[0], call_args, call_kwargs)
         if self._nested:
-            # every stage gets the micro-batch as keywords (masks, positions); only the first reads the inputs
+            # every stage gets the micro-batch as keywords (masks, positions; targets a training_step passes
+            # to self(x, y)); only the first reads the inputs
             args: tuple[Any, ...] = ()
-            kwargs = batch_kwargs(call_args, call_kwargs)
+            kwargs = self._call.stage_kwargs(batch) if self._call is not None else batch_kwargs(call_args, call_kwargs)
         else:
             if call_kwargs:
                 raise ConfigError(
@@ -215,6 +223,23 @@ class PipelineRun(Parallel):
         last_rank = (self.num_stages - 1) % self.pp
         dtype = _DTYPES[int(rows[last_rank][4])]  # the last stage's loss dtype, on every rank
         return rows[last_rank][0].to(device=self.mesh.device, dtype=dtype)
+
+    def _first_own_step(self, chunk: Any, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> None:
+        """How the model's training_step calls it, read on the first micro-batch (the same on every rank);
+        a split that waited for a sample is proven on it here (see `_route`)."""
+        call = probe_call(self._user_model, chunk)
+        (a, k), (a0, k0) = call.bind(chunk), model_args(chunk)
+        plain = self._nested or (len(a) == len(a0) and all(x is y for x, y in zip(a, a0, strict=True)) and k.keys() == k0.keys())
+        if not plain:
+            raise ConfigError(
+                f"{type(self._user_model).__name__}.training_step calls the model with more than its inputs (targets), which "
+                "reach only a last stage that runs the model's own forward: the split by its block list does, this one (by "
+                "its traced forward or its children) does not; pass layers='path.to.blocks', or loss_fn=... with self(x)"
+            )
+        if self._unproven is not None:
+            _prove(self._user_model, self._unproven, chunk, "its block list (proven on the first training batch)", call)
+            self._unproven = None
+        self._call = call
 
     def no_sync(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()  # the schedule accumulates over micro-batches; gradients sync once, after it
@@ -288,3 +313,27 @@ class PipelineRun(Parallel):
         if self._timeline is not None:
             section["timeline"] = self._timeline
         return {"pipeline": section}
+
+
+def _route(options: Pipeline, model: nn.Module) -> tuple[Route, Route | None]:
+    """The route ``apply`` takes, and the same route again when its proof waits for the first step.
+
+    The Trainer gives no sample before launch to a model with a ``training_step`` (the batch need not
+    fit its forward); a split that must be proven on a sample is then proven on the first training
+    batch, before the schedule's first send, when nothing has changed the model's own modules yet
+    (no tensor parallel, no FSDP inside the stages)."""
+    sample = options.__dict__.get("_sample")
+    try:
+        return options.route(model, sample), None
+    except ConfigError:
+        if sample is not None or not has_own_step(model) or options.tp > 1 or options.dp_strategy != "ddp" or materialize.has_meta(model):
+            raise
+    route = options.route(model, check=False)
+    return route, (route if route.kind != "traced" else None)
+
+
+def _direct_step(batch: Any) -> Any:
+    raise ConfigError(
+        "the model's training_step runs on the pipeline's last stage inside its schedule (Trainer.fit); evaluating "
+        "through training_step is not supported under the pipeline: pass loss_fn=... or define validation_step"
+    )

@@ -116,13 +116,26 @@ class _Replay:
     ModelOutput with ``logits`` and, when the batch holds ``labels``, ``loss``); otherwise the
     output tensor is returned."""
 
-    def __init__(self, output: Any, batch: Any, full: Any = None) -> None:
+    def __init__(self, output: Any, batch: Any, full: Any = None, own: Any = None) -> None:
         from shardwise.data.batches import model_args
 
         self.output, self.full = output, full
-        self.args, self.kwargs = model_args(batch)
+        self.batch = batch
+        self.model: Any = own[0] if own is not None else None  # the user's model, whose training_step calls it (``own[1]``: how)
+        self.args: tuple[Any, ...]
+        self.kwargs: dict[str, Any]
+        self.args, self.kwargs = own[1].bind(batch) if own is not None else model_args(batch)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.model is not None and len(args) == 1 and not kwargs and args[0] is self.batch:
+            # the Trainer's step function calls training_step through the model (`call_through`): run the
+            # user's training_step, its self(...) answered by this stage's output
+            from shardwise.strategies.pipeline.own_step import run_own_step
+
+            return run_own_step(self.model, self.batch, self._answer)
+        return self._answer(*args, **kwargs)
+
+    def _answer(self, *args: Any, **kwargs: Any) -> Any:
         def same(a: Any, b: Any) -> bool:
             return a is b or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape)
 

@@ -153,5 +153,5 @@ def _hidden_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         return args[0]
     for k in ("hidden_states", *kwargs):
         if isinstance(kwargs.get(k), torch.Tensor) and kwargs[k].is_floating_point():
-            return kwargs[k]  # type: ignore[no-any-return]
+            return kwargs[k]
     raise ConfigError("the pipeline could not find the hidden states among a block's inputs")
