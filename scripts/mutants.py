@@ -389,6 +389,15 @@ MUTANTS = [
            "    return torch.cat([labels[:, 1:], pad], dim=1)",
            "    return labels",
            ("tests/strategies/context_parallel/test_context_parallel.py::test_the_model_s_own_loss_is_the_loss_of_all_tokens",)),
+    Mutant("ep: expert gradients divided by ep instead of dp (right only when dp_outer is 1)", "shardwise/strategies/expert_parallel/apply.py",
+           "        flat.div_(self.dp)\n", "        flat.div_(self.ep)\n",
+           ("tests/strategies/expert_parallel/test_matrix_ep.py::test_ep_inside_dp_on_four_ranks_matches_single",)),
+    Mutant("ep: the clip's norm counts only this rank's expert slices", "shardwise/strategies/expert_parallel/apply.py",
+           "        all_reduce(exp, \"sum\", group=self.group, recorder=self.recorder)\n", "",
+           ("tests/strategies/expert_parallel/test_matrix_ep.py::test_ep2_on_two_ranks_matches_single",)),
+    Mutant("ep: a rank with no token for its experts skips the backward all-to-all (hangs or fails)", "shardwise/strategies/expert_parallel/dispatch.py",
+           "        if not out.requires_grad and arrived.requires_grad:", "        if False:",
+           ("tests/strategies/expert_parallel/test_matrix_ep.py",)),
 ]
 
 

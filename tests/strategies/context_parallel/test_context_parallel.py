@@ -30,18 +30,30 @@ TWO = [
     ("nanogpt", "zero3", {"cp": 2, "cp_style": "ulysses"}),
     ("gpt2", "zero1", {"cp": 2}),
 ]
+OWN_LOSS = [("llama", "ddp", {"cp": 2}, {"own_loss": True}), ("gpt2", "ddp", {"cp": 2, "cp_style": "ulysses"}, {"own_loss": True})]
+"""transformers' own loss (labels shifted inside the model, in float32): the shift made before the split."""
+OWN_TOL = 1e-6
+"""transformers computes its loss in float32 (`zoo.causal_lm_loss64`): parity to float32 rounding."""
 FOUR = [
     ("llama", "tp", {"tp": 2, "cp": 2}),
     ("gpt2", "tp", {"tp": 2, "cp": 2}),
     ("qwen2", "tp", {"tp": 2, "cp": 2}),
 ]
-_REFS: dict[str, dict[str, torch.Tensor]] = {}
+_REFS: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
+_RESULTS: dict[str, list[Any]] = {}
 
 
-def _reference(name: str) -> dict[str, torch.Tensor]:
-    if name not in _REFS:
-        _REFS[name] = cells.train(name)[1]  # type: ignore[assignment]
-    return _REFS[name]
+def _reference(name: str, own_loss: bool = False) -> dict[str, torch.Tensor]:
+    if (name, own_loss) not in _REFS:
+        _REFS[name, own_loss] = cells.train(name, own_loss=own_loss)[1]  # type: ignore[assignment]
+    return _REFS[name, own_loss]
+
+
+def _two() -> list[Any]:
+    """The 2-process launch's results (TWO, then OWN_LOSS), run once for the tests that read them."""
+    if "two" not in _RESULTS:
+        _RESULTS["two"] = launch(cells.run, TWO + OWN_LOSS, nproc=2, threads_per_proc=1, timeout=800)[0]
+    return _RESULTS["two"]
 
 
 def _kv_heads(name: str) -> tuple[int, int]:
@@ -76,8 +88,14 @@ def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any], tp: int) 
 
 @pytest.mark.timeout(900)
 def test_cp2_matches_single_and_bytes_match_the_formulas() -> None:
-    results = launch(cells.run, TWO, nproc=2, threads_per_proc=1, timeout=800)[0]
-    _check_cells(TWO, results, tp=1)
+    _check_cells(TWO, _two()[: len(TWO)], tp=1)
+
+
+@pytest.mark.timeout(900)
+def test_the_model_s_own_loss_is_the_loss_of_all_tokens() -> None:
+    for (name, _, options, _), (summary, state) in zip(OWN_LOSS, _two()[len(TWO) :], strict=True):
+        diff = harness.max_difference(state, _reference(name, own_loss=True))
+        assert diff <= OWN_TOL, f"{name} {options} with the model's own loss: largest parameter difference from single {diff:.3g}"
 
 
 @pytest.mark.timeout(900)
