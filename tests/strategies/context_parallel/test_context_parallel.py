@@ -93,7 +93,7 @@ def test_cp2_matches_single_and_bytes_match_the_formulas() -> None:
 
 @pytest.mark.timeout(900)
 def test_the_model_s_own_loss_is_the_loss_of_all_tokens() -> None:
-    for (name, _, options, _), (summary, state) in zip(OWN_LOSS, _two()[len(TWO) :], strict=True):
+    for (name, _, options, _), (_summary, state) in zip(OWN_LOSS, _two()[len(TWO) :], strict=True):
         diff = harness.max_difference(state, _reference(name, own_loss=True))
         assert diff <= OWN_TOL, f"{name} {options} with the model's own loss: largest parameter difference from single {diff:.3g}"
 
