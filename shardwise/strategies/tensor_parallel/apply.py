@@ -33,7 +33,9 @@ from shardwise.strategies.tensor_parallel.plan import (
     EXPERTS,
     GATHERED,
     LOCAL_ATTRS,
+    MLA,
     _is_attention_input,
+    _parent,
     _sequence_blocks,
     _sublayers,
     fused_parts,
@@ -100,15 +102,21 @@ def parallelize(
             styles[name] = colwise(output_layouts=Replicate())
         elif style == "rowwise_split_input":
             styles[name] = rowwise(out_layout, input_layouts=Replicate())
-        elif style != EXPERTS:
+        elif style not in (EXPERTS, MLA):
             styles[name] = rowwise(out_layout)
     parallelize_module(module, tp_mesh, styles)
     fused_params: dict[str, tuple[int, int]] = {}
     for name in [n for n, s in resolved.items() if s == EXPERTS]:
         fused_params.update(experts.shard(module, name, tp_mesh))
     seq: dict[str, int] = {}  # the sequence length of this forward (shards may be uneven: ViT's 17 tokens on 2 ranks)
+    latent = {_parent(n) for n, s in resolved.items() if s == MLA}
+    for name in [n for n, s in resolved.items() if s == MLA]:
+        _latent_rope(module, name, tp_mesh)
     for sub, cols in _sublayers(resolved).items():
         target = module.get_submodule(sub) if sub else module
+        if sub in latent:  # replicated linears take the input: each column split applies its own f
+            _localize(target, tp)
+            continue
         target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate(), seq), with_kwargs=True, prepend=True)
         if any(resolved[c] in COLWISE and _is_attention_input(c, target) for c in cols):
             _localize(target, tp)
@@ -131,6 +139,25 @@ def parallelize(
         "mesh": tp_mesh,
     }
     return module
+
+
+def _latent_rope(module: nn.Module, name: str, tp_mesh: Any) -> None:
+    """transformers' ``mla_kv_a_proj``: the replicated latent projection's last ``qk_rope_head_dim`` outputs
+    (the rotary key every head shares) bypass the column-split ``kv_b_proj``; each rank's heads give it
+    a partial gradient, summed over tp (identity forward). The latent part's gradient is whole already."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    owner = module.get_submodule(_parent(name)) if _parent(name) else module
+    rope = getattr(owner, "qk_rope_head_dim", None) or getattr(getattr(owner, "config", None), "qk_rope_head_dim", None)
+    if not isinstance(rope, int):
+        raise ValueError(f"{name} is declared 'mla_kv_a_proj' but its attention has no qk_rope_head_dim to split its output by")
+
+    def after(m: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        latent, key = out.split([out.shape[-1] - rope, rope], dim=-1)
+        key = DTensor.from_local(key, tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+        return torch.cat([latent, key], dim=-1)
+
+    module.get_submodule(name).register_forward_hook(after)
 
 
 def _localize(attn: nn.Module, tp: int) -> None:

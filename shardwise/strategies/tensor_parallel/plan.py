@@ -44,6 +44,10 @@ COLWISE = frozenset({"colwise", "packed_colwise"})
 GATHERED = frozenset({"colwise_gather_output"})
 ROWWISE = frozenset({"rowwise", "rowwise_split_input"})
 EXPERTS = "moe_tp_experts"
+MLA = "mla_kv_a_proj"
+"""Multi-head latent attention's shared projection (DeepSeek-V2/V3): replicated; the rotary key it emits,
+shared by every head, has its gradient summed over tp; its sublayer's other linears each take their own ``f``."""
+MLA_UPSTREAM = frozenset({"q_a_proj", "q_a_layernorm", "kv_a_layernorm"})
 FUSED_GATE_UP = frozenset({"gate_up_proj", "gate_up", "w12", "wi_gate_up", "fc1_gate_up"})
 
 ATTN_COLWISE = frozenset({"q", "k", "v", "query", "key", "value", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"})
@@ -202,7 +206,7 @@ _HF_SKIPPED = frozenset(
     }
 )
 _HF_GRAD_SUM = "replicated_with_grad_allreduce"
-_HF_MODULE_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", EXPERTS})
+_HF_MODULE_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", EXPERTS, MLA})
 _HF_PARAM_STYLES = frozenset({"packed_colwise", "packed_rowwise", "colwise", "rowwise"})
 _HF_REFUSED = {
     "local_params": "a bare parameter split by heads (attention sinks) that the attention indexes itself",
@@ -304,7 +308,7 @@ def _expand(module: nn.Module, plan: dict[str, str], what: str = "tp_plan", leni
     on part of a model, a pipeline stage): a pattern that matches nothing is skipped."""
     names = [n for n, _ in module.named_modules() if n]
     resolved: dict[str, str] = {}
-    known = STYLES + ((EXPERTS,) if lenient else ())
+    known = STYLES + ((EXPERTS, MLA) if lenient else ())
     for pattern, style in plan.items():
         if style not in known:
             close = difflib.get_close_matches(str(style), STYLES, n=1)
@@ -384,8 +388,8 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
             )
     for name, style in resolved.items():
         sub = module.get_submodule(name)
-        if style == EXPERTS:
-            continue  # checked by experts.layout
+        if style in (EXPERTS, MLA):
+            continue  # experts: checked by experts.layout; MLA: a replicated linear
         if not _splittable(sub):
             raise ConfigError(f"tp_plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules (and Conv1D); {name} is a {type(sub).__name__}")
         if source == "user" and style == "colwise":
@@ -473,6 +477,8 @@ def check_divisible(module: nn.Module, plan: dict[str, str], tp: int) -> None:
             from shardwise.strategies.tensor_parallel.experts import layout
 
             layout(module, name, tp)
+            continue
+        if style == MLA:
             continue
         fan_in, fan_out = features(lin)
         width = fan_out // (2 if style == "packed_colwise" else 1) if style in COLWISE | GATHERED else fan_in

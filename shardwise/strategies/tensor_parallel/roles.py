@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.strategies.tensor_parallel.plan import EXPERTS, GATHERED, ROWWISE, _blocks, _join, _splittable, _sublayers
+from shardwise.strategies.tensor_parallel.plan import EXPERTS, GATHERED, MLA, MLA_UPSTREAM, ROWWISE, _blocks, _join, _leaf, _parent, _splittable, _sublayers
 
 
 def _inside(name: str, prefixes: set[str] | list[str]) -> bool:
@@ -35,7 +35,8 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
     subs = _sublayers(plan)
     sublayers = sorted(subs)
     gathered = {s for s, cols in subs.items() if all(plan[c] in GATHERED for c in cols)}  # whole activations inside
-    special = [(n, s) for n, s in plan.items() if s == EXPERTS or s in GATHERED or (s in ROWWISE and s != "rowwise")]
+    latent = {_parent(n) for n, s in plan.items() if s == MLA}
+    special = [(n, s) for n, s in plan.items() if s in (EXPERTS, MLA) or s in GATHERED or (s in ROWWISE and s != "rowwise")]
     if sequence_parallel and special:
         name, style = special[0]
         raise ConfigError(
@@ -57,6 +58,8 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
         in_sub = [s for s in sublayers if s and name.startswith(s + ".")]  # a sublayer at the root: nothing to tell
         if in_sub and in_sub[0] in gathered:
             continue  # between a gathered column split and a split-input row split: whole, replicated, whole gradients
+        if in_sub and in_sub[0] in latent and _leaf(name) in MLA_UPSTREAM:
+            continue  # latent attention: upstream of the column splits, whose f sums their input gradients
         if in_sub:
             if own_params:
                 raise ConfigError(

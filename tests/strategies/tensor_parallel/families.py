@@ -18,6 +18,29 @@ from tests.support import harness, zoo
 
 COMMON: dict[str, Any] = {"vocab_size": zoo.VOCAB, "num_hidden_layers": 2, "attn_implementation": "eager", "tie_word_embeddings": False, "pad_token_id": 0}
 ATTN: dict[str, Any] = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": zoo.SEQ}
+GEMMA3N: dict[str, Any] = {
+    "vocab_size_per_layer_input": zoo.VOCAB,
+    "hidden_size_per_layer_input": 8,
+    "intermediate_size": 32,
+    "head_dim": 4,
+    "laurel_rank": 4,
+    "num_kv_shared_layers": 0,
+    "activation_sparsity_pattern": [0.95, 0.0],
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 8,
+}
+"""Per-layer inputs fed to every block; the first layer's MLP keeps its top 5% of gate activations (a statistic over the hidden units)."""
+MLA_SETTINGS: dict[str, Any] = {
+    "q_lora_rank": 8,
+    "kv_lora_rank": 8,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 4,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+    "num_key_value_heads": 4,
+}
+"""Multi-head latent attention (q and k/v through low-rank latents; a rotary key shared by the heads); layer 0 dense, layer 1 MoE."""
 MOE: dict[str, Any] = {"num_experts_per_tok": 2, "intermediate_size": 32}
 
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -34,6 +57,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {**ATTN, "intermediate_size": 32}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {**ATTN, "intermediate_size": 32, "head_dim": 4}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**ATTN, "intermediate_size": 32}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**ATTN, **MOE, **MLA_SETTINGS, "n_routed_experts": 4, "n_shared_experts": 1}),
+    "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", {**ATTN, **MLA_SETTINGS, "intermediate_size": 32}),
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N}),
+    "gemma3n_dense": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N, "activation_sparsity_pattern": [0.0, 0.0]}),
 }
 
 
