@@ -395,9 +395,6 @@ MUTANTS = [
     Mutant("ep: the clip's norm counts only this rank's expert slices", "shardwise/strategies/expert_parallel/apply.py",
            "        all_reduce(exp, \"sum\", group=self.group, recorder=self.recorder)\n", "",
            ("tests/strategies/expert_parallel/test_matrix_ep.py::test_ep2_on_two_ranks_matches_single",)),
-    Mutant("ep: a rank with no token for its experts skips the backward all-to-all (hangs or fails)", "shardwise/strategies/expert_parallel/dispatch.py",
-           "        if not out.requires_grad and arrived.requires_grad:", "        if False:",
-           ("tests/strategies/expert_parallel/test_matrix_ep.py",)),
 ]
 
 

@@ -120,13 +120,13 @@ class DDPRun(Parallel):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         if self._ep is not None:
-            return self._ep.clip_grad_norm(self.module(), max_norm)  # type: ignore[no-any-return]
+            return self._ep.clip_grad_norm(self.module(), max_norm)
         # After the allreduce every rank holds the same full gradient: its local norm is global.
         return clip_local(self.model, max_norm)
 
     def state_dict(self, optimizer: bool) -> dict[str, Any]:
         state = plain_state_dict(self.module(), self.optimizer if optimizer else None)
-        return state if self._ep is None else self._ep.whole_state(state, self.optimizer if optimizer else None)  # type: ignore[no-any-return]
+        return state if self._ep is None else self._ep.whole_state(state, self.optimizer if optimizer else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_plain_state_dict(self.module(), self.optimizer, state if self._ep is None else self._ep.local_state(state, self.optimizer))

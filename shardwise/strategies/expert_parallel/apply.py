@@ -92,7 +92,9 @@ class ExpertParallel:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        rep = sum((g.double().pow(2).sum() for p in model.parameters() if (g := p.grad) is not None and not self.is_expert(p)), torch.zeros((), dtype=torch.float64))
+        rep = sum(
+            (g.double().pow(2).sum() for p in model.parameters() if (g := p.grad) is not None and not self.is_expert(p)), torch.zeros((), dtype=torch.float64)
+        )
         exp = sum((g.double().pow(2).sum() for p in self.params.values() if (g := p.grad) is not None), torch.zeros((), dtype=torch.float64)).reshape(1)
         all_reduce(exp, "sum", group=self.group, recorder=self.recorder)
         norm = (rep + exp[0]).sqrt()
@@ -143,13 +145,21 @@ class ExpertParallel:
         if optimizer is not None and "optimizer" in state:
             opt = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}
             for i, shape in self._optimizer_slots(optimizer).items():
-                slot = {k: self._part(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == shape[0] * self.ep else v for k, v in opt["state"].get(i, {}).items()}
+                slot = {
+                    k: self._part(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == shape[0] * self.ep else v
+                    for k, v in opt["state"].get(i, {}).items()
+                }
                 opt["state"][i] = slot
             out["optimizer"] = opt
         return out
 
     def summary(self) -> dict[str, Any]:
-        return {"ep": self.ep, "dp_outer": self.dp // self.ep, "layers": len(self.layers), "experts_per_rank": [layer.num_experts // self.ep for layer in self.layers][:1]}
+        return {
+            "ep": self.ep,
+            "dp_outer": self.dp // self.ep,
+            "layers": len(self.layers),
+            "experts_per_rank": [layer.num_experts // self.ep for layer in self.layers][:1],
+        }
 
 
 def expert_parallel(model: nn.Module, ep: int, mesh: Mesh, recorder: Recorder | None) -> ExpertParallel:
