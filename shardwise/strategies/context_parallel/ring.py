@@ -47,13 +47,43 @@ def _causal(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention output and log-sum-exp of its scores ([b, h, n, d], [b, h, n])."""
+TILE = 256
+"""Query rows whose scores are formed at once: a block's transient scores are ``TILE x n`` per head, not ``n x n``."""
+
+
+def _tiles(n: int) -> list[slice]:
+    return [slice(i, min(i + TILE, n)) for i in range(0, n, TILE)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and log-sum-exp of its scores ([b, h, n, d], [b, h, n]), tile by tile of queries."""
+    outs, lses = [], []
+    for t in _tiles(q.shape[2]):
+        scores = _scores(q[:, :, t], k, scale, None if mask is None else mask[t])
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _block_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-2's backward of one block (Dao 2023, algorithm 2), tile by tile of queries: (dq, dk, dv)."""
+    dq = torch.empty_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for t in _tiles(q.shape[2]):
+        prob = torch.exp(_scores(q[:, :, t], k, scale, None if mask is None else mask[t]) - lse[:, :, t].unsqueeze(-1))
+        dv += torch.matmul(prob.transpose(-1, -2), dout[:, :, t])
+        ds = prob * (torch.matmul(dout[:, :, t], v.transpose(-1, -2)) - delta[:, :, t])
+        dq[:, :, t] = torch.matmul(ds, k) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, t]) * scale
+    return dq, dk, dv
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, blk: torch.Tensor, blk_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,14 +174,10 @@ class RingAttention(torch.autograd.Function):
             dkb, dvb = _unpack(dkv, k, 2)
             qs, ks, masked = _rows(step, (rank - step) % p, rank, n)
             ke, ve = _expand(kb[:, :, ks], groups), _expand(vb[:, :, ks], groups)
-            scores = torch.matmul(q[:, :, qs], ke.transpose(-1, -2)) * scale
-            if masked:
-                scores = scores.masked_fill(~_causal(n, q.device), float("-inf"))
-            prob = torch.exp(scores - lse[:, :, qs].unsqueeze(-1))
-            dv_blk = torch.matmul(prob.transpose(-1, -2), dout[:, :, qs])
-            ds = prob * (torch.matmul(dout[:, :, qs], ve.transpose(-1, -2)) - delta[:, :, qs])
-            dq[:, :, qs] += torch.matmul(ds, ke) * scale
-            dkb[:, :, ks] += _fold(torch.matmul(ds.transpose(-1, -2), q[:, :, qs]) * scale, groups)
+            mask = _causal(n, q.device) if masked else None
+            dq_blk, dk_blk, dv_blk = _block_backward(q[:, :, qs], ke, ve, dout[:, :, qs], lse[:, :, qs], delta[:, :, qs], scale, mask)
+            dq[:, :, qs] += dq_blk
+            dkb[:, :, ks] += _fold(dk_blk, groups)
             dvb[:, :, ks] += _fold(dv_blk, groups)
             # the block's gradients travel with it; after the last step one more hop takes them home
             kv_next = ring.start_shift(kv) if step < p - 1 else None

@@ -61,5 +61,9 @@ def train(name: str, strategy: str = "single", options: dict[str, Any] | None = 
 
 
 def run(cells: list[tuple[Any, ...]]) -> list[tuple[dict[str, Any], dict[str, torch.Tensor] | None]]:
-    """Every cell in this process (one rank of a launch)."""
+    """Every cell in this process (one rank of a launch), ring attention's query tiles smaller than a
+    rank's share of the sequence (4 rows of 8), so the tiled path runs."""
+    from shardwise.strategies.context_parallel import ring
+
+    ring.TILE = 4
     return [train(c[0], c[1], c[2], **(c[3] if len(c) > 3 else {})) for c in cells]
