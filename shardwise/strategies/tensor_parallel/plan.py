@@ -273,7 +273,10 @@ def declared_plan(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
     plan: dict[str, str] = {}
     grad_sum: list[str] = []
     for pattern, style in raw.items():
-        on_param = any(matches(pattern, n) for n in params) and not any(matches(pattern, n) for n in names)
+        on_module = any(matches(pattern, n) for n in names)
+        on_param = not on_module and any(matches(pattern, n) for n in params)
+        if not on_module and not on_param:
+            continue  # names nothing here (another prefix of the same plan, a part of the model)
         if style == _HF_GRAD_SUM:
             grad_sum.append(pattern)
         elif on_param and style in _HF_PARAM_STYLES:

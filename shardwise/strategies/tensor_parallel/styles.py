@@ -95,6 +95,13 @@ def _styles() -> tuple[type, type]:
     class Rowwise(RowwiseParallel):
         """``RowwiseParallel`` for Linear and Conv1D (weight split by input features, bias replicated)."""
 
+        @staticmethod
+        def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+            out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+            # ``to_local`` returns a view autograd forbids modifying in place, and a model may add to the
+            # result in place (Llama 4's MoE: ``out = shared_expert(x); out.add_(routed)``): a copy of its own
+            return out.clone() if use_local_output else out
+
         def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
             w = weight_of(module)
             dim = 0 if is_transposed(module) else 1

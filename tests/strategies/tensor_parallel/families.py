@@ -59,6 +59,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**ATTN, "intermediate_size": 32}),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**ATTN, **MOE, **MLA_SETTINGS, "n_routed_experts": 4, "n_shared_experts": 1}),
     "minicpm3": ("MiniCPM3Config", "MiniCPM3ForCausalLM", {**ATTN, **MLA_SETTINGS, "intermediate_size": 32}),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {**ATTN, **MOE, "intermediate_size_mlp": 32, "num_local_experts": 4, "num_experts_per_tok": 1, "head_dim": 4, "interleave_moe_layer_step": 1},
+    ),
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N}),
     "gemma3n_dense": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N, "activation_sparsity_pattern": [0.0, 0.0]}),
 }
