@@ -55,6 +55,8 @@ class ExpertParallel:
             n = layer.num_experts // ep
             for pname in layer.params:
                 whole = getattr(module, pname)
+                if whole.is_meta:
+                    raise ConfigError(f"ep={ep}: '{layer.name}.{pname}' is on the meta device; expert parallelism needs the model built whole")
                 setattr(module, pname, nn.Parameter(whole.detach()[rank * n : (rank + 1) * n].clone(), requires_grad=whole.requires_grad))
                 self.params[f"{layer.name}.{pname}" if layer.name else pname] = getattr(module, pname)
             for attr, value in list(vars(module).items()):  # the module's own count of its experts (num_experts, ...)
@@ -102,6 +104,13 @@ class ExpertParallel:
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm.to(grads[0].dtype)
 
+    def global_norm(self, others: torch.Tensor) -> torch.Tensor:
+        """The global gradient norm from ``others`` (the norm of every non-expert gradient, the same on
+        every rank) and the expert slices' squares summed over the ep group."""
+        exp = sum((g.double().pow(2).sum() for p in self.params.values() if (g := p.grad) is not None), torch.zeros((), dtype=torch.float64)).reshape(1)
+        all_reduce(exp, "sum", group=self.group, recorder=self.recorder)
+        return (others.double().pow(2) + exp[0]).sqrt().to(others.dtype)
+
     def _whole(self, local: torch.Tensor) -> torch.Tensor:
         return torch.cat(all_gather(local.detach().contiguous(), group=self.group, recorder=self.recorder), dim=0)
 
@@ -109,9 +118,11 @@ class ExpertParallel:
         n = whole.shape[0] // self.ep
         return whole[self.group.rank * n : (self.group.rank + 1) * n].clone()
 
-    def _optimizer_slots(self, optimizer: torch.optim.Optimizer) -> dict[int, torch.Size]:
-        """The optimizer state's numbers (as in its state_dict) of the expert parameters, with their local shapes."""
-        slots, i = {}, 0
+    def _optimizer_slots(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Size]:
+        """The optimizer state's keys of the expert parameters (numbers, as torch's state_dict, and
+        names, as torch.distributed.checkpoint's), with their local shapes."""
+        slots: dict[Any, torch.Size] = {name: p.shape for name, p in self.params.items()}
+        i = 0
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if self.is_expert(p):
@@ -128,7 +139,9 @@ class ExpertParallel:
         if optimizer is not None and "optimizer" in state:
             opt = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}
             for i, shape in self._optimizer_slots(optimizer).items():
-                slot = dict(opt["state"].get(i, {}))
+                if i not in opt["state"]:
+                    continue
+                slot = dict(opt["state"][i])
                 for k, v in slot.items():
                     if isinstance(v, torch.Tensor) and v.shape == shape:
                         slot[k] = self._whole(v)
@@ -145,9 +158,11 @@ class ExpertParallel:
         if optimizer is not None and "optimizer" in state:
             opt = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}
             for i, shape in self._optimizer_slots(optimizer).items():
+                if i not in opt["state"]:
+                    continue
                 slot = {
                     k: self._part(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == shape[0] * self.ep else v
-                    for k, v in opt["state"].get(i, {}).items()
+                    for k, v in opt["state"][i].items()
                 }
                 opt["state"][i] = slot
             out["optimizer"] = opt

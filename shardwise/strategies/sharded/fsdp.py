@@ -65,8 +65,10 @@ class FSDPRun(Parallel):
         shape: tuple[int, int],
         probe: ModelStateProbe,
         traffic: CollectiveTraffic,
+        ep: Any = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
+        self._ep = ep  # expert parallelism (compose.expert_parallel): its slices are left out of FSDP2
         self.placement = Placement()
         self.sharded_params = sharded_params
         """The sharded DTensor parameters the optimizer steps (under zero2, ``model.parameters()``
@@ -97,7 +99,10 @@ class FSDPRun(Parallel):
                     finally:
                         mode.phase = "backward"
 
-            return accumulate_backward(self.model, microbatches, run, precision, no_sync=self.no_sync)
+            loss = accumulate_backward(self.model, microbatches, run, precision, no_sync=self.no_sync)
+        if self._ep is not None:
+            self._ep.reduce_grads()
+        return loss
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -114,23 +119,30 @@ class FSDPRun(Parallel):
         # shard group (one allreduce it issues itself, recorded under the phase "clip").
         from torch.distributed.tensor import DTensor
 
-        params = [p for p in self.sharded_params if p.grad is not None]
+        ep = self._ep
+        params = [p for p in self.sharded_params if p.grad is not None and (ep is None or not ep.is_expert(p))]
         grads = [p.grad for p in params if p.grad is not None]  # the same tensors, typed as present
         with self.traffic.phase("clip"):
             total = torch.nn.utils.get_total_norm(grads, foreach=True)
             if isinstance(total, DTensor):
                 total = total.full_tensor()
+        if ep is not None:  # expert slices: plain tensors, one per ep rank, counted over the ep group
+            total = ep.global_norm(total)
+            torch.nn.utils.clip_grads_with_norm_([p for p in ep.params.values() if p.grad is not None], max_norm, total, foreach=True)
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
     def state_dict(self, optimizer: bool) -> dict[str, Any]:
         with self.traffic.phase("checkpoint"), self._sharded():
-            return ckpt.dtensor_state_dict(self.model, self.optimizer if optimizer else None)
+            state = ckpt.dtensor_state_dict(self.model, self.optimizer if optimizer else None)
+        return state if self._ep is None else self._ep.whole_state(state, self.optimizer if optimizer else None)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load sharded state (DTensors, from a sharded checkpoint) or full state (plain tensors, from ddp/single)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+        if self._ep is not None:  # expert tensors are whole in a state: this rank's slices
+            state = self._ep.local_state(state, self.optimizer)
         full = not ckpt.has_dtensor(state["model"])
         options = StateDictOptions(full_state_dict=full, broadcast_from_rank0=False)
         with self.traffic.phase("checkpoint"), self._sharded():
@@ -167,6 +179,8 @@ class FSDPRun(Parallel):
         }
         if self.traffic.enabled:
             section["collectives_per_step"] = self.traffic.per_step(self.steps)
+        if self._ep is not None:
+            section["expert_parallel"] = self._ep.summary()
         return {"fsdp": section, **self.probe.summary()}
 
 
@@ -228,6 +242,9 @@ class ShardedDataParallel(Strategy):
     """Keep the parameter, gradient and optimizer shards in CPU memory (FSDP2's CPUOffloadPolicy)."""
     count_collectives: bool = True
     """Record FSDP2's all-gathers, reduce-scatters and allreduces on the run's Recorder (one Python call per collective)."""
+    ep: int = 1
+    """Expert parallelism: split each mixture-of-experts layer's experts over groups of ep data-parallel ranks
+    (tokens exchanged by all-to-all; the experts left out of FSDP2); a divisor of the world size and of the number of experts."""
     cp: int = 1
     """Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples."""
     cp_style: Literal["ring", "ulysses"] = "ring"
@@ -244,6 +261,8 @@ class ShardedDataParallel(Strategy):
             raise ConfigError(
                 f"{self.name}: wrap must be 'auto', 'root', a submodule or class name, or a list of them (e.g. ['layers.0', 'Block']); got {wrap!r}"
             )
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"{self.name}: ep must be a whole number >= 1 (ranks that split the experts); got {self.ep!r}")
         for key in ("offload", "count_collectives"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{self.name}: {key} must be true or false; got {getattr(self, key)!r}")
@@ -256,6 +275,10 @@ class ShardedDataParallel(Strategy):
         layout = compose.context_parallel_layout(lambda w: plan_layout(self.name, w, batch=batch, mesh=mesh), world_size, self.cp, self.name)
         require_dp_only(self.name, layout.degrees)
         self.shape(layout.data_parallel * self.cp)  # refuses a shape that does not divide the ranks (cp ranks shard too)
+        if self.ep > 1:
+            if self.cp > 1:
+                raise ConfigError(f"{self.name}: ep={self.ep} with cp={self.cp}: expert and context parallelism do not compose yet; use one of them")
+            compose.check_expert_parallel(model, self.ep, layout.data_parallel)
         if model is not None:
             require_trainable(model, self.name)
             units = resolve_units(model, self.wrap)  # an unknown unit name fails here, in the parent
@@ -273,9 +296,12 @@ class ShardedDataParallel(Strategy):
         replicate, shard = self.shape(mesh.size("dp"))
         units = resolve_units(model, self.wrap)
         device_mesh = shard_mesh(mesh, replicate)
+        model = materialize.to_device(model, mesh.device)
+        ep = compose.expert_parallel(model, self.ep, mesh, recorder) if self.ep > 1 else None
         model = apply_fsdp(
-            materialize.to_device(model, mesh.device),
+            model,
             device_mesh,
+            ignored=None if ep is None else set(ep.params.values()),
             units=units,
             reshard_after_forward=self.reshard_after_forward,
             mixed_precision=self.mixed_precision,
@@ -292,7 +318,7 @@ class ShardedDataParallel(Strategy):
         traffic.hook(model)
         probe = ModelStateProbe(self.name, shard)
         run = FSDPRun if self.reshard_after_forward else Zero2Run
-        return run(model, optimizer, sharded_params, strategy=self, units=units, shape=(replicate, shard), probe=probe, traffic=traffic)
+        return run(model, optimizer, sharded_params, strategy=self, units=units, shape=(replicate, shard), probe=probe, traffic=traffic, ep=ep)
 
 
 @dataclass(frozen=True, kw_only=True)

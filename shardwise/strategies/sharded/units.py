@@ -119,13 +119,15 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     mixed_precision: str | None = None,
     offload: bool = False,
+    ignored: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """``fully_shard`` each unit, then the root (bottom-up, as FSDP2 requires); returns the root.
 
     ``mixed_precision="bf16"`` all-gathers parameters in bf16 for compute while gradients are
     reduced and master weights kept in fp32 (``MixedPrecisionPolicy``). ``offload`` keeps the
     shards (parameters, gradients, optimizer state) in CPU memory; pinned memory only where
-    CUDA exists (without it, pinning raises "Cannot access accelerator device").
+    CUDA exists (without it, pinning raises "Cannot access accelerator device"). ``ignored``:
+    parameters FSDP2 leaves alone (expert parallelism's expert slices, reduced by it).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -134,8 +136,8 @@ def apply_fsdp(
         mp = MixedPrecisionPolicy(param_dtype=_MP_DTYPES[mixed_precision], reduce_dtype=torch.float32)
     off = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for name in sorted(units, key=lambda n: -n.count(".")):  # innermost first
-        fully_shard(model.get_submodule(name), mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off)
+        fully_shard(model.get_submodule(name), mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off, ignored_params=ignored)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off, ignored_params=ignored)
     return model
 
 

@@ -1,9 +1,11 @@
 """Expert parallelism against ``single`` on four MoE families (float64, 5 SGD steps, a clip that acts).
 
 One 2-process launch: ``ddp`` with ``ep=2`` (each rank 2 of 4 experts) for Mixtral, Qwen2-MoE,
-OLMoE and GraniteMoE, and Mixtral with its load-balancing loss on. One 4-process launch: ``ep=2``
-inside dp 4 (dp_outer 2) for the four families, ``ep=4`` (dp_outer 1) for OLMoE, and the
-load-balancing cell again. Within 1e-9 of ``single`` on the same global batch.
+OLMoE and GraniteMoE, Mixtral with its load-balancing loss on, ``zero3`` and ``zero2`` with ``ep=2``,
+and two resumes (ddp and zero3: a checkpoint at step 3, a second run from it to step 5, so the
+experts' whole optimizer state is saved and sliced again). One 4-process launch: ``ep=2`` inside dp 4
+(dp_outer 2) for the four families, ``ep=4`` (dp_outer 1) for OLMoE, ``hsdp`` (2 x 2) and ``zero3``
+with ``ep=2``, and the load-balancing cell again. Within 1e-9 of ``single`` on the same global batch.
 
 The router's auxiliary loss: transformers computes it per forward, on that forward's tokens (the
 fraction of tokens each expert gets times its mean router probability). Under dp each rank
@@ -14,6 +16,7 @@ micro-batch's loss, auxiliary term included, computed on its own N-th of the bat
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +28,13 @@ from tests.support import harness
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.dist
 
-TWO = [(f, "ddp", {"ep": 2}, {}) for f in moe_zoo.FAMILIES] + [("mixtral_aux", "ddp", {"ep": 2}, {})]
-FOUR = [(f, "ddp", {"ep": 2}, {}) for f in moe_zoo.FAMILIES] + [("olmoe", "ddp", {"ep": 4}, {}), ("mixtral_aux", "ddp", {"ep": 2}, {})]
+Cell = tuple[str, str, dict[str, Any], dict[str, Any]]
+FOUR: list[Cell] = [(f, "ddp", {"ep": 2}, {}) for f in moe_zoo.FAMILIES] + [
+    ("olmoe", "ddp", {"ep": 4}, {}),
+    ("mixtral_aux", "ddp", {"ep": 2}, {}),
+    ("qwen2_moe", "hsdp", {"ep": 2}, {}),
+    ("granitemoe", "zero3", {"ep": 2}, {}),
+]
 _REFS: dict[tuple[str, int], Any] = {}
 
 
@@ -37,20 +45,32 @@ def _reference(name: str, nproc: int) -> Any:
     return _REFS[(name, accumulate)]
 
 
-def _check(cells: list[Any], states: list[Any], nproc: int) -> dict[str, float]:
+def _two(root: Path) -> list[Cell]:
+    cells: list[Cell] = [(f, "ddp", {"ep": 2}, {}) for f in moe_zoo.FAMILIES]
+    cells += [("mixtral_aux", "ddp", {"ep": 2}, {}), ("olmoe", "zero2", {"ep": 2}, {})]
+    for name, strategy in (("mixtral", "ddp"), ("qwen2_moe", "zero3")):
+        first = str(root / strategy)
+        cells.append((name, strategy, {"ep": 2}, {"out": first, "checkpoint_every": 3}))
+        cells.append((name, strategy, {"ep": 2}, {"out": first + "-resumed", "resume": first + "/checkpoints/step-00000003"}))
+    return cells
+
+
+def _check(cells: list[Cell], states: list[Any], nproc: int) -> dict[str, float]:
     diffs = {}
-    for (name, _, opts, _), state in zip(cells, states, strict=True):
+    for (name, strategy, opts, settings), state in zip(cells, states, strict=True):
         ref = _reference(name, nproc)
         diff = harness.max_difference(state, ref)
-        diffs[f"{name} ep={opts['ep']} on {nproc}"] = diff
-        assert diff <= harness.TOL, f"{name} ep={opts['ep']} on {nproc} ranks: {diff:.3g} off single"
+        what = f"{name} {strategy} ep={opts['ep']} on {nproc} ranks{' (resumed)' if 'resume' in settings else ''}"
+        diffs[what] = diff
+        assert diff <= harness.TOL, f"{what}: {diff:.3g} off single"
         assert harness.max_difference(ref, moe_zoo.build(name).state_dict(), integers=False) > 1e-4, f"{name}: training did not move"
     return diffs
 
 
-def test_ep2_on_two_ranks_matches_single() -> None:
-    states = launch(moe_zoo.run_cells, TWO, nproc=2, threads_per_proc=1, timeout=600)[0]
-    _check(TWO, states, 2)
+def test_ep2_on_two_ranks_matches_single(tmp_path: Path) -> None:
+    cells = _two(tmp_path)
+    states = launch(moe_zoo.run_cells, cells, nproc=2, threads_per_proc=1, timeout=600)[0]
+    _check(cells, states, 2)
     for name in ("mixtral", "qwen2_moe", "olmoe", "granitemoe", "mixtral_aux"):
         assert moe_zoo.first_grad_norm(name) > 2 * harness.CLIP, f"{name}: the clip does not act"
 
