@@ -15,7 +15,9 @@ from torch import nn
 
 from shardwise import launch
 from shardwise.errors import ConfigError
+from shardwise.strategies.context_parallel.cost import attention_bytes
 from shardwise.strategies.context_parallel.ring import ring_bytes, ulysses_bytes
+from shardwise.strategies.cost.model_spec import transformer_spec
 from shardwise.strategies.data_parallel.ddp import DDP
 from shardwise.strategies.tensor_parallel import TensorParallel
 from tests.strategies.context_parallel import cells
@@ -82,8 +84,14 @@ def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any], tp: int) 
         diff = harness.max_difference(state, _reference(name))
         assert diff <= harness.TOL, f"{name} {strategy} {options}: largest parameter difference from single {diff:.3g}"
         by_op = summary["comm"]["by_op"]
-        for key, want in _expected(name, options["cp"], tp, options.get("cp_style", "ring")).items():
+        style = options.get("cp_style", "ring")
+        expected = _expected(name, options["cp"], tp, style)
+        for key, want in expected.items():
             assert by_op[key]["sent_bytes"] == want, f"{name} {strategy} {options}: {key} sent {by_op[key]['sent_bytes']}, formula {want}"
+        # the planner's figure (cost.py, from the model's sizes) is the same bytes
+        spec = transformer_spec(name, layers=2, hidden=32, heads=4, vocab=zoo.VOCAB, seq=zoo.SEQ, act_bytes=8)
+        planned = harness.STEPS * attention_bytes(spec, harness.GLOBAL_BATCH, options["cp"], style, kv_heads=_kv_heads(name)[1], tp=tp)
+        assert planned == sum(expected.values()), f"{name} {options}: cost.attention_bytes {planned} != recorded {sum(expected.values())}"
 
 
 @pytest.mark.timeout(900)
