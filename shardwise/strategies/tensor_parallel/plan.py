@@ -397,9 +397,40 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
             raise ConfigError(f"tp_plan[{name!r}] = {style!r}: tensor parallelism splits nn.Linear modules (and Conv1D); {name} is a {type(sub).__name__}")
         if source == "user" and style == "colwise":
             _check_fused(name, resolved)
+    if source == "user":
+        _check_pairs(module, resolved)
     if tp is not None:
         check_divisible(module, resolved, tp)
     return resolved, grad_sum, source
+
+
+def _check_pairs(module: nn.Module, plan: dict[str, str]) -> None:
+    """Each row split of a user's plan consumes a column split's output: some column-split linear of
+    its block (or of the model, outside blocks) produces its input width (a fused q|k|v a third of
+    its output, a packed gate|up half). Otherwise the split cannot run (DTensor's "a and b must have
+    same reduction dim" inside the workers): refused here, naming the module."""
+    from shardwise.strategies.tensor_parallel.styles import features
+
+    blocks = _blocks_of(plan)
+    for row, style in plan.items():
+        if style != "rowwise":
+            continue
+        block = next((b for b in blocks if row.startswith(b + ".")), "")
+        widths = {}
+        for col, st in plan.items():
+            if st in COLWISE and col.startswith(block):
+                leaf = _leaf(col).lower()
+                parts = 3 if leaf in FUSED else 2 if st == "packed_colwise" or leaf in FUSED_GATE_UP else 1
+                widths[col] = features(module.get_submodule(col))[1] // parts
+        need = features(module.get_submodule(row))[0]
+        if need not in widths.values():
+            raise ConfigError(
+                f"tp_plan[{row!r}] = 'rowwise' takes {need} input features, but no column-split linear "
+                + (f"of {block} " if block else "")
+                + f"produces that width ({widths or 'none is split'}): a row split consumes a column split's output. "
+                "Name the linear whose output it reads 'colwise' (q, k, v for an attention's output projection), or "
+                "leave this one out of the plan"
+            )
 
 
 def _check_fused(name: str, plan: dict[str, str]) -> None:
