@@ -45,6 +45,8 @@ DDP_DOCS = {
     "record_buckets": "Also time each native gradient bucket (launch to completion) in the comm record; bytes are recorded either way.",
     "ep": "Expert parallelism: split each mixture-of-experts layer's experts over groups of ep data-parallel ranks "
     "(tokens exchanged by all-to-all); a divisor of the world size and of the number of experts.",
+    "cp": "Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples.",
+    "cp_style": "How context-parallel attention sees the whole sequence: ring (key/value blocks passed round) or ulysses (all-to-all over heads).",
 }
 """DDP's field docstrings as written in ddp.py: the help its flags must carry word for word."""
 
@@ -157,6 +159,9 @@ def test_ddp_options_are_its_fields_with_their_docstrings():
         "node_size": "int",
         "compression": "str | None",
         "record_buckets": "bool",
+        "ep": "int",
+        "cp": "int",
+        "cp_style": "Literal['ring', 'ulysses']",
     }
     assert [o.flag for o in options if o.switch] == ["--find-unused-parameters", "--static-graph", "--broadcast-buffers", "--record-buckets"]
 

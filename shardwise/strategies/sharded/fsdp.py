@@ -243,8 +243,7 @@ class ShardedDataParallel(Strategy):
     count_collectives: bool = True
     """Record FSDP2's all-gathers, reduce-scatters and allreduces on the run's Recorder (one Python call per collective)."""
     ep: int = 1
-    """Expert parallelism: split each mixture-of-experts layer's experts over groups of ep data-parallel ranks
-    (tokens exchanged by all-to-all; the experts left out of FSDP2); a divisor of the world size and of the number of experts."""
+    """Expert parallelism: split each MoE layer's experts over groups of ep data-parallel ranks (all-to-all; experts kept out of FSDP2)."""
     cp: int = 1
     """Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples."""
     cp_style: Literal["ring", "ulysses"] = "ring"

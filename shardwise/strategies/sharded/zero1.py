@@ -307,6 +307,8 @@ class Zero1(Strategy):
 
     offload: bool = False
     """Refused: zero1 keeps parameters and gradients whole on the device (zero2, zero3 and hsdp offload to CPU)."""
+    ep: int = 1
+    """Refused above 1: zero1's optimizer owns each parameter on one rank and broadcasts it to all (ddp, zero2, zero3 and hsdp take ep)."""
     cp: int = 1
     """Context parallelism: split each sequence over this many ranks (attention by ring or Ulysses); they share samples."""
     cp_style: Literal["ring", "ulysses"] = "ring"
@@ -319,6 +321,12 @@ class Zero1(Strategy):
                 "strategy 'zero1' does not support offload=True: its parameters and gradients stay whole on the device "
                 "(torch's ZeroRedundancyOptimizer). Use strategy 'zero2', 'zero3' or 'hsdp' with --offload "
                 "(FSDP2's CPUOffloadPolicy), or drop --offload"
+            )
+        if self.ep != 1:
+            raise ConfigError(
+                f"strategy 'zero1' does not support ep={self.ep!r}: its optimizer steps each parameter on one rank and broadcasts "
+                "the result to every rank, which would overwrite each rank's own experts. Use strategy 'ddp', 'zero2', 'zero3' "
+                "or 'hsdp' with ep, or drop ep"
             )
 
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:

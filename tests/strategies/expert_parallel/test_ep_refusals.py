@@ -100,3 +100,14 @@ def test_bad_ep_values_and_ep_with_cp() -> None:
             DDP(ep=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="do not compose yet"):
         DDP(ep=2, cp=2).plan(4, moe_zoo.build("mixtral"))
+
+
+def test_zero1_refuses_ep_and_names_the_strategies_that_take_it() -> None:
+    from shardwise.strategies.sharded.zero1 import Zero1
+
+    with pytest.raises(ConfigError, match="strategy 'zero1' does not support ep=2: .* Use strategy 'ddp', 'zero2', 'zero3' or 'hsdp' with ep"):
+        Zero1(ep=2)
+    with pytest.raises(ConfigError, match="ep=3 does not divide the number of experts"):
+        Trainer(strategy="zero3", strategy_options={"ep": 3}, nproc=3, optimizer=harness.sgd, global_batch_size=12, max_steps=1)._check(
+            moe_zoo.build("olmoe"), moe_zoo.dataset(16)
+        )

@@ -49,12 +49,13 @@ def test_the_registry_builds_the_classes_and_the_options_are_frozen():
     assert type(get_strategy("zero3")) is FSDP and type(get_strategy("fsdp")) is FSDP and type(get_strategy("hsdp")) is HSDP
     assert not isinstance(Zero2(), FSDP) and not isinstance(HSDP(), FSDP)  # siblings over one base, not subclasses of zero3
     s = get_strategy("zero3", wrap=["layers.0", "layers.1"], mixed_precision="bf16", offload=True)
-    assert s.options() == {"wrap": ("layers.0", "layers.1"), "mixed_precision": "bf16", "offload": True, "count_collectives": True}
+    new = {"ep": 1, "cp": 1, "cp_style": "ring"}  # expert and context parallelism's options (issue 40)
+    assert s.options() == {"wrap": ("layers.0", "layers.1"), "mixed_precision": "bf16", "offload": True, "count_collectives": True, **new}
     hash(s)  # a list from TOML is kept as a tuple: the options stay hashable
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.offload = False  # type: ignore[misc]
     assert get_strategy("hsdp", replicate=2).options()["replicate"] == 2
-    assert Zero1().options() == {"offload": False}
+    assert Zero1().options() == {"offload": False, **new}
 
 
 def test_every_option_is_documented_and_fixed_sets_are_literals():
