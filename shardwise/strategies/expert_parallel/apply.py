@@ -161,8 +161,7 @@ class ExpertParallel:
                 if i not in opt["state"]:
                     continue
                 slot = {
-                    k: self._part(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == shape[0] * self.ep else v
-                    for k, v in opt["state"][i].items()
+                    k: self._part(v) if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == shape[0] * self.ep else v for k, v in opt["state"][i].items()
                 }
                 opt["state"][i] = slot
             out["optimizer"] = opt

@@ -136,7 +136,9 @@ def apply_fsdp(
         mp = MixedPrecisionPolicy(param_dtype=_MP_DTYPES[mixed_precision], reduce_dtype=torch.float32)
     off = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for name in sorted(units, key=lambda n: -n.count(".")):  # innermost first
-        fully_shard(model.get_submodule(name), mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off, ignored_params=ignored)
+        fully_shard(
+            model.get_submodule(name), mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off, ignored_params=ignored
+        )
     fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=off, ignored_params=ignored)
     return model
 
