@@ -79,6 +79,41 @@ def hygiene(request):
     assert not leaked_children, f"the test left child processes running: {sorted(leaked_children)}"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_step_timing_per_model() -> Any:
+    """The planner's step timing (`shardwise.tools.advisor.models.time_steps`: each size timed for seconds, at each
+    thread count) done once per model, sizes, threads and loss/optimizer in a test process, then reused: digits' took
+    13 CPU-s a call and the advisor's tests plan digits alike five times. Bypassed while a test replaces what it runs
+    (`time_step`, `timed_fit`, the clock) or changes how it times (the ``TIMED_*`` constants)."""
+    from shardwise.tools.advisor import models, validate
+
+    original, parts = models.time_steps, (models.time_step, validate.timed_fit, models._now)
+    settings = ("TIMED_STEPS", "TIMED_TARGET_S", "TIMED_MAX_STEPS", "TIMED_RUNS", "TIMED_BUDGET_S")
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    def shape(obj: Any) -> tuple[Any, ...]:
+        if isinstance(obj, torch.nn.Module):
+            return (type(obj).__qualname__, *((n, tuple(p.shape)) for n, p in obj.named_parameters()))
+        if callable(obj):
+            return (getattr(obj, "__module__", None), getattr(obj, "__qualname__", type(obj).__qualname__))
+        first = obj[0] if hasattr(obj, "__getitem__") and hasattr(obj, "__len__") and len(obj) else None
+        item = first if isinstance(first, tuple | list) else (first,)
+        return (type(obj).__qualname__, len(obj) if hasattr(obj, "__len__") else None, *(tuple(getattr(t, "shape", ())) for t in item))
+
+    def cached(model: Any, data: Any, loss_fn: Any, make_optimizer: Any, sizes: Any, threads: Any = (1,), best: bool = False) -> Any:
+        if (models.time_step, validate.timed_fit, models._now) != parts:
+            return original(model, data, loss_fn, make_optimizer, sizes, threads, best)
+        key = (shape(model), shape(data), shape(loss_fn), shape(make_optimizer), tuple(sizes), tuple(sorted(set(threads))), best)
+        key += tuple(getattr(models, name) for name in settings)
+        if key not in cache:
+            cache[key] = original(model, data, loss_fn, make_optimizer, sizes, threads, best)
+        return list(cache[key])
+
+    models.time_steps = cached
+    yield
+    models.time_steps = original
+
+
 # Every multi-process test (marked ``dist``) has a hard timeout so a hang fails instead of stalling
 # CI; shardwise.launch also stops all workers as soon as one fails.
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -112,7 +147,7 @@ _LONGER = {
     "tests/launcher/test_zygote.py": 130.0,
     "tests/launcher/test_faults.py": 110.0,
     "tests/readme/test_readme_claims.py": 100.0,
-    "tests/tools/test_bench_scaling.py": 35.0,
+    "tests/tools/test_bench_scaling.py": 50.0,  # runs the README's bench scaling block (RUN_ELSEWHERE)
 }
 """Files that take much longer than their marks say (seconds in full runs, from --durations).
 Only the order of the units reads these: a file that moved counts by its marks."""
@@ -128,7 +163,6 @@ _README_BLOCKS = {
     "EarlyStopping": 35.0,
     "--validate": 35.0,
     "bench comm": 30.0,
-    "bench scaling": 30.0,
     "tune hparams": 30.0,
 }
 """README blocks by a piece of their text (their line numbers move): estimated seconds, the

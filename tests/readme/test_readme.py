@@ -64,10 +64,11 @@ PYTHON = blocks("python")
 RUN_ELSEWHERE = {
     "torchx run -s local_cwd ": "tests/integrations/test_orchestrators.py",
     "python examples/flyte_workflow.py ": "tests/integrations/test_orchestrators.py",
+    "shardwise bench scaling --recipe digits ": "tests/tools/test_bench_scaling.py",
 }
 """Shell blocks that another test runs as written and checks further (there, the torchx job's and
-the Flyte workflow's outputs against `shardwise train`'s): not run a second time here (~11 s and
-~50 s)."""
+the Flyte workflow's outputs against `shardwise train`'s, bench scaling's rows): not run a second time
+here (~11 s, ~50 s and ~30 s)."""
 SHELL = [(line, code) for line, code in blocks("bash") if not code.lstrip().startswith("make demo") and not any(k in code for k in RUN_ELSEWHERE)]
 
 

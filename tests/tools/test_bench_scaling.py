@@ -1,8 +1,8 @@
 """``shardwise bench scaling``: measured speed-up and efficiency per process count, beside the planner's.
 
-One real run (digits, ddp at 1 and 2 processes, 30 steps each, two ``shardwise train`` runs) checks the
-``--json`` rows (the fields, speed-up = samples/s over the one-process run's, efficiency = speed-up / N,
-the predicted figures present, positive and related alike), the printed table and the ``--png``. Bad input
+One real run, the README's block (digits, ddp at 1 and 2 processes, 30 steps each, two ``shardwise train``
+runs), checks the ``--json`` rows (the fields, speed-up = samples/s over the one-process run's, efficiency =
+speed-up / N, the predicted figures present, positive and related alike), the printed table and the png. Bad input
 stops before anything is built or launched; the warm-up filter, the speed-up arithmetic and the baseline of
 a strategy that cannot run on one process are checked on made-up numbers.
 """
@@ -195,13 +195,23 @@ def test_a_strategy_that_cannot_run_alone_is_measured_against_single():
     assert [c.global_batch for c, _ in weak] == [64, 128]
 
 
+README_COMMAND = "shardwise bench scaling --recipe digits "
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_digits_ddp_on_one_and_two_processes(tmp_path, capsys):
-    out, png = tmp_path / "scaling.json", tmp_path / "scaling.png"
-    argv = ["--recipe", "digits", "--strategy", "ddp", "--nproc", "1,2", "--max-steps", "30", "--warmup", "10", "--json", str(out), "--png", str(png)]
-    assert scaling.main(argv) == 0
-    rows = json.loads(out.read_text())
+def test_digits_ddp_on_one_and_two_processes(tmp_path):
+    """The README's block (digits, ddp at 1 and 2 processes, 30 steps), run as written here only (test_readme_shell
+    leaves it to this file: RUN_ELSEWHERE), its ``--json`` rows and printed table checked, and the ``--png`` drawn
+    from those rows."""
+    from tests.readme.test_readme import RUN_ELSEWHERE, blocks, env
+
+    assert RUN_ELSEWHERE[README_COMMAND].endswith(os.path.basename(__file__))
+    (code,) = [code for _, code in blocks("bash") if README_COMMAND in code]
+    assert code.split() == [*README_COMMAND.split(), *"--strategy ddp --nproc 1,2 --max-steps 30 --warmup 10 --json scaling.json".split()]
+    proc = subprocess.run(["bash", "-e", "-c", code], cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "scaling.json").read_text())
     assert [(r["strategy"], r["nproc"]) for r in rows] == [("ddp", 1), ("ddp", 2)]
     one, two = rows
     for r in rows:
@@ -217,6 +227,8 @@ def test_digits_ddp_on_one_and_two_processes(tmp_path, capsys):
     assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
     assert two["predicted_speedup"] == pytest.approx(two["predicted_samples_per_s"] / one["predicted_samples_per_s"])
     assert two["predicted_step_s"] != one["predicted_step_s"]  # the planner costed each layout, not one number twice
-    printed = capsys.readouterr().out
+    printed = proc.stdout
     assert "speed-up" in printed and "predicted by the planner" in printed and f"{two['samples_per_s']:,.0f}" in printed
+    png = tmp_path / "scaling.png"
+    scaling.write_png(rows, str(png), "digits: strong scaling")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -126,9 +126,12 @@ def test_fewer_processes_than_asked_are_candidates_and_named_as_such(torch_threa
     assert all(r["world_size"] in (1, 4) for r in plan(big, nproc=4)[0])
 
 
-def test_plan_json_carries_the_one_process_comparison(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_json_carries_the_one_process_comparison(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from shardwise.cli import main
+    from shardwise.tools.advisor import models
 
+    monkeypatch.setattr(models, "TIMED_RUNS", 1)  # the fields and their relations are checked, not the timing's precision
+    monkeypatch.setattr(models, "TIMED_TARGET_S", 0.3)
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "digits", "--nproc", "2", "--load", "0", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
