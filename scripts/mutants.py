@@ -395,6 +395,16 @@ MUTANTS = [
     Mutant("ep: the clip's norm counts only this rank's expert slices", "shardwise/strategies/expert_parallel/apply.py",
            "        all_reduce(exp, \"sum\", group=self.group, recorder=self.recorder)\n", "",
            ("tests/strategies/expert_parallel/test_matrix_ep.py::test_ep2_on_two_ranks_matches_single",)),
+    Mutant("tp: packed gate|up experts split without the permutation (one rank gets all of gate, the other all of up)",
+           "shardwise/strategies/tensor_parallel/experts.py", "        if parts > 1:\n", "        if parts > 99:\n",
+           ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
+    Mutant("tp: latent attention's shared rotary key without its gradient summed over tp", "shardwise/strategies/tensor_parallel/apply.py",
+           "        key = DTensor.from_local(key, tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))\n",
+           "        key = key + 0.0\n",
+           ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
+    Mutant("tp: a plan pattern's * matches across dots", "shardwise/strategies/tensor_parallel/plan.py",
+           '            out.append("[^.]*")\n', '            out.append(".*")\n',
+           ("tests/strategies/tensor_parallel/test_styles.py::test_a_pattern_star_matches_one_path_segment",)),
 ]
 
 
