@@ -28,13 +28,13 @@ from torch import nn
 from shardwise.comm.collectives import Group, broadcast
 from shardwise.comm.recorder import Recorder
 from shardwise.strategies.tensor_parallel import experts
+from shardwise.strategies.tensor_parallel.checks import _is_attention_input
 from shardwise.strategies.tensor_parallel.plan import (
     COLWISE,
     EXPERTS,
     GATHERED,
     LOCAL_ATTRS,
     MLA,
-    _is_attention_input,
     _parent,
     _sequence_blocks,
     _sublayers,
@@ -93,17 +93,7 @@ def parallelize(
     blocks = _sequence_blocks(module, resolved) if sequence_parallel else []
     fused = {n: fused_parts(module, n) for n, s in resolved.items() if s == "colwise" and fused_parts(module, n)}
     fused.update({n: 2 for n, s in resolved.items() if s == "packed_colwise"})
-    out_layout = Shard(1) if sequence_parallel else Replicate()
-    styles: dict[str, Any] = {}
-    for name, style in resolved.items():
-        if style in COLWISE:
-            styles[name] = colwise(fused.get(name, 0))
-        elif style in GATHERED:
-            styles[name] = colwise(output_layouts=Replicate())
-        elif style == "rowwise_split_input":
-            styles[name] = rowwise(out_layout, input_layouts=Replicate())
-        elif style not in (EXPERTS, MLA):
-            styles[name] = rowwise(out_layout)
+    styles = _style_objects(resolved, fused, sequence_parallel)
     parallelize_module(module, tp_mesh, styles)
     fused_params: dict[str, tuple[int, int]] = {}
     for name in [n for n, s in resolved.items() if s == EXPERTS]:
@@ -139,6 +129,24 @@ def parallelize(
         "mesh": tp_mesh,
     }
     return module
+
+
+def _style_objects(resolved: dict[str, str], fused: dict[str, int], sequence_parallel: bool) -> dict[str, Any]:
+    """torch's ``ParallelStyle`` for each split linear of the plan (experts and latent projections have hooks of their own)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out_layout = Shard(1) if sequence_parallel else Replicate()
+    styles: dict[str, Any] = {}
+    for name, style in resolved.items():
+        if style in COLWISE:
+            styles[name] = colwise(fused.get(name, 0))
+        elif style in GATHERED:
+            styles[name] = colwise(output_layouts=Replicate())
+        elif style == "rowwise_split_input":
+            styles[name] = rowwise(out_layout, input_layouts=Replicate())
+        elif style not in (EXPERTS, MLA):
+            styles[name] = rowwise(out_layout)
+    return styles
 
 
 def _latent_rope(module: nn.Module, name: str, tp_mesh: Any) -> None:
