@@ -109,6 +109,7 @@ def parallelize(
             continue
         target.register_forward_pre_hook(_gather_input(tp_mesh, Shard(1) if sequence_parallel else Replicate(), seq), with_kwargs=True, prepend=True)
         if any(resolved[c] in COLWISE and _is_attention_input(c, target) for c in cols):
+            _slice_alibi(target, tp_mesh)
             _localize(target, tp)
     if sequence_parallel:
         _sequence_boundaries(module, tp_mesh, blocks, seq)
@@ -166,6 +167,31 @@ def _latent_rope(module: nn.Module, name: str, tp_mesh: Any) -> None:
         return torch.cat([latent, key], dim=-1)
 
     module.get_submodule(name).register_forward_hook(after)
+
+
+def _slice_alibi(attn: nn.Module, tp_mesh: Any) -> None:
+    """An attention that takes ALiBi's per-head biases (BLOOM: ``alibi`` of shape ``(batch x heads, 1, keys)``,
+    built by the model for all heads) gets this rank's heads of them."""
+    import inspect
+
+    heads = getattr(attn, "num_heads", None)
+    try:
+        takes = "alibi" in inspect.signature(attn.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes or not isinstance(heads, int):
+        return
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    local = heads // tp
+
+    def hook(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        alibi = kwargs.get("alibi")
+        if not isinstance(alibi, torch.Tensor) or alibi.shape[0] % heads:
+            return None
+        mine = alibi.reshape(-1, heads, *alibi.shape[1:])[:, rank * local : (rank + 1) * local]
+        return args, {**kwargs, "alibi": mine.reshape(-1, *alibi.shape[1:])}
+
+    attn.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _localize(attn: nn.Module, tp: int) -> None:

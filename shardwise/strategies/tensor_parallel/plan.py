@@ -114,6 +114,23 @@ def runs_on_local_heads(attn: nn.Module) -> bool:
     return not any(isinstance(getattr(attn, a, None), int) for a in _WIDTH_ATTRS)
 
 
+def per_head_layout(attn: nn.Module) -> bool:
+    """A fused q|k|v whose output features hold each head's q, k and v together (BLOOM's and Falcon's
+    ``view(batch, seq, heads, 3, head_dim)``, Falcon's new architecture's per-key/value-group blocks): a
+    contiguous column split gives each rank whole heads. Told by the attention's own flags and signature:
+    Falcon's ``multi_query`` (one shared k and v after all q heads) is not; BLOOM takes ``alibi``."""
+    import inspect
+
+    if not isinstance(getattr(attn, "num_heads", None), int) or not isinstance(getattr(attn, "head_dim", None), int):
+        return False
+    if hasattr(attn, "new_decoder_architecture"):
+        return bool(attn.new_decoder_architecture) or not getattr(attn, "multi_query", True)
+    try:
+        return "alibi" in inspect.signature(attn.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def fused_parts(module: nn.Module, name: str) -> int:
     """3 for a stacked q|k|v projection split by heads (permuted), 0 otherwise."""
     if _leaf(name).lower() not in STACKED_QKV:
@@ -140,10 +157,21 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
         fused = [n for n in linears if n.lower() in FUSED]
         stacked = [n for n in fused if n.lower() in STACKED_QKV]
         if fused and not stacked:
+            rows = [n for n in linears if n in ATTN_ROWWISE | {"dense"} and n not in fused]
+            if per_head_layout(parent) and len(rows) == 1:  # each head's q, k, v contiguous: a column split keeps whole heads
+                plan[_join(prefix, fused[0])] = "colwise"
+                plan[_join(prefix, rows[0])] = "rowwise"
+                continue
+            why = (
+                "Falcon's multi-query layout (every head's q, then one k and one v shared by all heads)"
+                if getattr(parent, "multi_query", False)
+                else "a layout (stacked or interleaved per head) shardwise cannot tell"
+            )
             raise ConfigError(
-                f"{_join(prefix, fused[0])} is a fused q|k|v projection whose layout (stacked or interleaved per head) "
-                "shardwise cannot tell: splitting it by columns could give a rank all of q and none of v. Split it into three "
-                "linears (q, k, v), or pass tp_plan={...} naming only the linears to split"
+                f"{_join(prefix, fused[0])} is a fused q|k|v projection with {why}: a column split would not give each rank "
+                "whole heads of q, k and v. Pass tp_plan={...} naming only the MLP's linears (the attention stays whole), "
+                f"or the exact split of any layout: {{{_join(prefix, fused[0])!r}: 'colwise_gather_output', <its output "
+                "projection>: 'rowwise_split_input'}"
             )
         if stacked:
             rows = [n for n in linears if n in ATTN_ROWWISE]

@@ -64,6 +64,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Llama4ForCausalLM",
         {**ATTN, **MOE, "intermediate_size_mlp": 32, "num_local_experts": 4, "num_experts_per_tok": 1, "head_dim": 4, "interleave_moe_layer_step": 1},
     ),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 16, "n_head": 4, "hidden_dropout": 0.0, "attention_dropout": 0.0}),
+    "falcon": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"hidden_size": 16, "num_attention_heads": 4, "multi_query": False, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+    ),
+    "falcon_new": (
+        "FalconConfig",
+        "FalconForCausalLM",
+        {"hidden_size": 16, "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True, "hidden_dropout": 0.0},
+    ),
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N}),
     "gemma3n_dense": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N, "activation_sparsity_pattern": [0.0, 0.0]}),
 }

@@ -46,6 +46,9 @@ CELLS: list[tuple[str, str, dict[str, Any]]] = [
     ("phi3", "tp", TP),
     ("olmo2", "tp", TP),
     ("glm4", "tp", {**TP, "tp_plan": GLM4_PACKED}),
+    ("bloom", "tp", TP),
+    ("falcon", "tp", TP),
+    ("falcon_new", "tp", TP),
 ]
 STYLE_SEEN = {
     "mixtral": "moe_tp_experts",
@@ -57,6 +60,9 @@ STYLE_SEEN = {
     "phi3": "colwise_gather_output",
     "olmo2": "rowwise_split_input",
     "glm4": "packed_colwise",
+    "bloom": "colwise",  # query_key_value, interleaved per head, split by heads (ALiBi sliced to the rank's heads)
+    "falcon": "colwise",
+    "falcon_new": "colwise",  # grouped per key/value head
 }
 
 
@@ -64,6 +70,8 @@ def test_declared_styles_train_like_single_under_tp2() -> None:
     results = families.cells(CELLS)
     for (name, _, _), (summary, state) in zip(CELLS, results, strict=True):
         assert STYLE_SEEN[name] in summary["tp"]["plan"].values(), (name, summary["tp"]["plan"])
+        if name.startswith(("bloom", "falcon")):
+            assert summary["tp"]["plan"]["transformer.h.1.self_attention.query_key_value"] == "colwise"
         diff = harness.max_difference(state, families.train(name)[1])
         assert diff < harness.TOL, f"{name}: {diff:.3e} off single under tp=2"
 
@@ -131,3 +139,11 @@ def test_sequence_parallel_and_fsdp_with_the_new_styles_are_refused_before_launc
         check_model_fits(
             families.build("phi3"), {"model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.mlp.down_proj": "rowwise"}, 3, False, "ddp"
         )
+
+
+def test_falcons_multi_query_fused_qkv_is_refused_with_the_exact_alternative() -> None:
+    import transformers as tf
+
+    cfg = tf.FalconConfig(vocab_size=64, hidden_size=16, num_attention_heads=4, num_hidden_layers=1)  # multi_query by default
+    with pytest.raises(ConfigError, match=r"query_key_value is a fused q\|k\|v projection with Falcon's multi-query layout.*'colwise_gather_output'"):
+        resolve(tf.FalconForCausalLM(cfg), None, 2)
