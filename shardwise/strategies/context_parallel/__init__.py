@@ -53,8 +53,8 @@ def cp_layout(plan: Callable[[int], Any], world_size: int, cp: int, strategy: st
 
 def _heads(model: nn.Module) -> tuple[int, int] | None:
     cfg = getattr(model, "config", None)
-    h = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
-    kv = getattr(cfg, "num_key_value_heads", None) or h
+    h: Any = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    kv: Any = getattr(cfg, "num_key_value_heads", None) or h
     return (int(h), int(kv)) if h else None
 
 
@@ -105,7 +105,7 @@ def _probe(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stra
         reached.update(stack)
         return original_attend(*a)
 
-    state.attend = attend  # type: ignore[method-assign]
+    state.attend = attend  # type: ignore[method-assign,assignment]
     was = model.training
     model.eval(), probe.eval()
     try:

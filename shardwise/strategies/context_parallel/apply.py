@@ -130,7 +130,7 @@ def wrap_forward(model: nn.Module, state: CPState, hf: bool) -> None:
             local.clear()
         return _finish(out, seq // state.cp, state)
 
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
 
 
 def apply_context_parallel(model: nn.Module, group: Group, recorder: Recorder | None, style: str = "ring") -> CPState:

@@ -29,12 +29,11 @@ from shardwise.comm.collectives import Group
 from shardwise.comm.recorder import Recorder
 from shardwise.errors import ConfigError
 from shardwise.strategies.context_parallel import zigzag
-from shardwise.strategies.context_parallel.ring import ring_attention, ulysses_attention
+from shardwise.strategies.context_parallel.ring import SDPA, ring_attention, ulysses_attention
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids")
 """Keyword inputs split along the sequence (dim 1)."""
 _NAMES = itertools.count()
-_SDPA = F.scaled_dot_product_attention  # torch's own, whatever is routed while a cp forward runs
 
 
 @dataclass
@@ -56,7 +55,7 @@ class CPState:
         """Causal attention of this rank's queries over the whole sequence ([b, h, n, d] in and out)."""
         self.calls += 1
         if self.cp == 1:  # the probe in the parent: plain causal attention
-            return _SDPA(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+            return SDPA(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         if self.style == "ulysses":
             return ulysses_attention(q, k, v, scale, self.group, self.recorder, zigzag.rank_order(self.seq, self.cp, q.device))
         return ring_attention(q, k, v, scale, self.group, self.recorder)
@@ -95,7 +94,7 @@ def hf_attention(state: CPState) -> Callable[..., tuple[torch.Tensor, None]]:
 
 def route_hf(model: nn.Module, state: CPState) -> str | None:
     """Register `hf_attention` and point every config of ``model`` at it; the name, or None for a model without one."""
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
     if not configs:
         return None
     from transformers import AttentionInterface
@@ -134,7 +133,7 @@ def routed_sdpa(state: CPState) -> Iterator[None]:
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+        F.scaled_dot_product_attention = original
 
 
 def position_hooks(model: nn.Module, state: CPState, local: list[torch.Tensor]) -> list[Any]:

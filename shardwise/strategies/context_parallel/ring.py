@@ -23,10 +23,14 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from shardwise.comm.collectives import Group, all_to_all_autograd
 from shardwise.comm.p2p import Peers
 from shardwise.comm.recorder import CommEvent, Recorder
+
+SDPA = F.scaled_dot_product_attention
+"""torch's own attention, whatever `hooks.routed_sdpa` routes while a cp forward runs."""
 
 
 def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -236,9 +240,8 @@ def ulysses_attention(
     qh, kh, vh = (_seq_to_heads(t, group, recorder) for t in (q, k, v))
     inv = torch.argsort(order)
     qn, kn, vn = (t[:, :, inv] for t in (qh, kh, vh))  # natural order: position i at row i
-    kn, vn = _expand(kn, groups), _expand(vn, groups)
-    s = qn.shape[2]
-    out, _ = _block(qn, kn, vn, scale, _causal(s, q.device))
+    # the whole sequence for h/cp heads: torch's own attention (its memory-efficient kernels, its backward)
+    out = SDPA(qn, kn, vn, is_causal=True, scale=scale, enable_gqa=groups > 1)
     return _heads_to_seq(out[:, :, order], group, recorder)
 
 
