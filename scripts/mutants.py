@@ -405,6 +405,12 @@ MUTANTS = [
     Mutant("tp: a plan pattern's * matches across dots", "shardwise/strategies/tensor_parallel/plan.py",
            '            out.append("[^.]*")\n', '            out.append(".*")\n',
            ("tests/strategies/tensor_parallel/test_styles.py::test_a_pattern_star_matches_one_path_segment",)),
+    Mutant("zoo: a declared style (embedding_rowwise) left to the catch-all refusal", "shardwise/strategies/tensor_parallel/plan.py",
+           '        "embedding_rowwise",\n', "",
+           ("tests/strategies/test_zoo_styles.py",)),
+    Mutant("zoo: refusals of declared styles all worded as the unknown style's", "shardwise/strategies/tensor_parallel/plan.py",
+           '_HF_REFUSED.get(style, "a style shardwise does not know")', '"a style shardwise does not know"',
+           ("tests/strategies/test_zoo_styles.py",)),
 ]
 
 
