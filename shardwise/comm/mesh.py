@@ -63,7 +63,9 @@ class Mesh:
                 f"degrees dp {dp} x pp {pp}{cp_text} x tp {tp} = {dp * pp * cp * tp} do not multiply to the world size {world_size}; "
                 f"valid shapes: {_shapes_text(world_size)}"
             )
-        degrees = {"dp": dp, "pp": pp, "cp": cp, "tp": tp} if cp > 1 else {"dp": dp, "pp": pp, "tp": tp}
+        degrees = dict(zip(DIM_ORDER, (dp, pp, cp, tp), strict=True))
+        if cp == 1:
+            del degrees["cp"]
         return Mesh(world_size=world_size, rank=rank, device=device or torch.device("cpu"), degrees=degrees)
 
     def fold_cp(self) -> Mesh:
@@ -75,7 +77,7 @@ class Mesh:
             return self
         if self.size("pp") > 1:
             raise ConfigError(f"context parallelism with a pipeline (pp {self.size('pp')}) is not supported; use pp=1 with cp > 1")
-        degrees = {"dp": self.size("dp") * self.size("cp"), "pp": 1, "tp": self.size("tp")}
+        degrees = dict(zip(SHAPE_DIMS, (self.size("dp") * self.size("cp"), 1, self.size("tp")), strict=True))
         return Mesh(world_size=self.world_size, rank=self.rank, device=self.device, degrees=degrees)
 
     def size(self, dim: str) -> int:

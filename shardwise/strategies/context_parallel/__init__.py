@@ -72,6 +72,11 @@ def check_model(model: nn.Module, batch: Any, cp: int, style: str, strategy: str
     window = getattr(cfg, "sliding_window", None)
     if window is not None and getattr(cfg, "use_sliding_window", True) and window < sequence_length(args, kwargs):
         raise ConfigError(f"{strategy}: context parallelism cannot be exact for sliding-window attention (window {window}); run without cp")
+    for key in ("attention_dropout", "attn_pdrop"):
+        if float(getattr(cfg, key, 0.0) or 0.0) > 0:
+            raise ConfigError(
+                f"{strategy}: context parallelism cannot be exact with attention dropout ({key}={getattr(cfg, key)}); set it to 0 or run without cp"
+            )
     heads = _heads(model)
     if style == "ulysses" and heads is not None and heads[0] % cp:
         raise ConfigError(f"{strategy}: cp_style 'ulysses' splits attention heads over cp; {heads[0]} heads do not divide by cp {cp}. Use cp_style='ring'")

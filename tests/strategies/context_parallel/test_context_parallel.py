@@ -125,11 +125,15 @@ def test_refuses_a_sequence_that_does_not_split_into_2cp_chunks() -> None:
         DDP(cp=4).check_sample(cells.build("llama"), _sample("llama", 14), DDP(cp=4).plan(4))
 
 
-def test_refuses_sliding_windows_and_padding() -> None:
+def test_refuses_sliding_windows_dropout_and_padding() -> None:
     model = cells.build("qwen2")
     model.config.use_sliding_window, model.config.sliding_window = True, 4
     with pytest.raises(ConfigError, match=r"sliding-window attention \(window 4\)"):
         DDP(cp=2).check_sample(model, _sample("qwen2"), DDP(cp=2).plan(2))
+    dropping = cells.build("gpt2")
+    dropping.config.attn_pdrop = 0.1
+    with pytest.raises(ConfigError, match=r"attention dropout \(attn_pdrop=0.1\)"):
+        DDP(cp=2).check_sample(dropping, _sample("gpt2"), DDP(cp=2).plan(2))
     padded = dict(_sample("llama"), attention_mask=torch.tensor([[0] * 4 + [1] * 12]))
     with pytest.raises(ConfigError, match=r"attention_mask with padding"):
         DDP(cp=2).check_sample(cells.build("llama"), padded, DDP(cp=2).plan(2))
