@@ -411,6 +411,10 @@ MUTANTS = [
     Mutant("zoo: refusals of declared styles all worded as the unknown style's", "shardwise/strategies/tensor_parallel/plan.py",
            '_HF_REFUSED.get(style, "a style shardwise does not know")', '"a style shardwise does not know"',
            ("tests/strategies/test_zoo_styles.py",)),
+    Mutant("tp: Gemma 3n's activation-sparsity MLP split by columns (its statistic over 1/tp of the hidden units)",
+           "shardwise/strategies/tensor_parallel/plan.py", "        if isinstance(sparsity, (int, float)) and sparsity > 0:\n",
+           "        if isinstance(sparsity, (int, float)) and sparsity > 1:\n",
+           ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
 ]
 
 

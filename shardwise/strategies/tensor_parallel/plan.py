@@ -427,9 +427,24 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
             _check_fused(name, resolved)
     if source == "user":
         _check_pairs(module, resolved)
+    resolved = _whole_statistics(module, resolved)
     if tp is not None:
         check_divisible(module, resolved, tp)
     return resolved, grad_sum, source
+
+
+def _whole_statistics(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """An MLP that takes a statistic over its hidden units before the activation (Gemma 3n's activation
+    sparsity: the mean and deviation of ``gate_proj``'s outputs set the cut, ``activation_sparsity > 0``)
+    would take it over 1/tp of them, silently wrong: its pair is gathered instead (column splits with
+    their output gathered whole, the row split taking its slice: exact, one all-gather more)."""
+    out = dict(plan)
+    for name, style in plan.items():
+        parent = _parent(name)
+        sparsity = getattr(module.get_submodule(parent) if parent else module, "activation_sparsity", 0)
+        if isinstance(sparsity, (int, float)) and sparsity > 0:
+            out[name] = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}.get(style, style)
+    return out
 
 
 def _example_pair(module: nn.Module) -> tuple[str, str] | None:

@@ -19,7 +19,9 @@ from tests.support import harness, zoo
 COMMON: dict[str, Any] = {"vocab_size": zoo.VOCAB, "num_hidden_layers": 2, "attn_implementation": "eager", "tie_word_embeddings": False, "pad_token_id": 0}
 ATTN: dict[str, Any] = {"hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": zoo.SEQ}
 GEMMA3N: dict[str, Any] = {
-    "vocab_size_per_layer_input": zoo.VOCAB,
+    "vocab_size": zoo.VOCAB + 1,  # a padding id the data never holds
+    "pad_token_id": zoo.VOCAB,
+    "vocab_size_per_layer_input": zoo.VOCAB + 1,
     "hidden_size_per_layer_input": 8,
     "intermediate_size": 32,
     "head_dim": 4,
@@ -85,7 +87,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
 
     cfg_cls, model_cls, settings = FAMILIES[name]
     torch.manual_seed(seed)
-    cfg = getattr(tf, cfg_cls)(**COMMON, **settings)
+    cfg = getattr(tf, cfg_cls)(**{**COMMON, **settings})
     cfg._experts_implementation = "eager"  # grouped_mm takes no float64
     return getattr(tf, model_cls)(cfg).to(torch.float64)  # type: ignore[no-any-return]
 

@@ -8,6 +8,9 @@ and 3-D ``colwise`` on Llama 4), multi-head latent attention (``mla_kv_a_proj``,
 shared experts), the gathered pair (``colwise_gather_output`` + ``rowwise_split_input``: Phi-3's fused
 q|k|v and gate|up, OLMo-2's whole-width q/k norms) and a user plan with ``packed_colwise`` (GLM-4). The
 consolidated state is compared with single's, so the packed weights come back in their original layout.
+Fused q|k|v of the per-head layouts (BLOOM with ALiBi, Falcon) split by heads with no declared plan, and
+Gemma 3n (per-layer inputs; activation sparsity, a statistic over the MLP's hidden units, was 8.8e-4 off
+single before its MLP was gathered) join the launch.
 The refusals (a user's column split of a fused projection, patterns across dots, shapes that cannot
 pair, sequence parallelism with the styles that take whole inputs) need no launch.
 """
@@ -49,6 +52,7 @@ CELLS: list[tuple[str, str, dict[str, Any]]] = [
     ("bloom", "tp", TP),
     ("falcon", "tp", TP),
     ("falcon_new", "tp", TP),
+    ("gemma3n", "tp", TP),
 ]
 STYLE_SEEN = {
     "mixtral": "moe_tp_experts",
@@ -63,6 +67,7 @@ STYLE_SEEN = {
     "bloom": "colwise",  # query_key_value, interleaved per head, split by heads (ALiBi sliced to the rank's heads)
     "falcon": "colwise",
     "falcon_new": "colwise",  # grouped per key/value head
+    "gemma3n": "colwise_gather_output",  # layer 0's MLP cuts its activations at a statistic over its hidden units: gathered
 }
 
 
