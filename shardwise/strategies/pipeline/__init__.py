@@ -24,7 +24,7 @@ from shardwise.strategies.pipeline import traced
 from shardwise.strategies.pipeline.evaluate import PipelineModule
 from shardwise.strategies.pipeline.nested import _plan_blocks, check_layers, check_nested, is_nested, nested_layout, split_blocks
 from shardwise.strategies.pipeline.observe import mean, write_timeline
-from shardwise.strategies.pipeline.route import Route, _is_transformers, _needs_sample, _prove, _types
+from shardwise.strategies.pipeline.route import Route, _is_transformers, _needs_sample, _prove, _types, provable
 from shardwise.strategies.pipeline.run import PipelineRun
 from shardwise.strategies.pipeline.schedule import batch_rows, check_rows, check_schedule, concat_batches, split_batch
 from shardwise.strategies.pipeline.split import StageModule, balance, sequence_layers, split_layers
@@ -181,7 +181,12 @@ class Pipeline(Strategy):
         cannot take is split by its top-level children only when ``sample`` proves it; without a
         sample (an `Engine` given none), or when the proof fails, it is refused, naming why."""
         if _is_transformers(model) or _plan_blocks(model) is not None:
-            return self._nested_route(model)
+            r = self._nested_route(model)
+            if check and sample is not None and provable(model):
+                # a backstop: a family whose forward does between its blocks what the stages do not (a per-layer
+                # input from a prelude module, a block picked by position) is refused here, never trained wrong
+                _prove(model, r, sample, "its block list", eval_mode=True)
+            return r
         if self.layers:
             check_layers(model, self.layers)  # a wrong path is the user's mistake, said as such, never traced around
         gm: Any = None

@@ -252,8 +252,8 @@ def check_nested(model: nn.Module, layout: NestedLayout, stages: int, microbatch
         f"{p}.{n}"
         for p in layout.prelude
         for n, m in model.get_submodule(p).named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
-    ]
+        if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1 and any(True for _ in m[0].children())
+    ]  # blocks: modules of modules (Gemma3n's list of altup projections, plain linears, is not a stack)
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) or stacks:
         raise ConfigError(
             f"{type(model).__name__} runs a second stack of blocks before {layout.blocks} "

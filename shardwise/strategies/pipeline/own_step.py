@@ -26,7 +26,7 @@ from shardwise.errors import ConfigError
 
 def has_own_step(model: nn.Module) -> bool:
     """Whether ``model`` defines ``training_step`` (the Trainer then computes the loss through it)."""
-    return callable(getattr(type(model), "training_step", None))
+    return callable(getattr(model, "training_step", None))
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def run_own_step(model: nn.Module, batch: Any, forward: Callable[..., Any]) -> A
     saved = model.__dict__.get("forward")
     model.__dict__["forward"] = forward
     try:
-        return type(model).training_step(model, batch)  # type: ignore[attr-defined]
+        return model.training_step(batch)  # type: ignore[operator]
     finally:
         if had:
             model.__dict__["forward"] = saved

@@ -70,10 +70,21 @@ def _needs_sample(model: nn.Module, why: str, where: str) -> ConfigError:
     )
 
 
-def _prove(model: nn.Module, r: Route, sample: Any, where: str, call: Any = None) -> None:
+PROOF_PARAMETERS = 50_000_000
+"""The largest model (parameters) a split by a transformers model's own block list is proven for in
+float64 before launch (a copy of 400 MB); larger ones are split unproven, as before."""
+
+
+def provable(model: nn.Module) -> bool:
+    """Whether the float64 proof of a block-list split is affordable for ``model`` (weights present, small)."""
+    return not materialize.has_meta(model) and sum(p.numel() for p in model.parameters()) <= PROOF_PARAMETERS
+
+
+def _prove(model: nn.Module, r: Route, sample: Any, where: str, call: Any = None, eval_mode: bool = False) -> None:
     """The stages of ``r``, on a float64 copy of ``model`` run one after another on ``sample``, give
     the model's own output exactly (`traced.check_composition`), or a `ConfigError` naming where not.
-    ``call`` (an `own_step.Call`): the model called as its ``training_step`` calls it (``self(x, y)``)."""
+    ``call`` (an `own_step.Call`): the model called as its ``training_step`` calls it (``self(x, y)``);
+    ``eval_mode``: dropout off (the stages draw their random numbers in another order)."""
     from shardwise.data.batches import model_args
 
     if materialize.has_meta(model):
@@ -85,6 +96,8 @@ def _prove(model: nn.Module, r: Route, sample: Any, where: str, call: Any = None
         )
 
     model64 = traced.float64_copy(model)
+    if eval_mode:
+        model64.eval()  # before the stages copy the modules' training flags
     args, kwargs = call.bind(sample) if call is not None else model_args(sample)
     args64, kwargs64 = traced.to_float64(tuple(args)), traced.to_float64(dict(kwargs))
     stage_of: dict[str, int] = {}

@@ -70,7 +70,9 @@ class _NotHere(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ConfigError(
             f"the pipeline took {self._name} for a module that runs after the blocks (it is declared after them), "
-            "but the forward ran it before them; pass layers=... and split_points=..., or use another strategy"
+            "but the forward ran it before them (a module whose output feeds every block, as per-layer input embeddings "
+            "do, cannot be split: a stage boundary carries the hidden states only); pass layers=... if the block list is "
+            "another, or use another strategy (ddp, fsdp)"
         )
 
 

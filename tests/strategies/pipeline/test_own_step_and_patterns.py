@@ -9,6 +9,7 @@ block keeps its own mask kind. Both equal to ``single`` within 1e-9 after 5 clip
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardwise.errors import ConfigError
 from shardwise.strategies.pipeline.own_step import probe_call
@@ -81,3 +82,43 @@ def test_the_model_is_untraceable_so_the_block_list_split_is_proven_on_the_first
 
     with pytest.raises(ConfigError, match="torch.fx cannot trace its forward"):
         Pipeline(**GPIPE).route(zoo.build("nanogpt_targets"))
+
+
+def _gemma3n():
+    import transformers as tf
+
+    cfg = tf.Gemma3nTextConfig(
+        vocab_size=zoo.VOCAB,
+        vocab_size_per_layer_input=zoo.VOCAB,
+        hidden_size=32,
+        hidden_size_per_layer_input=8,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=0,
+        laurel_rank=4,
+        activation_sparsity_pattern=[0.0] * 4,
+        attn_implementation="eager",
+        use_cache=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return tf.Gemma3nForCausalLM(cfg).double()
+
+
+def test_per_layer_input_embeddings_are_refused_before_launch_by_the_proof():
+    """Gemma3n feeds embeddings of the tokens to every block (per-layer inputs), which a stage boundary
+    does not carry: the float64 proof of a transformers model's split on the Trainer's sample refuses it
+    in the parent, naming the module (it used to fail inside the workers)."""
+    from shardwise.strategies.pipeline import Pipeline
+
+    model = _gemma3n()
+    with pytest.raises(ConfigError, match=r"stage 0 raises ConfigError: the pipeline took model\.embed_tokens_per_layer .*per-layer input"):
+        Pipeline(**ONE_F_ONE_B).check_sample(model, zoo.batch("llama", 2), None)
