@@ -415,6 +415,11 @@ MUTANTS = [
            "shardwise/strategies/tensor_parallel/plan.py", "        if isinstance(sparsity, (int, float)) and sparsity > 0:\n",
            "        if isinstance(sparsity, (int, float)) and sparsity > 1:\n",
            ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
+    Mutant("tp: scalar parameters inside a sublayer (XIELU's alphas) without their gradients summed over tp",
+           "shardwise/strategies/tensor_parallel/roles.py",
+           "            summed += [_join(name, n) for n in own_params]  # scalars",
+           "            summed += []  # scalars",
+           ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
 ]
 
 

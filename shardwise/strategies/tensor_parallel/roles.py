@@ -60,6 +60,9 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
             continue  # between a gathered column split and a split-input row split: whole, replicated, whole gradients
         if in_sub and in_sub[0] in latent and _leaf(name) in MLA_UPSTREAM:
             continue  # latent attention: upstream of the column splits, whose f sums their input gradients
+        if in_sub and own_params and all(m.get_parameter(n).numel() == 1 for n in own_params):
+            summed += [_join(name, n) for n in own_params]  # scalars (XIELU's alphas) act alike on every unit: each rank's gradient a partial sum
+            continue
         if in_sub:
             if own_params:
                 raise ConfigError(

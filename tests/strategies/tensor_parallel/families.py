@@ -77,6 +77,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "FalconForCausalLM",
         {"hidden_size": 16, "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True, "hidden_dropout": 0.0},
     ),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {**ATTN, "intermediate_size": 32}),
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N}),
     "gemma3n_dense": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N, "activation_sparsity_pattern": [0.0, 0.0]}),
 }

@@ -53,6 +53,7 @@ CELLS: list[tuple[str, str, dict[str, Any]]] = [
     ("falcon", "tp", TP),
     ("falcon_new", "tp", TP),
     ("gemma3n", "tp", TP),
+    ("apertus", "tp", TP),
 ]
 STYLE_SEEN = {
     "mixtral": "moe_tp_experts",
@@ -67,6 +68,7 @@ STYLE_SEEN = {
     "bloom": "colwise",  # query_key_value, interleaved per head, split by heads (ALiBi sliced to the rank's heads)
     "falcon": "colwise",
     "falcon_new": "colwise",  # grouped per key/value head
+    "apertus": "colwise",  # XIELU's scalar alphas inside the MLP: their gradients summed over tp
     "gemma3n": "colwise_gather_output",  # layer 0's MLP cuts its activations at a statistic over its hidden units: gathered
 }
 
@@ -75,6 +77,8 @@ def test_declared_styles_train_like_single_under_tp2() -> None:
     results = families.cells(CELLS)
     for (name, _, _), (summary, state) in zip(CELLS, results, strict=True):
         assert STYLE_SEEN[name] in summary["tp"]["plan"].values(), (name, summary["tp"]["plan"])
+        if name == "apertus":
+            assert summary["tp"]["plan"]["model.layers.0.mlp.up_proj"] == "colwise"
         if name.startswith(("bloom", "falcon")):
             assert summary["tp"]["plan"]["transformer.h.1.self_attention.query_key_value"] == "colwise"
         diff = harness.max_difference(state, families.train(name)[1])
