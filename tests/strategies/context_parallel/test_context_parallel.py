@@ -79,10 +79,25 @@ def _expected(name: str, cp: int, tp: int, style: str) -> dict[str, int]:
     return {"cp/all_to_all": calls * per_call}
 
 
+def _first_norm(name: str) -> float:
+    """The first global batch's gradient norm at the initial weights (what the first step clips)."""
+    from shardwise.data.batches import call_model
+
+    model = cells.build(name)
+    data = zoo.dataset(cells.data_name(name), harness.SAMPLES)
+    batch = torch.utils.data.default_collate([data[i] for i in range(harness.GLOBAL_BATCH)])
+    loss_fn = zoo.parity_loss_fn(cells.data_name(name))
+    assert loss_fn is not None
+    loss_fn(call_model(model, batch), batch).backward()
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+
+
 def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any], tp: int) -> None:
     for (name, strategy, options), (summary, state) in zip(cell_list, results, strict=True):
         diff = harness.max_difference(state, _reference(name))
         assert diff <= harness.TOL, f"{name} {strategy} {options}: largest parameter difference from single {diff:.3g}"
+        moved = harness.max_difference(_reference(name), cells.build(name).state_dict(), integers=False)
+        assert moved > 1e-4 and _first_norm(name) > 2 * harness.CLIP, f"{name}: training did not move the weights, or clipping is untested"
         by_op = summary["comm"]["by_op"]
         style = options.get("cp_style", "ring")
         expected = _expected(name, options["cp"], tp, style)
