@@ -1,7 +1,7 @@
 """Context parallelism: float64 parity with single, ring and all-to-all bytes against their formulas, refusals.
 
 Two launches: 2 processes (cp 2 under ddp, zero3 and zero1; ring and Ulysses) and 4 processes
-(cp 2 x tp 2), each over Llama, GPT-2 or nanoGPT, and Qwen2 (`cells.py`), 5 SGD steps with every
+(cp 2 x tp 2; cp 4), each over Llama, GPT-2 or nanoGPT, and Qwen2 (`cells.py`), 5 SGD steps with every
 step clipped, against `single` on the same model.
 """
 
@@ -40,6 +40,8 @@ FOUR = [
     ("llama", "tp", {"tp": 2, "cp": 2}),
     ("gpt2", "tp", {"tp": 2, "cp": 2}),
     ("qwen2", "tp", {"tp": 2, "cp": 2}),
+    ("llama", "ddp", {"cp": 4}),  # a ring of 4: blocks from earlier and later ranks, grouped kv heads
+    ("qwen2", "ddp", {"cp": 4, "cp_style": "ulysses"}),  # 2 kv heads over 4 ranks: repeated first
 ]
 _REFS: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
 _RESULTS: dict[str, list[Any]] = {}
@@ -92,8 +94,9 @@ def _first_norm(name: str) -> float:
     return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
 
 
-def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any], tp: int) -> None:
+def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any]) -> None:
     for (name, strategy, options), (summary, state) in zip(cell_list, results, strict=True):
+        tp = options.get("tp", 1)
         diff = harness.max_difference(state, _reference(name))
         assert diff <= harness.TOL, f"{name} {strategy} {options}: largest parameter difference from single {diff:.3g}"
         moved = harness.max_difference(_reference(name), cells.build(name).state_dict(), integers=False)
@@ -111,7 +114,7 @@ def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any], tp: int) 
 
 @pytest.mark.timeout(900)
 def test_cp2_matches_single_and_bytes_match_the_formulas() -> None:
-    _check_cells(TWO, _two()[: len(TWO)], tp=1)
+    _check_cells(TWO, _two()[: len(TWO)])
 
 
 @pytest.mark.timeout(900)
@@ -122,9 +125,9 @@ def test_the_model_s_own_loss_is_the_loss_of_all_tokens() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_cp2_with_tp2_matches_single() -> None:
+def test_cp2_with_tp2_and_cp4_match_single() -> None:
     results = launch(cells.run, FOUR, nproc=4, threads_per_proc=1, timeout=800)[0]
-    _check_cells(FOUR, results, tp=2)
+    _check_cells(FOUR, results)
 
 
 # -- refusals, in the parent ----------------------------------------------------------------------
