@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from shardwise.comm.collectives import Group, all_to_all_autograd
 from shardwise.comm.p2p import Peers
 from shardwise.comm.recorder import CommEvent, Recorder
+from shardwise.errors import ConfigError
 
 SDPA = F.scaled_dot_product_attention
 """torch's own attention, whatever `hooks.routed_sdpa` routes while a cp forward runs."""
@@ -115,10 +116,10 @@ class _Ring:
         p, r = group.size, group.rank
         self.nxt, self.prv = (r + 1) % p, (r - 1) % p
 
-    def start_shift(self, buf: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+    def start_shift(self, buf: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, Any, Any]:
         recv = torch.empty_like(buf)
-        s = self.peers.isend(buf, self.nxt)
-        r = self.peers.irecv(recv, self.prv)
+        s = self.peers.isend(buf, self.nxt, tag)
+        r = self.peers.irecv(recv, self.prv, tag)
         return recv, s, r
 
     def finish_shift(self, s: Any, r: Any) -> None:
@@ -174,6 +175,7 @@ class RingAttention(torch.autograd.Function):
         ring = _Ring(group, "ring_attention_backward")
         kv, dkv = _pack(k, v), torch.zeros(2 * k.numel(), dtype=k.dtype, device=k.device)
         for step in range(p):
+            kv_next = ring.start_shift(kv) if step < p - 1 else None  # the next block travels while this one is computed
             kb, vb = _unpack(kv, k, 2)
             dkb, dvb = _unpack(dkv, k, 2)
             qs, ks, masked = _rows(step, (rank - step) % p, rank, n)
@@ -184,8 +186,7 @@ class RingAttention(torch.autograd.Function):
             dkb[:, :, ks] += _fold(dk_blk, groups)
             dvb[:, :, ks] += _fold(dv_blk, groups)
             # the block's gradients travel with it; after the last step one more hop takes them home
-            kv_next = ring.start_shift(kv) if step < p - 1 else None
-            dkv, s, r = ring.start_shift(dkv)
+            dkv, s, r = ring.start_shift(dkv, tag=1)
             ring.finish_shift(s, r)
             if kv_next is not None:
                 kv, s2, r2 = kv_next
@@ -235,6 +236,11 @@ def ulysses_attention(
     """Causal attention by head shards: ``order`` maps the gathered rank-order sequence to positions
     (a permutation of ``range(s)``, the zig-zag's); heads (and key/value heads) must divide by cp."""
     groups = q.shape[1] // k.shape[1]
+    if q.shape[1] % group.size:
+        raise ConfigError(
+            f"cp_style 'ulysses' splits this rank's {q.shape[1]} attention heads over cp {group.size}, which does not divide them "
+            "(tensor parallelism leaves each rank heads / tp); use cp_style='ring'"
+        )
     if k.shape[1] % group.size:
         k, v, groups = _expand(k, groups), _expand(v, groups), 1
     qh, kh, vh = (_seq_to_heads(t, group, recorder) for t in (q, k, v))
