@@ -420,6 +420,11 @@ MUTANTS = [
            "            summed += [_join(name, n) for n in own_params]  # scalars",
            "            summed += []  # scalars",
            ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
+    Mutant("tp: attention sinks (one per head) whole instead of split with their heads",
+           "shardwise/strategies/tensor_parallel/apply.py",
+           "        experts.split_heads(module.get_submodule(name), heads, tp_mesh)",
+           "        pass",
+           ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
 ]
 
 

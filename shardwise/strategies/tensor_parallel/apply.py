@@ -102,6 +102,8 @@ def parallelize(
     latent = {_parent(n) for n, s in resolved.items() if s == MLA}
     for name in [n for n, s in resolved.items() if s == MLA]:
         _latent_rope(module, name, tp_mesh)
+    for name, heads in role["by_heads"]:
+        experts.split_heads(module.get_submodule(name), heads, tp_mesh)  # before _localize divides its head count
     for sub, cols in _sublayers(resolved).items():
         target = module.get_submodule(sub) if sub else module
         if sub in latent:  # replicated linears take the input: each column split applies its own f

@@ -87,6 +87,30 @@ def shard(model: nn.Module, name: str, mesh: Any) -> dict[str, tuple[int, int]]:
     return packed
 
 
+def split_heads(attn: nn.Module, heads: int, mesh: Any) -> None:
+    """An attention's own parameters of one value per head (attention sinks, Doge's ``A``: shape
+    ``(heads,)``) split with its heads (``Shard(0)``, contiguous as the column split of q is); its forward
+    sees this rank's values as plain tensors, their gradients whole for those heads (no reduction)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    for pname, p in list(attn.named_parameters(recurse=False)):
+        if tuple(p.shape) == (heads,):
+            attn.register_parameter(pname, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]), requires_grad=p.requires_grad))
+    saved: list[dict[str, Any]] = []
+
+    def before(m: nn.Module, args: Any) -> None:
+        originals = {n: q for n, q in m.named_parameters(recurse=False) if isinstance(q, DTensor)}
+        saved.append(originals)
+        for n, q in originals.items():
+            m._parameters[n] = q.to_local()  # type: ignore[assignment]  # this rank's heads for this forward
+
+    def after(m: nn.Module, args: Any, out: Any) -> None:
+        m._parameters.update(saved.pop())
+
+    attn.register_forward_pre_hook(before, prepend=True)
+    attn.register_forward_hook(after)
+
+
 def _wrap(experts: nn.Module, mesh: Any) -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 

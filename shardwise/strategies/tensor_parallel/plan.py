@@ -231,13 +231,13 @@ _HF_SKIPPED = frozenset(
         "replicate",
         "isolated",
         "local",
+        "local_params",  # an attention's own per-head parameters (sinks): split with its heads by role (roles.by_heads)
     }
 )
 _HF_GRAD_SUM = "replicated_with_grad_allreduce"
 _HF_MODULE_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", EXPERTS, MLA})
 _HF_PARAM_STYLES = frozenset({"packed_colwise", "packed_rowwise", "colwise", "rowwise"})
 _HF_REFUSED = {
-    "local_params": "a bare parameter split by heads (attention sinks) that the attention indexes itself",
     "all_reduce": "a module whose output is a partial sum (shared experts computed on a slice)",
     "moe_identity_expert": "identity experts whose output the expert sum would count tp times",
     "colwise_rep": "a column split whose output is gathered back, declared with the row split it feeds",

@@ -4,9 +4,12 @@ needed, so `TensorParallel.plan` runs it in the parent before launch."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.strategies.tensor_parallel.checks import _heads
 from shardwise.strategies.tensor_parallel.plan import EXPERTS, GATHERED, MLA, MLA_UPSTREAM, ROWWISE, _blocks, _join, _leaf, _parent, _splittable, _sublayers
 
 
@@ -14,7 +17,7 @@ def _inside(name: str, prefixes: set[str] | list[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence_parallel: bool) -> dict[str, list[str]]:
+def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence_parallel: bool) -> dict[str, list[Any]]:
     """What happens to every module that owns parameters or buffers, by its place in the model.
 
     - split linears (the plan): DTensor shards;
@@ -29,7 +32,8 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
       a buffer there under sequence parallelism is refused (it may index positions);
     - outside the blocks (embeddings, final norm, head): replicated, computed whole on every rank.
 
-    Returns ``{"blocks", "sublayers", "whole", "sum"}`` (``sum``: parameter names). A module no rule
+    Returns ``{"blocks", "sublayers", "whole", "sum", "by_heads"}`` (``sum``: parameter names; ``by_heads``:
+    attention sublayers whose own per-head parameters, one value per head, split with their heads). A module no rule
     covers is a `ConfigError` naming it (the backstop)."""
     blocks = _blocks(module, plan)
     subs = _sublayers(plan)
@@ -47,6 +51,7 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
     anchors = list(split) + sublayers  # modules that hold split work; their ancestors are transparent
     whole: list[str] = []
     summed: list[str] = []
+    by_heads: list[tuple[str, int]] = []
     for name, m in module.named_modules():
         if _inside(name, split) or _inside(name, whole):
             continue
@@ -73,6 +78,11 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
                 )
             continue
         if name in sublayers and name:
+            heads = _heads(m, module.get_submodule(subs[name][0]))
+            per_head = [n for n in own_params if isinstance(heads, int) and tuple(m.get_parameter(n).shape) == (heads,)]
+            if per_head and name not in gathered and any(plan[c] == "colwise" for c in subs[name]):
+                by_heads.append((name, heads))  # one value per head (attention sinks, Doge's A): split by heads with them
+                own_params = [n for n in own_params if n not in per_head]
             if own_params:
                 raise ConfigError(
                     f"{name} ({type(m).__name__}) holds parameters {own_params} of its own next to its split linears; "
@@ -91,4 +101,4 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
                 "which sequence parallelism runs on a slice of the sequence; a buffer may index positions. Turn sequence_parallel off"
             )
         summed += [_join(name, n) for n in own_params]
-    return {"blocks": blocks, "sublayers": sublayers, "whole": whole, "sum": summed}
+    return {"blocks": blocks, "sublayers": sublayers, "whole": whole, "sum": summed, "by_heads": by_heads}

@@ -77,6 +77,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "FalconForCausalLM",
         {"hidden_size": 16, "num_attention_heads": 4, "num_kv_heads": 2, "new_decoder_architecture": True, "hidden_dropout": 0.0},
     ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {**ATTN, **MOE, "num_local_experts": 4, "head_dim": 4, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
+    ),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {**ATTN, "intermediate_size": 32}),
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N}),
     "gemma3n_dense": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N, "activation_sparsity_pattern": [0.0, 0.0]}),

@@ -459,8 +459,8 @@ def test_a_declared_per_head_norm_has_its_gradient_summed_and_unknown_declared_s
     plan, grad_sum, _ = resolve(model, None, 2)
     assert grad_sum == ["model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"]
     assert roles(model, plan, grad_sum, False)["sum"] == ["model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"]
-    model._tp_plan = {"model.layers.*.self_attn": "local_params"}  # attention sinks split by heads: not translated
-    with pytest.raises(ConfigError, match=r"style 'local_params' for 'model.layers.\*.self_attn'.*Nearest working setting: pass tp_plan"):
+    model._tp_plan = {"model.layers.*.mlp": "moe_identity_expert"}  # identity experts: not translated
+    with pytest.raises(ConfigError, match=r"style 'moe_identity_expert' for 'model.layers.\*.mlp'.*Nearest working setting: pass tp_plan"):
         declared_plan(model)
     model._tp_plan = {"model.layers.*.self_attn": "made_up"}
     with pytest.raises(ConfigError, match="style 'made_up' .*a style shardwise does not know"):

@@ -54,6 +54,7 @@ CELLS: list[tuple[str, str, dict[str, Any]]] = [
     ("falcon_new", "tp", TP),
     ("gemma3n", "tp", TP),
     ("apertus", "tp", TP),
+    ("gpt_oss", "tp", TP),
 ]
 STYLE_SEEN = {
     "mixtral": "moe_tp_experts",
@@ -69,6 +70,7 @@ STYLE_SEEN = {
     "falcon": "colwise",
     "falcon_new": "colwise",  # grouped per key/value head
     "apertus": "colwise",  # XIELU's scalar alphas inside the MLP: their gradients summed over tp
+    "gpt_oss": "colwise",  # its attention sinks (one per head) split with the heads
     "gemma3n": "colwise_gather_output",  # layer 0's MLP cuts its activations at a statistic over its hidden units: gathered
 }
 
@@ -77,6 +79,8 @@ def test_declared_styles_train_like_single_under_tp2() -> None:
     results = families.cells(CELLS)
     for (name, _, _), (summary, state) in zip(CELLS, results, strict=True):
         assert STYLE_SEEN[name] in summary["tp"]["plan"].values(), (name, summary["tp"]["plan"])
+        if name == "gpt_oss":
+            assert summary["tp"]["plan"]["model.layers.1.self_attn.q_proj"] == "colwise"
         if name == "apertus":
             assert summary["tp"]["plan"]["model.layers.0.mlp.up_proj"] == "colwise"
         if name.startswith(("bloom", "falcon")):
