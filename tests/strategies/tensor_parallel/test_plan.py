@@ -507,7 +507,7 @@ class ScaledAttention(nn.Module):
         super().__init__()
         self.head_dim = 4
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(8, 8) for _ in range(4))
-        self.temperature = nn.Parameter(torch.ones(2))  # per-head: sees only this rank's heads
+        self.temperature = nn.Parameter(torch.ones(3))  # not one per head (2 heads; those split with them): no rule
 
 
 class PositionBlock(nn.Module):
