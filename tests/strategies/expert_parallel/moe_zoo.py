@@ -50,8 +50,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return tf.AutoModelForCausalLM.from_config(_config(family, aux), experts_implementation="eager").to(torch.float64)
 
 
-def dataset(n: int) -> zoo.Samples:
-    return zoo.dataset("llama", n)  # token ids with labels: any causal LM's data
+def dataset(n: int, seed: int = 0) -> zoo.Samples:
+    return zoo.dataset("llama", n, seed=seed)  # token ids with labels: any causal LM's data
 
 
 def loss_fn(output: Any, batch: Any) -> torch.Tensor:
@@ -61,8 +61,9 @@ def loss_fn(output: Any, batch: Any) -> torch.Tensor:
     return loss if aux is None else loss + 0.1 * aux
 
 
-def train(name: str, strategy: str = "single", options: dict[str, Any] | None = None, **settings: Any) -> dict[str, torch.Tensor] | None:
-    """One cell, 5 float64 SGD steps with an acting clip; rank 0's whole final state (None elsewhere)."""
+def train(name: str, strategy: str = "single", options: dict[str, Any] | None = None, *, val: int = 0, **settings: Any) -> dict[str, torch.Tensor] | None:
+    """One cell, 5 float64 SGD steps with an acting clip (and an evaluation on ``val`` samples at the
+    end when not 0); rank 0's whole final state (None elsewhere)."""
     model = build(name)
     base: dict[str, Any] = dict(
         strategy=strategy, strategy_options=dict(options or {}), global_batch_size=harness.GLOBAL_BATCH, max_steps=harness.STEPS,
@@ -72,7 +73,7 @@ def train(name: str, strategy: str = "single", options: dict[str, Any] | None = 
     t = Trainer(optimizer=harness.sgd, loss_fn=loss_fn, **base)
     data = dataset(harness.SAMPLES)
     t._check(model, data)
-    _, state = t._fit(model, data, None, return_state=True)
+    _, state = t._fit(model, data, dataset(val, seed=1) if val else None, return_state=True)
     if strategy == "single":
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state  # type: ignore[no-any-return]
