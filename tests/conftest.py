@@ -103,7 +103,10 @@ def _one_step_timing_per_model() -> Any:
     def cached(model: Any, data: Any, loss_fn: Any, make_optimizer: Any, sizes: Any, threads: Any = (1,), best: bool = False) -> Any:
         if (models.time_step, validate.timed_fit, models._now) != parts:
             return original(model, data, loss_fn, make_optimizer, sizes, threads, best)
-        key = (shape(model), shape(data), shape(loss_fn), shape(make_optimizer), tuple(sizes), tuple(sorted(set(threads))), best)
+        try:
+            key = (shape(model), shape(data), shape(loss_fn), shape(make_optimizer), tuple(sizes), tuple(sorted(set(threads))), best)
+        except Exception:  # a data set whose first item or length cannot be read cheaply: not cached
+            return original(model, data, loss_fn, make_optimizer, sizes, threads, best)
         key += tuple(getattr(models, name) for name in settings)
         if key not in cache:
             cache[key] = original(model, data, loss_fn, make_optimizer, sizes, threads, best)
