@@ -93,11 +93,8 @@ def parallelize(
     blocks = _sequence_blocks(module, resolved) if sequence_parallel else []
     fused = {n: fused_parts(module, n) for n, s in resolved.items() if s == "colwise" and fused_parts(module, n)}
     fused.update({n: 2 for n, s in resolved.items() if s == "packed_colwise"})
-    styles = _style_objects(resolved, fused, sequence_parallel)
-    parallelize_module(module, tp_mesh, styles)
-    fused_params: dict[str, tuple[int, int]] = {}
-    for name in [n for n, s in resolved.items() if s == EXPERTS]:
-        fused_params.update(experts.shard(module, name, tp_mesh))
+    parallelize_module(module, tp_mesh, _style_objects(resolved, fused, sequence_parallel))
+    fused_params = {k: v for n, s in resolved.items() if s == EXPERTS for k, v in experts.shard(module, n, tp_mesh).items()}
     seq: dict[str, int] = {}  # the sequence length of this forward (shards may be uneven: ViT's 17 tokens on 2 ranks)
     latent = {_parent(n) for n, s in resolved.items() if s == MLA}
     for name in [n for n, s in resolved.items() if s == MLA]:

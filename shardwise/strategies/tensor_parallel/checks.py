@@ -1,9 +1,12 @@
-"""The checks a resolved plan passes before launch: widths and heads divisible by tp
+"""Plan patterns (`matches`: one dotted segment per ``*``) and the checks a resolved plan passes before launch: widths and heads divisible by tp
 (`check_divisible`), a user's column split of a fused projection refused with the layout to use
 (`_check_fused`), and each row split of a user's plan fed by a column split of its width
 (`_check_pairs`). No process group needed."""
 
 from __future__ import annotations
+
+import functools
+import re
 
 from torch import nn
 
@@ -139,3 +142,43 @@ def _check_pairs(module: nn.Module, plan: dict[str, str]) -> None:
                 "Name the linear whose output it reads 'colwise' (q, k, v for an attention's output projection), or "
                 "leave this one out of the plan"
             )
+
+
+def matches(pattern: str, name: str) -> bool:
+    """``name`` is ``pattern``, or matches it as an fnmatch pattern whose ``*`` and ``?`` stay inside one
+    dotted segment (``encoder.layer.*.output.dense`` is not ``encoder.layer.0.attention.output.dense``)."""
+    return name == pattern or _pattern_re(pattern).fullmatch(name) is not None
+
+
+@functools.lru_cache(maxsize=1024)
+def _pattern_re(pattern: str) -> re.Pattern[str]:
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        end = pattern.find("]", i + 2) if c == "[" else -1
+        if c == "*":
+            out.append("[^.]*")
+        elif c == "?":
+            out.append("[^.]")
+        elif end != -1:
+            body = pattern[i + 1 : end]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+def _whole_statistics(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """An MLP that takes a statistic over its hidden units before the activation (Gemma 3n's activation
+    sparsity: the mean and deviation of ``gate_proj``'s outputs set the cut, ``activation_sparsity > 0``)
+    would take it over 1/tp of them, silently wrong: its pair is gathered instead (column splits with
+    their output gathered whole, the row split taking its slice: exact, one all-gather more)."""
+    out = dict(plan)
+    for name, style in plan.items():
+        parent = _parent(name)
+        sparsity = getattr(module.get_submodule(parent) if parent else module, "activation_sparsity", 0)
+        if isinstance(sparsity, (int, float)) and sparsity > 0:
+            out[name] = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}.get(style, style)
+    return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import functools
 import re
 
 from torch import nn
@@ -245,32 +244,6 @@ _HF_REFUSED = {
 }
 
 
-def matches(pattern: str, name: str) -> bool:
-    """``name`` is ``pattern``, or matches it as an fnmatch pattern whose ``*`` and ``?`` stay inside one
-    dotted segment (``encoder.layer.*.output.dense`` is not ``encoder.layer.0.attention.output.dense``)."""
-    return name == pattern or _pattern_re(pattern).fullmatch(name) is not None
-
-
-@functools.lru_cache(maxsize=1024)
-def _pattern_re(pattern: str) -> re.Pattern[str]:
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        end = pattern.find("]", i + 2) if c == "[" else -1
-        if c == "*":
-            out.append("[^.]*")
-        elif c == "?":
-            out.append("[^.]")
-        elif end != -1:
-            body = pattern[i + 1 : end]
-            out.append("[" + ("^" + body[1:] if body.startswith("!") else body).replace("\\", "\\\\") + "]")
-            i = end
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("".join(out))
-
-
 def declared_raw(module: nn.Module) -> dict[str, str]:
     """transformers' plan as the model declares it (``model._tp_plan``, else ``config.base_model_tp_plan``
     under the base model's prefix): ``{pattern: style}``, untranslated; empty when none."""
@@ -433,20 +406,6 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
     return resolved, grad_sum, source
 
 
-def _whole_statistics(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """An MLP that takes a statistic over its hidden units before the activation (Gemma 3n's activation
-    sparsity: the mean and deviation of ``gate_proj``'s outputs set the cut, ``activation_sparsity > 0``)
-    would take it over 1/tp of them, silently wrong: its pair is gathered instead (column splits with
-    their output gathered whole, the row split taking its slice: exact, one all-gather more)."""
-    out = dict(plan)
-    for name, style in plan.items():
-        parent = _parent(name)
-        sparsity = getattr(module.get_submodule(parent) if parent else module, "activation_sparsity", 0)
-        if isinstance(sparsity, (int, float)) and sparsity > 0:
-            out[name] = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}.get(style, style)
-    return out
-
-
 def _example_pair(module: nn.Module) -> tuple[str, str] | None:
     """Two of ``module``'s own linears, in module order, the first's output width the second's input
     width, that a plan can split (colwise, then rowwise) under the roles' rules; None when no such
@@ -526,5 +485,7 @@ def _sequence_blocks(module: nn.Module, plan: dict[str, str]) -> list[str]:
 from shardwise.strategies.tensor_parallel.checks import (  # noqa: E402  # the checks read this module's tables
     _check_fused,
     _check_pairs,
+    _whole_statistics,
     check_divisible,
+    matches,
 )

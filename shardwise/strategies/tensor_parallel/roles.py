@@ -40,13 +40,8 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
     sublayers = sorted(subs)
     gathered = {s for s, cols in subs.items() if all(plan[c] in GATHERED for c in cols)}  # whole activations inside
     latent = {_parent(n) for n, s in plan.items() if s == MLA}
-    special = [(n, s) for n, s in plan.items() if s in (EXPERTS, MLA) or s in GATHERED or (s in ROWWISE and s != "rowwise")]
-    if sequence_parallel and special:
-        name, style = special[0]
-        raise ConfigError(
-            f"sequence parallelism with tensor-parallel style {style!r} ({name}) is not built: that module's input is "
-            "whole on every rank, not a slice of the sequence. Nearest working setting: sequence_parallel=False (tp alone is exact)"
-        )
+    if sequence_parallel:
+        _refuse_whole_inputs(plan)
     split = set(plan)
     anchors = list(split) + sublayers  # modules that hold split work; their ancestors are transparent
     whole: list[str] = []
@@ -80,7 +75,7 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
         if name in sublayers and name:
             heads = _heads(m, module.get_submodule(subs[name][0]))
             per_head = [n for n in own_params if isinstance(heads, int) and tuple(m.get_parameter(n).shape) == (heads,)]
-            if per_head and name not in gathered and any(plan[c] == "colwise" for c in subs[name]):
+            if per_head and isinstance(heads, int) and name not in gathered and any(plan[c] == "colwise" for c in subs[name]):
                 by_heads.append((name, heads))  # one value per head (attention sinks, Doge's A): split by heads with them
                 own_params = [n for n in own_params if n not in per_head]
             if own_params:
@@ -102,3 +97,14 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
             )
         summed += [_join(name, n) for n in own_params]
     return {"blocks": blocks, "sublayers": sublayers, "whole": whole, "sum": summed, "by_heads": by_heads}
+
+
+def _refuse_whole_inputs(plan: dict[str, str]) -> None:
+    """Sequence parallelism with a style whose module takes a whole input (experts, latent attention, the gathered pair)."""
+    special = [(n, s) for n, s in plan.items() if s in (EXPERTS, MLA) or s in GATHERED or (s in ROWWISE and s != "rowwise")]
+    if special:
+        name, style = special[0]
+        raise ConfigError(
+            f"sequence parallelism with tensor-parallel style {style!r} ({name}) is not built: that module's input is "
+            "whole on every rank, not a slice of the sequence. Nearest working setting: sequence_parallel=False (tp alone is exact)"
+        )
