@@ -22,6 +22,7 @@ from shardwise import launch
 from shardwise.comm import Recorder
 from shardwise.comm.mesh import Mesh
 from shardwise.strategies import compose
+from shardwise.strategies.expert_parallel import cost
 from tests.strategies.expert_parallel import moe_zoo
 
 pytest.importorskip("transformers")
@@ -72,3 +73,7 @@ def test_dispatch_and_combine_equal_the_whole_block_and_move_the_formulas_bytes(
         counts = (2 - 1) * 2 * 8
         rows = (res["out"] + res["in"]) * H * 8  # type: ignore[operator]
         assert res["bytes"] == (5, counts + 2 * rows, counts + 2 * rows), (r, res)
+        assert cost.all_to_all_sent(res["out"], res["in"], H, 8, 4, 2) == counts + 2 * rows  # type: ignore[arg-type]
+    # balanced routing: 12 tokens x top-2, half of them remote, 4 row exchanges of H float64 each
+    assert cost.expected_all_to_all_sent(T, 2, H, 8, 4, 2) == 16 + 4 * 12 * H * 8
+    assert cost.expert_bytes_per_rank(1000, 16.0, 4) == 4000.0
