@@ -125,6 +125,11 @@ def _cells_worker(pairs: list[tuple[str, str]], refs: dict[str, Any], progress: 
                 f.write(json.dumps({"model": model_type, "cell": name, "diff": max_difference(state, refs[model_type])}) + "\n")
 
 
+def outcome(diff: float, tol: float) -> str:
+    """A cell that ran: ``exact`` within ``tol`` of single, else ``WRONG`` (a NaN is WRONG too)."""
+    return "exact" if diff <= tol else "WRONG"
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     text = lines[0] if lines else type(exc).__name__
@@ -231,7 +236,7 @@ def run_models(model_types: list[str], cells: list[str]) -> list[dict[str, Any]]
             share = round((time.perf_counter() - clock) / max(1, len(done) + (error is not None)), 1)
             for d in done:
                 row = rows[d["model"]]
-                row["cells"][d["cell"]] = {"outcome": "exact" if d["diff"] <= row["tol"] else "WRONG", "diff": d["diff"], "s": share}
+                row["cells"][d["cell"]] = {"outcome": outcome(d["diff"], row["tol"]), "diff": d["diff"], "s": share}
             pairs = pairs[len(done) :]
             if error is not None and pairs:
                 (m, c), pairs = pairs[0], pairs[1:]
@@ -363,10 +368,18 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows and figures here (rewritten after each model)")
     ap.add_argument("--markdown", help="write the table here (rewritten after each model)")
     ap.add_argument("--chunk", type=int, default=6, help="models per launch (a failing cell relaunches the rest)")
+    ap.add_argument("--merge", nargs="+", help="JSON files of earlier sweeps: one table of their rows (a later file's row wins)")
     ap.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print("ZOO-ROWS " + json.dumps(run_models(args.one, args.cells)), flush=True)
+        return
+    if args.merge:
+        merged = {r["model"]: r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]}
+        for r in merged.values():  # what the config declares, read again (not what a row of an older script said)
+            cfg = _models().default_config(r["model"])
+            r.update(tp_plan=bool(_models().tp_plan_of(cfg)), pp_plan=bool(_models().pp_plan_of(cfg)))
+        _write(args, sorted(merged.values(), key=lambda r: str(r["model"])))
         return
     rows: list[dict[str, Any]] = []
     names = select(args.models, args.declared)
@@ -375,11 +388,17 @@ def main() -> None:
             rows.append(r)
             cells = "  ".join(f"{c}: {_cell_text(v)}" for c, v in r["cells"].items())
             print(f"{r['model']:<28} {r.get('build_error') or cells}  ({r.get('seconds', 0):.0f} s)", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary(rows)}, indent=1))
-        if args.markdown:
-            Path(args.markdown).write_text(markdown(rows, args.cells))
-    print(markdown(rows, args.cells))
+        _write(args, rows, quiet=True)
+    _write(args, rows)
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], quiet: bool = False) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary(rows)}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows, args.cells))
+    if not quiet:
+        print(markdown(rows, args.cells))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ multi-head latent attention ranks of 8-16, sliding windows of 8 tokens so they a
 sequences), lists of one value per layer cut to 2 layers keeping one of each kind (a per-layer
 pattern of attention kinds stays a pattern), every dropout 0; `build(model_type)` is the model in
 float64 from seed 0. Nothing is downloaded. `describe(model)` says what it declares:
-a tensor-parallel plan (``base_model_tp_plan`` or the class's ``_tp_plan``) and its styles, a
-pipeline plan (``base_model_pp_plan``), and MoE layers (found from structure: a module holding
+a tensor-parallel plan (its config's ``base_model_tp_plan``) and the styles of the model's
+``_tp_plan`` (that plan and the class's own, the output head's), a pipeline plan (``base_model_pp_plan``), and MoE layers (found from structure: a module holding
 a 3-D stacked expert parameter or a list of expert MLPs beside a router).
 """
 
@@ -78,9 +78,9 @@ OVERRIDES: dict[str, Any] = {
     "kv_lora_rank": 16,
     "q_lora_rank": 16,
     "qk_rope_head_dim": 4,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 8,
-    "qk_head_dim": 12,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 4,
+    "qk_head_dim": 8,
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
     "linear_num_key_heads": 2,
@@ -92,10 +92,28 @@ OVERRIDES: dict[str, Any] = {
     "sliding_window": 8,
     "attention_chunk_size": 8,
     "use_cache": False,
+    "rotary_dim": 4,
+    "num_kv_shared_layers": 0,
+    "num_experts_per_token": 2,
+    # state-space layers of the hybrids (heads x head width = expand x hidden)
+    "mamba_n_heads": 8,
+    "mamba_d_head": 8,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 8,
+    "mamba_chunk_size": 16,
+    "mamba_expand": 2,
+    "mamba_d_conv": 4,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 8,
+    "ssm_state_size": 8,
+    "n_groups": 1,
+    "chunk_size": 16,
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+NONE_TOO = ("head_dim", "num_key_value_heads", "use_cache", "num_experts_per_tok")
+"""Overridden even where the default is None (None there means "derive it from the other sizes")."""
 PER_LAYER_KINDS = ("layer_types", "attention_types", "block_types", "layers_block_type")
 
 
@@ -124,7 +142,12 @@ def _per_layer(values: list[Any], layers: int) -> list[Any]:
 
 def _shrink(d: dict[str, Any], default_layers: int | None) -> dict[str, Any]:
     """The overrides that apply to one config's dict ``d`` (keys it has)."""
-    kw: dict[str, Any] = {k: v for k, v in OVERRIDES.items() if k in d and d[k] is not None or k in ("use_cache",) and k in d}
+    kw: dict[str, Any] = {k: v for k, v in OVERRIDES.items() if k in d and (d[k] is not None or k in NONE_TOO)}
+    if d.get("kv_lora_rank"):  # latent attention: the rotary part is the head width, every head has its own key/value
+        kw.update(head_dim=OVERRIDES["qk_rope_head_dim"], num_key_value_heads=OVERRIDES["num_attention_heads"])
+    for k, v in d.items():
+        if isinstance(v, dict) and v and all(str(i).isdigit() for i in v):  # per-layer settings keyed by layer index
+            kw[k] = {i: x for i, x in v.items() if int(i) < LAYERS}
     for k, v in d.items():
         if ("dropout" in k or "pdrop" in k or k.endswith("_drop")) and isinstance(v, float):
             kw[k] = 0.0
@@ -198,18 +221,19 @@ def causal_lm_loss64(output: Any, batch: Any) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(), labels[:, 1:].reshape(-1))
 
 
-def tp_plan_of(model_or_config: Any) -> dict[str, str]:
-    """The tensor-parallel plan a model (its ``_tp_plan``) or config (``base_model_tp_plan``) declares."""
-    plan = getattr(model_or_config, "_tp_plan", None) or getattr(model_or_config, "base_model_tp_plan", None)
-    if not plan and hasattr(model_or_config, "config"):
-        plan = getattr(model_or_config.config, "base_model_tp_plan", None)
+def tp_plan_of(config: Any) -> dict[str, str]:
+    """The tensor-parallel plan a config declares (``base_model_tp_plan``; its text config's for a composite)."""
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan and getattr(config, "text_config", None) is not None:
+        plan = getattr(config.text_config, "base_model_tp_plan", None)
     return dict(plan or {})
 
 
-def pp_plan_of(model_or_config: Any) -> dict[str, Any]:
-    plan = getattr(model_or_config, "_pp_plan", None) or getattr(model_or_config, "base_model_pp_plan", None)
-    if not plan and hasattr(model_or_config, "config"):
-        plan = getattr(model_or_config.config, "base_model_pp_plan", None)
+def pp_plan_of(config: Any) -> dict[str, Any]:
+    """The pipeline plan a config declares (``base_model_pp_plan``; its text config's for a composite)."""
+    plan = getattr(config, "base_model_pp_plan", None)
+    if not plan and getattr(config, "text_config", None) is not None:
+        plan = getattr(config.text_config, "base_model_pp_plan", None)
     return dict(plan or {})
 
 
@@ -229,12 +253,12 @@ def moe_modules(model: nn.Module) -> list[str]:
 
 def describe(model: nn.Module) -> dict[str, Any]:
     """What ``model`` declares: its tp plan's styles, whether it has a pp plan, its MoE modules."""
-    tp = tp_plan_of(model)
+    tp = dict(getattr(model, "_tp_plan", None) or {})  # the config's plan under the model's prefix, and the head's
     return {
         "class": type(model).__name__,
-        "tp_plan": bool(tp),
+        "tp_plan": bool(tp_plan_of(model.config)),
         "tp_styles": sorted(set(map(str, tp.values()))),
-        "pp_plan": bool(pp_plan_of(model)),
+        "pp_plan": bool(pp_plan_of(model.config)),
         "moe": moe_modules(model),
         "params": sum(p.numel() for p in model.parameters()),
     }

@@ -425,6 +425,9 @@ MUTANTS = [
            "        experts.split_heads(module.get_submodule(name), heads, tp_mesh)",
            "        pass",
            ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
+    Mutant("zoo: a NaN cell counted exact", "benchmarks/zoo.py",
+           '    return "exact" if diff <= tol else "WRONG"\n', '    return "WRONG" if diff > tol else "exact"\n',
+           ("tests/strategies/test_zoo_sweep.py::test_a_cell_off_single_is_wrong_and_counted",)),
 ]
 
 
