@@ -4,13 +4,16 @@
 causal LMs, so new families join by themselves); `small_config(model_type)` is that family's
 default config with its sizes shrunk by one generic table of field names (`OVERRIDES`: 2 layers,
 hidden 32, 4 heads, 2 key/value heads, vocabulary 64, MoE with 4 experts of which 2 per token,
-multi-head latent attention ranks of 8-16, sliding windows of 8 tokens so they act on 16-token
+latent attention ranks of 16, sliding windows of 8 tokens so they act on 16-token
 sequences), lists of one value per layer cut to 2 layers keeping one of each kind (a per-layer
 pattern of attention kinds stays a pattern), every dropout 0; `build(model_type)` is the model in
-float64 from seed 0. Nothing is downloaded. `describe(model)` says what it declares:
-a tensor-parallel plan (its config's ``base_model_tp_plan``) and the styles of the model's
-``_tp_plan`` (that plan and the class's own, the output head's), a pipeline plan (``base_model_pp_plan``), and MoE layers (found from structure: a module holding
-a 3-D stacked expert parameter or a list of expert MLPs beside a router).
+float64 from seed 0. Nothing is downloaded. `describe(model)` says what it declares: a
+tensor-parallel plan (its config's ``base_model_tp_plan``) and the styles of the model's
+``_tp_plan`` (that plan and the class's own, the output head's), a pipeline plan
+(``base_model_pp_plan``), and MoE layers (found from structure: a module holding a 3-D stacked
+expert parameter or a list of expert MLPs beside a router). Multi-head latent attention takes
+the rotary part as its head width and one key/value per head; the state-space hybrids get 8 heads
+of 8 (expand 2 x hidden 32).
 """
 
 from __future__ import annotations
