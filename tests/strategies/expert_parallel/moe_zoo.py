@@ -2,7 +2,7 @@
 their data, and one cell's training (as tests/support/harness.py, with a float64 loss).
 
 Families: Mixtral (router + experts), Qwen2-MoE (plus a shared expert and its gate), OLMoE,
-GraniteMoE (``block_sparse_moe``). Tiny: 2 layers, hidden 16, 4 experts top-2, seq 16, vocab 64;
+GraniteMoE (``block_sparse_moe``); ``MORE``: Qwen3-MoE, DeepSeek-V3. Tiny: 2 layers, hidden 16, 4 experts top-2, seq 16, vocab 64;
 the experts in transformers' ``eager`` implementation (its grouped_mm has no float64 CPU kernel).
 ``*_aux``: the same model with ``output_router_logits`` on, its loss the language-model loss plus
 ``router_aux_loss_coef`` x the load-balancing loss, as the model defines it.
@@ -19,6 +19,8 @@ from shardwise import Trainer
 from tests.support import harness, zoo
 
 FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "granitemoe")
+MORE = ("qwen3_moe", "deepseek_v3")
+"""Two more families, in the 2-process parity launch only (DeepSeek-V3: latent attention, a shared expert)."""
 EXPERTS = 4
 
 
@@ -38,6 +40,12 @@ def _config(family: str, aux: bool) -> Any:
         return tf.OlmoeConfig(num_experts=EXPERTS, **common)
     if family == "granitemoe":
         return tf.GraniteMoeConfig(num_local_experts=EXPERTS, **common)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(num_experts=EXPERTS, moe_intermediate_size=24, decoder_sparse_step=1, head_dim=8, **common)
+    if family == "deepseek_v3":  # multi-head latent attention, a shared expert, group-limited routing (one group)
+        mla = dict(q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+        moe = dict(n_routed_experts=EXPERTS, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1)
+        return tf.DeepseekV3Config(**moe, **mla, **common)
     raise KeyError(f"unknown MoE family {family!r}; known: {FAMILIES}")
 
 

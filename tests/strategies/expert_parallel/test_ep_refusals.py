@@ -65,7 +65,7 @@ class Wrapped(nn.Module):
 
 
 def test_the_rule_finds_every_family_and_nothing_else() -> None:
-    for family in moe_zoo.FAMILIES:
+    for family in moe_zoo.FAMILIES + moe_zoo.MORE:
         covered, uncovered = find_experts(moe_zoo.build(family))
         assert len(covered) == 2 and not uncovered, (family, covered, uncovered)
         assert all(c.num_experts == moe_zoo.EXPERTS and set(c.params) == {"gate_up_proj", "down_proj"} for c in covered)
