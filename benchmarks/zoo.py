@@ -323,6 +323,17 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return figures
 
 
+def cell_table(rows: list[dict[str, Any]], cells: list[str]) -> list[str]:
+    """Markdown: per cell, how many built models ran it and each outcome's count."""
+    kinds = ("exact", "refused", "failed", "WRONG", "not built")
+    lines = ["| cell | models | " + " | ".join(kinds) + " |", "| --- | ---: | " + " | ".join("---:" for _ in kinds) + " |"]
+    for cell in cells:
+        got = [r["cells"][cell]["outcome"] for r in rows if "build_error" not in r and r["cells"].get(cell, {}).get("outcome", "n/a") != "n/a"]
+        if got:
+            lines.append(f"| {cell} | {len(got)} | " + " | ".join(str(got.count(k)) for k in kinds) + " |")
+    return lines
+
+
 def markdown(rows: list[dict[str, Any]], cells: list[str]) -> str:
     import torch
     import transformers
@@ -340,6 +351,7 @@ def markdown(rows: list[dict[str, Any]], cells: list[str]) -> str:
             plan = "pp" if cell == "1F1B" else "tp"
             lines.append(f"- {cell} exact: {f['exact']} of {f['of']} models declaring a {plan} plan ({f['percent']}%)")
     lines += [f"- WRONG cells (ran, not exact): {fig['wrong']}; failed after launch: {fig['failed']}; refused before launch: {fig['refused']}", ""]
+    lines += cell_table(rows, cells) + [""]
     lines.append("| model | tp plan | pp plan | MoE | floor | " + " | ".join(cells) + " |")
     lines.append("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cells) + " |")
     for r in rows:
@@ -368,14 +380,21 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows and figures here (rewritten after each model)")
     ap.add_argument("--markdown", help="write the table here (rewritten after each model)")
     ap.add_argument("--chunk", type=int, default=6, help="models per launch (a failing cell relaunches the rest)")
-    ap.add_argument("--merge", nargs="+", help="JSON files of earlier sweeps: one table of their rows (a later file's row wins)")
+    ap.add_argument("--merge", nargs="+", help="JSON files of earlier sweeps: one table of their rows (a later file's cell wins)")
     ap.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print("ZOO-ROWS " + json.dumps(run_models(args.one, args.cells)), flush=True)
         return
     if args.merge:
-        merged = {r["model"]: r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]}
+        merged: dict[str, dict[str, Any]] = {}
+        for path in args.merge:  # cell by cell: a later file's cell wins; a row that built wins over one that did not
+            for r in json.loads(Path(path).read_text())["rows"]:
+                old = merged.get(r["model"])
+                if old is None or "build_error" in old:
+                    merged[r["model"]] = r
+                elif "build_error" not in r:
+                    merged[r["model"]] = {**old, **r, "cells": {**old["cells"], **r["cells"]}}
         for r in merged.values():  # what the config declares, read again (not what a row of an older script said)
             cfg = _models().default_config(r["model"])
             r.update(tp_plan=bool(_models().tp_plan_of(cfg)), pp_plan=bool(_models().pp_plan_of(cfg)))
