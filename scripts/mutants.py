@@ -428,6 +428,11 @@ MUTANTS = [
     Mutant("zoo: a NaN cell counted exact", "benchmarks/zoo.py",
            '    return "exact" if diff <= tol else "WRONG"\n', '    return "WRONG" if diff > tol else "exact"\n',
            ("tests/strategies/test_zoo_sweep.py::test_a_cell_off_single_is_wrong_and_counted",)),
+    Mutant("tp: an undeclared per-head norm (Lfm2's q_layernorm) left out of the gradient sum",
+           "shardwise/strategies/tensor_parallel/roles.py",
+           "        if in_sub and own_params and (all(m.get_parameter(n).numel() == 1 for n in own_params) or _per_head_norm(module, in_sub[0], m, own_params)):",
+           "        if in_sub and own_params and all(m.get_parameter(n).numel() == 1 for n in own_params):",
+           ("tests/strategies/tensor_parallel/test_styles.py::test_undeclared_per_head_norms_and_scalars_inside_a_sublayer_have_their_gradients_summed",)),
 ]
 
 

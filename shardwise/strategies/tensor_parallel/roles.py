@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.strategies.tensor_parallel.checks import _heads
+from shardwise.strategies.tensor_parallel.checks import _head_width, _heads
 from shardwise.strategies.tensor_parallel.plan import EXPERTS, GATHERED, MLA, MLA_UPSTREAM, ROWWISE, _blocks, _join, _leaf, _parent, _splittable, _sublayers
 
 
@@ -60,7 +60,7 @@ def roles(module: nn.Module, plan: dict[str, str], grad_sum: list[str], sequence
             continue  # between a gathered column split and a split-input row split: whole, replicated, whole gradients
         if in_sub and in_sub[0] in latent and _leaf(name) in MLA_UPSTREAM:
             continue  # latent attention: upstream of the column splits, whose f sums their input gradients
-        if in_sub and own_params and all(m.get_parameter(n).numel() == 1 for n in own_params):
+        if in_sub and own_params and (all(m.get_parameter(n).numel() == 1 for n in own_params) or _per_head_norm(module, in_sub[0], m, own_params)):
             summed += [_join(name, n) for n in own_params]  # scalars (XIELU's alphas) act alike on every unit: each rank's gradient a partial sum
             continue
         if in_sub:
@@ -108,3 +108,12 @@ def _refuse_whole_inputs(plan: dict[str, str]) -> None:
             f"sequence parallelism with tensor-parallel style {style!r} ({name}) is not built: that module's input is "
             "whole on every rank, not a slice of the sequence. Nearest working setting: sequence_parallel=False (tp alone is exact)"
         )
+
+
+def _per_head_norm(module: nn.Module, sublayer: str, m: nn.Module, params: list[str]) -> bool:
+    """A norm (an ``eps``) inside an attention whose weights are one head's width (Lfm2's ``q_layernorm``,
+    Qwen3's ``q_norm`` when undeclared): the same weights on every head, so on this rank's heads it is
+    exact and its gradient is a partial sum over heads, summed over tp like the replicated-with-allreduce style."""
+    width = _head_width(module.get_submodule(sublayer))
+    has_eps = any(isinstance(getattr(m, a, None), float) for a in ("eps", "variance_epsilon", "epsilon"))
+    return width is not None and has_eps and all(tuple(m.get_parameter(n).shape) == (width,) for n in params)

@@ -82,6 +82,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GptOssForCausalLM",
         {**ATTN, **MOE, "num_local_experts": 4, "head_dim": 4, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
     ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        {**ATTN, "intermediate_size": 32, "layer_types": ["full_attention", "full_attention"], "block_auto_adjust_ff_dim": False},
+    ),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {**ATTN, "intermediate_size": 32}),
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N}),
     "gemma3n_dense": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N, "activation_sparsity_pattern": [0.0, 0.0]}),

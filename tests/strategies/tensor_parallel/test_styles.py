@@ -55,6 +55,7 @@ CELLS: list[tuple[str, str, dict[str, Any]]] = [
     ("gemma3n", "tp", TP),
     ("apertus", "tp", TP),
     ("gpt_oss", "tp", TP),
+    ("lfm2", "tp", TP),
 ]
 STYLE_SEEN = {
     "mixtral": "moe_tp_experts",
@@ -70,6 +71,7 @@ STYLE_SEEN = {
     "falcon": "colwise",
     "falcon_new": "colwise",  # grouped per key/value head
     "apertus": "colwise",  # XIELU's scalar alphas inside the MLP: their gradients summed over tp
+    "lfm2": "colwise",  # per-head q/k norms (undeclared): replicated, gradients summed over tp
     "gpt_oss": "colwise",  # its attention sinks (one per head) split with the heads
     "gemma3n": "colwise_gather_output",  # layer 0's MLP cuts its activations at a statistic over its hidden units: gathered
 }
@@ -160,3 +162,12 @@ def test_falcons_multi_query_fused_qkv_is_refused_with_the_exact_alternative() -
     cfg = tf.FalconConfig(vocab_size=64, hidden_size=16, num_attention_heads=4, num_hidden_layers=1)  # multi_query by default
     with pytest.raises(ConfigError, match=r"query_key_value is a fused q\|k\|v projection with Falcon's multi-query layout.*'colwise_gather_output'"):
         resolve(tf.FalconForCausalLM(cfg), None, 2)
+
+
+def test_undeclared_per_head_norms_and_scalars_inside_a_sublayer_have_their_gradients_summed() -> None:
+    from shardwise.strategies.tensor_parallel import roles
+
+    for name, expected in (("lfm2", "model.layers.1.self_attn.q_layernorm.weight"), ("apertus", "model.layers.0.mlp.act_fn.alpha_p")):
+        model = families.build(name)
+        plan, grad_sum, _ = resolve(model, None, 2)
+        assert expected in roles(model, plan, grad_sum, False)["sum"]
