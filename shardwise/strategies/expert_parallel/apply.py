@@ -97,9 +97,7 @@ class ExpertParallel:
         rep = sum(
             (g.double().pow(2).sum() for p in model.parameters() if (g := p.grad) is not None and not self.is_expert(p)), torch.zeros((), dtype=torch.float64)
         )
-        exp = sum((g.double().pow(2).sum() for p in self.params.values() if (g := p.grad) is not None), torch.zeros((), dtype=torch.float64)).reshape(1)
-        all_reduce(exp, "sum", group=self.group, recorder=self.recorder)
-        norm = (rep + exp[0]).sqrt()
+        norm = self.global_norm(rep.sqrt())
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm.to(grads[0].dtype)
