@@ -57,7 +57,30 @@ class _Incoming(nn.Module):
                 f"the pipeline took {self._name} for a module that runs before the blocks ({self._blocks}) and gave it to "
                 "the first stage, but the forward ran it after them; pass layers=... and split_points=..., or use another strategy"
             )
-        return self._holder.tensor
+        received = self._holder.tensor
+        shape = _meta_shape(self.__dict__.get("_original"), args, kwargs)
+        if received is None or shape is None or shape == tuple(received.shape):
+            return received
+        # the module's output is not the shape the blocks pass on (DeepSeek-V4 widens the embedding into
+        # hidden streams after it): what the forward computes from it is replaced at the first block anyway
+        return received.new_zeros(shape)
+
+
+def _meta_shape(module: nn.Module | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The shape of ``module``'s output for these inputs, from a run on meta tensors (None if it cannot tell)."""
+    if module is None:
+        return None
+    from torch.func import functional_call
+
+    def meta(x: Any) -> Any:
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    try:
+        state = {k: meta(v) for k, v in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items()}
+        out = functional_call(module, state, tuple(meta(a) for a in args), {k: meta(v) for k, v in kwargs.items()})
+    except Exception:
+        return None
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else None
 
 
 class _NotHere(nn.Module):
