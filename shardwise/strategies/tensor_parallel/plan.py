@@ -153,7 +153,10 @@ def auto_plan(module: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for prefix, parent in module.named_modules():
         linears = {n: c for n, c in parent.named_children() if _splittable(c)}
-        fused = [n for n in linears if n.lower() in FUSED]
+        # ``in_proj`` is a fused q|k|v only in an attention (a head count or width): a state-space or short
+        # convolution mixer (Mamba, LFM) names its input projection so too, and is left whole
+        heads = any(isinstance(getattr(parent, a, None), int) for a in _HEAD_ATTRS + _HEAD_WIDTH_ATTRS)
+        fused = [n for n in linears if n.lower() in FUSED and (n.lower() != "in_proj" or heads)]
         stacked = [n for n in fused if n.lower() in STACKED_QKV]
         if fused and not stacked:
             rows = [n for n in linears if n in ATTN_ROWWISE | {"dense"} and n not in fused]

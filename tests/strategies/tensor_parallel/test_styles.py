@@ -171,3 +171,23 @@ def test_undeclared_per_head_norms_and_scalars_inside_a_sublayer_have_their_grad
         model = families.build(name)
         plan, grad_sum, _ = resolve(model, None, 2)
         assert expected in roles(model, plan, grad_sum, False)["sum"]
+
+
+def test_an_in_proj_outside_attention_is_not_taken_for_a_fused_qkv() -> None:
+    from torch import nn
+
+    from shardwise.strategies.tensor_parallel import auto_plan
+
+    class Mixer(nn.Module):  # a short-convolution / state-space mixer: in_proj, out_proj and no heads
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_proj, self.out_proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    class Attention(Mixer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads = 2
+
+    assert auto_plan(nn.Sequential(Mixer())) == {}
+    with pytest.raises(ConfigError, match=r"0.in_proj is a fused q\|k\|v projection"):
+        auto_plan(nn.Sequential(Attention()))
