@@ -437,6 +437,14 @@ MUTANTS = [
            "        if in_sub and own_params and (all(m.get_parameter(n).numel() == 1 for n in own_params) or _per_head_norm(module, in_sub[0], m, own_params)):",
            "        if in_sub and own_params and all(m.get_parameter(n).numel() == 1 for n in own_params):",
            ("tests/strategies/tensor_parallel/test_styles.py::test_undeclared_per_head_norms_and_scalars_inside_a_sublayer_have_their_gradients_summed",)),
+    Mutant("context parallel: the parent's emulated-rank check skipped (a rotary model built from arange(t) trains silently wrong)",
+           "shardwise/strategies/context_parallel/__init__.py",
+           "    check_ranks(model, args, kwargs, cp, strategy)", "    pass",
+           ("tests/strategies/context_parallel/test_emulate.py::test_refuses_rotary_positions_built_from_arange_inside_forward",)),
+    Mutant("context parallel: a position embedding fed arange(t) keeps the local positions (nanoGPT's wpe), caught in the parent",
+           "shardwise/strategies/context_parallel/hooks.py",
+           "            return (pos.expand_as(idx),)", "            return None",
+           ("tests/strategies/context_parallel/test_emulate.py::test_the_exact_families_pass",)),
 ]
 
 

@@ -61,7 +61,8 @@ def _heads(model: nn.Module) -> tuple[int, int] | None:
 def check_model(model: nn.Module, batch: Any, cp: int, style: str, strategy: str) -> None:
     """In the parent, on one collated sample: the sequence splits into 2 x cp chunks, and the model run
     with its attention routed through context parallelism's (here: plain causal attention, cp 1) gives
-    the model's own output, and no attention-looking module was left out (the backstop)."""
+    the model's own output, and no attention-looking module was left out (the backstop); then every cp
+    rank, emulated, computes what the whole sequence does at its positions (`emulate.check_ranks`)."""
     if cp == 1:
         return
     from shardwise.data.batches import model_args
@@ -81,6 +82,9 @@ def check_model(model: nn.Module, batch: Any, cp: int, style: str, strategy: str
     if style == "ulysses" and heads is not None and heads[0] % cp:
         raise ConfigError(f"{strategy}: cp_style 'ulysses' splits attention heads over cp; {heads[0]} heads do not divide by cp {cp}. Use cp_style='ring'")
     _probe(model, args, kwargs, strategy)
+    from shardwise.strategies.context_parallel.emulate import check_ranks
+
+    check_ranks(model, args, kwargs, cp, strategy)  # the mechanism: each cp rank emulated against the whole sequence
 
 
 def _probe(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], strategy: str) -> None:

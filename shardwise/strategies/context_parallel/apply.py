@@ -107,6 +107,27 @@ def _finish(out: Any, n: int, state: CPState) -> Any:
     return out
 
 
+def local_call(original: Any, state: CPState, local: list[torch.Tensor], hf: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """``original`` run on this rank's share of the call's sequence (inputs split, positions set for the
+    `position_hooks` of ``local``, attention routed): (its output, the local length). The cp forward's
+    body, and the parent's emulated ranks' (`emulate.py`)."""
+    seq = sequence_length(args, kwargs)
+    check_divisible(seq, state.cp)
+    state.seq = seq
+    if hf and not args:
+        kwargs = _split_kwargs(kwargs, seq, state)
+    else:
+        args = _split_args(args, seq, state)
+    ref = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+    local[:] = [zigzag.positions(seq, state.cp, state.group.rank, ref.device)]
+    try:
+        with routed_sdpa(state):
+            out = original(*args, **kwargs)
+    finally:
+        local.clear()
+    return out, seq // state.cp
+
+
 def wrap_forward(model: nn.Module, state: CPState, hf: bool) -> None:
     """Replace ``model.forward`` (on the instance) by its context-parallel version."""
     original = model.forward
@@ -114,21 +135,8 @@ def wrap_forward(model: nn.Module, state: CPState, hf: bool) -> None:
     position_hooks(model, state, local)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        seq = sequence_length(args, kwargs)
-        check_divisible(seq, state.cp)
-        state.seq = seq
-        if hf and not args:
-            kwargs = _split_kwargs(kwargs, seq, state)
-        else:
-            args = _split_args(args, seq, state)
-        ref = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
-        local[:] = [zigzag.positions(seq, state.cp, state.group.rank, ref.device)]
-        try:
-            with routed_sdpa(state):
-                out = original(*args, **kwargs)
-        finally:
-            local.clear()
-        return _finish(out, seq // state.cp, state)
+        out, n = local_call(original, state, local, hf, args, kwargs)
+        return _finish(out, n, state)
 
     model.forward = forward
 
