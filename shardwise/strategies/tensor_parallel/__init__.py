@@ -137,7 +137,7 @@ class TensorParallel(Strategy):
     sequence_parallel: bool = False
     """Shard the activations between the split pairs (norms, dropout, residual) along the sequence."""
     tp_plan: dict[str, str] | None = None
-    """Module name or pattern -> 'colwise' | 'rowwise', or its JSON text (default: the model's declared plan, else automatic)."""
+    """Module (a '*' is one segment) -> colwise|rowwise|packed_colwise|colwise_gather_output|rowwise_split_input or JSON; default: declared, else auto."""
     dp_strategy: Literal["ddp", "fsdp"] = "ddp"
     """Data parallel over the rest: ddp (one gradient allreduce per step) or fsdp (FSDP2 over the dp dimension)."""
     count_collectives: bool = True
