@@ -11,11 +11,12 @@ reasoning behind them are in docs/planner.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shardwise.strategies.cost.cluster import Cluster
-from shardwise.strategies.cost.families import cost_of
-from shardwise.strategies.cost.family import Step, StrategyCost
+from shardwise.strategies.cost.families import cost_of, option_costs
+from shardwise.strategies.cost.family import OptionCost, Step, StrategyCost
 from shardwise.strategies.cost.model_spec import ModelSpec, StepFit
 from shardwise.strategies.cost.terms import (
     OPTIMIZER_SLOTS,
@@ -97,7 +98,7 @@ class _Memory:
     notes: list[str]
 
 
-def _memory(cost: StrategyCost, s: Step) -> _Memory:
+def _memory(cost: StrategyCost, s: Step, options: Sequence[OptionCost] = ()) -> _Memory:
     """Bytes per rank by category (docs/planner.md, "Memory")."""
     spec, shape, micro, m = s.spec, s.shape, s.micro, s.m
     tp, pp = shape.tp, shape.pp
@@ -117,6 +118,8 @@ def _memory(cost: StrategyCost, s: Step) -> _Memory:
     if shape.codec and shape.codec not in ("fp16", "bf16"):
         buffers += s.grad_bytes  # error-feedback residual
     memory = {**{k: state[k] for k in ("params", "grads", "optimizer")}, "activations": activations, "buffers": buffers}
+    for option in options:  # cp's logits kept whole, ep's experts (`OptionCost.memory`)
+        option.memory(s, memory)
     memory["model_state"] = memory["params"] + memory["grads"] + memory["optimizer"]
     offloaded = shape.offload and cost.offloads
     if offloaded:  # the sharded state lives in host memory; the device holds the gathered units and activations
@@ -169,11 +172,15 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     """Memory, collectives and time of ``shape`` for ``spec`` on ``cluster`` (see docs/planner.md)."""
     dev = cluster.device
     cost = cost_of(shape.family)
+    options = [o for o in option_costs() if o.applies(shape)]
     spec = spec.with_act_bytes(settings.act_bytes)
     m = cost.microbatches(shape)
-    samples = settings.global_batch / shape.dp  # per rank per step
-    s = Step(spec, cluster, settings, shape, cost.bytes_per_param(settings), spec.tp_rank_params(shape.tp) / shape.pp, m, samples / m / settings.accumulate)
-    mem = _memory(cost, s)
+    samples = settings.global_batch / shape.dp  # per rank per step (with cp: a cp rank's tokens, as samples' worth)
+    psi = spec.tp_rank_params(shape.tp) / shape.pp
+    for option in options:
+        psi = option.held_params(spec, shape, psi)
+    s = Step(spec, cluster, settings, shape, cost.bytes_per_param(settings), psi, m, samples / m / settings.accumulate)
+    mem = _memory(cost, s, options)
     compute, optimizer, recompute = _compute(s, mem, samples)
     bubble_frac = cost.bubble_fraction(shape, m)
     bubble = compute * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
@@ -181,6 +188,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, settings: Settings, shape: Shape
     s.compute = compute
     s.overlap_budget = {"backward": compute * 2 / 3 * dev.overlap, "forward": compute / 3 * dev.overlap}
     cost.collectives(s)
+    for option in options:
+        option.collectives(s)
     offload = 0.0
     if mem.offloaded:
         # each unit's parameter shard in for the forward's gather and the backward's, its gradient shard out,

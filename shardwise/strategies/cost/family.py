@@ -228,3 +228,26 @@ class StrategyCost:
     def calibration_points(self) -> dict[str, Point]:
         """The profile keys `shardwise.tools.advisor.calibrate_framework` measures for it, and how."""
         return {self.name: (self.name, {}, "layers", CALIBRATION_LAYERS)}
+
+
+class OptionCost:
+    """An option several strategies share that changes their cost (context parallelism's ``cp``, expert parallelism's
+    ``ep``): a family's ``cost.py`` lists its own in ``OPTIONS``; `estimate` asks each that `applies` to a candidate,
+    after the strategy's own hooks (docs/planner.md, "Context and expert parallelism")."""
+
+    def applies(self, shape: Shape) -> bool:
+        """Whether ``shape`` uses the option."""
+        return False
+
+    def held_params(self, spec: ModelSpec, shape: Shape, psi: float) -> float:
+        """Of the ``psi`` parameters a rank's model-parallel slice holds, those the strategy's own hooks see (shard,
+        reduce): all of them, or those the option does not place itself (ep's experts)."""
+        return psi
+
+    def memory(self, s: Step, memory: dict[str, float]) -> None:
+        """Change ``memory``'s ``params``, ``grads``, ``optimizer``, ``activations`` or ``buffers`` (bytes per rank)."""
+        return None
+
+    def collectives(self, s: Step) -> None:
+        """Add the option's own collectives to ``s``."""
+        return None

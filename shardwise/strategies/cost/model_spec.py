@@ -123,6 +123,16 @@ class ModelSpec:
     (``DeviceProfile.local``) uses it instead of FLOPs over FLOP/s."""
     step_fits: tuple[StepFit, ...] = ()
     """The same step timed at other thread counts (a single process's own, `fit_for`)."""
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0: as many as `heads`."""
+    moe_layers: int = 0
+    """Mixture-of-experts layers (stacked experts, `shardwise.strategies.expert_parallel.cost.moe_structure`); 0: none."""
+    experts: int = 0
+    """Experts in each MoE layer."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    expert_params: int = 0
+    """Parameters of the experts of every MoE layer together (what ``ep`` splits)."""
 
     def fit_for(self, threads: int) -> StepFit | None:
         """The step timed with ``threads`` threads; else the one timed with the most threads below it (a
@@ -255,6 +265,7 @@ def transformer_spec(
         act_bytes_other_sample=float(other),
         act_bytes=act_bytes,
         transformer=True,
+        kv_heads=kv,
         # weights: q, k, v, o, the MLP's 2 or 3 and 2 norms a layer; the embedding(s) and the final norm
         tensors=layers * (4 + (3 if gated else 2) + 2) + (1 if tied else 2) + (1 if positions else 0) + 1,
     )

@@ -76,6 +76,14 @@ class Shape:
     offload: bool = False
     """FSDP2's CPU offload (zero2, zero3, fsdp, hsdp ``offload=True``): parameters, gradients and optimizer
     state in host memory, each unit's parameters copied in for its gathers and its gradients copied out."""
+    cp: int = 1
+    """Context parallelism (``cp`` of ddp, the sharded strategies and tp): each sequence over this many ranks, which share
+    their samples; ``dp`` counts them too (gradients are averaged, and state sharded, over ``dp x cp``)."""
+    cp_style: str = "ring"
+    """Context-parallel attention: ``ring`` or ``ulysses``."""
+    ep: int = 1
+    """Expert parallelism (``ep`` of ddp and the sharded strategies): each MoE layer's experts over groups of this many
+    data-parallel ranks, tokens exchanged by all-to-all."""
 
 
 @dataclass

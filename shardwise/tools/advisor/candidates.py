@@ -42,7 +42,13 @@ def shape_of(candidate: Candidate, layout: Layout) -> Shape:
     (its family's `StrategyCost.shape`)."""
     o = dict(candidate.options)
     d = layout.degrees
-    common: dict[str, Any] = dict(dp=layout.data_parallel, tp=int(d.get("tp", 1)), pp=int(d.get("pp", 1)))  # Shape's fields
+    cp = int(d.get("cp", 1))
+    # Shape's fields; dp counts the cp ranks too: gradients are averaged and state sharded over dp x cp
+    common: dict[str, Any] = dict(dp=layout.data_parallel * cp, tp=int(d.get("tp", 1)), pp=int(d.get("pp", 1)))
+    if cp > 1:
+        common.update(cp=cp, cp_style=str(o.get("cp_style", "ring")))
+    if int(o.get("ep", 1) or 1) > 1:
+        common["ep"] = int(o["ep"])
     mode, _, every = candidate.activation_checkpointing.partition(":")
     common["recompute_every"] = int(every or 1) if mode == "blocks" else 0
     common["offload"] = bool(o.get("offload"))

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +141,8 @@ class PlannedModel:
             return parts.model, parts.train, parts.loss_fn, parts.optimizer
         if self.module is None or self.example is None:
             return None
-        return copy.deepcopy(self.module), repeated(self.example), _mean_output_loss, _adam
+        module = copy.deepcopy(self.module)
+        return module, by_keyword(repeated(self.example), module), _mean_output_loss, _adam
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -153,6 +154,32 @@ def repeated(example: Any) -> torch.utils.data.TensorDataset:
     x = example if isinstance(example, torch.Tensor) else example[0]
     reps = -(-TIMED_SAMPLES // int(x.shape[0]))
     return torch.utils.data.TensorDataset(x.repeat(reps, *([1] * (x.dim() - 1))))
+
+
+class _Keyword(torch.utils.data.Dataset):
+    """A one-tensor data set's samples as ``{key: x}``: the model is called ``model(key=x)``."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset, key: str) -> None:
+        self.data, self.key = data, key
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {self.key: self.data[i][0]}
+
+
+def by_keyword(data: torch.utils.data.TensorDataset, module: nn.Module) -> Any:
+    """``data`` passed by the name of the forward's first argument when that is ``input_ids`` (a transformers model):
+    called by keyword, as its own data would call it, a strategy that splits the sequence (context parallelism) sets the
+    model's positions itself; positionally, the model would build them from the split length."""
+    import inspect
+
+    try:
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+    except (TypeError, ValueError):
+        return data
+    return _Keyword(data, first) if first == "input_ids" else data
 
 
 def _stack(samples: list[Any]) -> Any:
@@ -171,9 +198,23 @@ def recipe_model(name: str, timed_batch: int | None = None, threads: Sequence[in
     batch = _stack([parts.train[i] for i in range(EXAMPLE_SAMPLES)])
     example = batch[0] if isinstance(batch, tuple) else batch
     spec = measured_spec(name, parts.model, example, EXAMPLE_SAMPLES, loss=lambda out: parts.loss_fn(out, batch), tp_plan=tp_split(parts.model))
+    spec = with_structure(spec, parts.model)
     if timed_batch:
         spec = spec.with_fits(time_steps(parts.model, parts.train, parts.loss_fn, parts.optimizer, _timed_sizes(timed_batch), threads, best))
     return PlannedModel(spec, parts.model, name)
+
+
+def with_structure(spec: ModelSpec, model: nn.Module) -> ModelSpec:
+    """``spec`` with what context and expert parallelism are priced by: the attention heads the model's config declares
+    (`context_parallel.cost.attention_heads`) and its experts layers (`expert_parallel.cost.moe_structure`)."""
+    from shardwise.strategies.context_parallel.cost import attention_heads
+    from shardwise.strategies.expert_parallel.cost import moe_structure
+
+    heads = attention_heads(model)
+    if heads is not None:
+        spec = replace(spec, heads=heads[0], kv_heads=heads[1])
+    moe = moe_structure(model)
+    return replace(spec, moe_layers=moe["moe_layers"], experts=moe["experts"], top_k=moe["top_k"], expert_params=moe["expert_params"])
 
 
 def tp_split(model: nn.Module) -> dict[str, str] | None:
@@ -249,7 +290,7 @@ def factory_model(spec: str, timed_batch: int | None = None, threads: Sequence[i
             "or give the module an example_input attribute, or pass --data MODULE:FACTORY (its first sample is used)"
         )
     samples = int(example.shape[0]) if isinstance(example, torch.Tensor) else int(example[0].shape[0])
-    planned = measured_spec(spec, model, example, samples, tp_plan=tp_split(model))
+    planned = with_structure(measured_spec(spec, model, example, samples, tp_plan=tp_split(model)), model)
     if timed_batch:
         planned = planned.with_fits(time_steps(model, repeated(example), _mean_output_loss, _adam, _timed_sizes(timed_batch), threads, best))
     return PlannedModel(planned, model, example=example)

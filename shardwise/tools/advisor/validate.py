@@ -238,11 +238,34 @@ def run_candidate(record: dict[str, Any], model: PlannedModel, settings: Setting
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     memory = measured_memory(out)
     return {
+        "comm_bytes_by_group": measured_comm(out),
         "step_s": measured_step_s(metrics, settings.global_batch),
         "model_state_bytes": memory["model_state"] if memory else None,
         "activation_bytes": memory["activations"] if memory else None,
         "memory_bytes": memory["total"] if memory else None,
     }
+
+
+def measured_comm(out: Path) -> dict[str, float] | None:
+    """Bytes rank 0 sent per step by group (summary.json's ``comm``, the Recorder's ``group/op`` totals over its steps)."""
+    path = out / "summary.json"
+    if not path.exists():
+        return None
+    comm = json.loads(path.read_text()).get("comm") or {}
+    steps = max(int(comm.get("steps") or 1), 1)
+    by_group: dict[str, float] = {}
+    for key, totals in (comm.get("by_op") or {}).items():
+        group = key.split("/")[0]
+        by_group[group] = by_group.get(group, 0.0) + float(totals.get("sent_bytes", 0)) / steps
+    return by_group
+
+
+def predicted_comm(rec: dict[str, Any]) -> dict[str, float]:
+    """The plan record's bytes one rank sends per step, by group."""
+    by_group: dict[str, float] = {}
+    for c in rec.get("comm_breakdown", []):
+        by_group[c["group"]] = by_group.get(c["group"], 0.0) + float(c["sent_bytes"])
+    return by_group
 
 
 def _rel(pred: float, meas: float | None) -> float | None:
@@ -364,6 +387,8 @@ def _row(rec: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:  # got's v
         "predicted_memory_bytes": pred_memory,
         "measured_memory_bytes": got["memory_bytes"],
         "memory_rel_error": _rel(pred_memory, got["memory_bytes"]),
+        "predicted_comm_bytes_by_group": predicted_comm(rec),
+        "measured_comm_bytes_by_group": got.get("comm_bytes_by_group"),
     }
 
 
