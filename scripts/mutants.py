@@ -445,6 +445,17 @@ MUTANTS = [
            "shardwise/strategies/context_parallel/hooks.py",
            "            return (pos.expand_as(idx),)", "            return None",
            ("tests/strategies/context_parallel/test_emulate.py::test_the_exact_families_pass",)),
+    Mutant("an uneven evaluation skips the padding forward once the keys are known", "shardwise/trainer/evaluate.py",
+           "            padded = list(eval_fn(", "            padded = [] if keys else list(eval_fn(",
+           ("tests/tools/test_run_tools_dist.py::test_an_uneven_evaluation_runs_the_padding_forward_under_zero3",)),
+    Mutant("plan: ep's experts also counted in what the strategy replicates or shards (not taken out of psi)",
+           "shardwise/strategies/expert_parallel/cost.py",
+           "        return psi - spec.expert_params", "        return psi",
+           ("tests/strategies/cost/test_option_costs.py::test_ep_candidates_divide_the_experts_and_send_the_all_to_all_s_bytes",)),
+    Mutant("plan: cp's logits split over the cp ranks like the blocks' activations (they are gathered whole)",
+           "shardwise/strategies/context_parallel/cost.py",
+           '        memory["activations"] += _logits(s.spec, s.micro) * (s.shape.cp - 1)', '        memory["activations"] += 0.0',
+           ("tests/strategies/cost/test_option_costs.py::test_cp_candidates_hold_half_the_activations_and_send_the_ring_s_bytes",)),
 ]
 
 

@@ -115,7 +115,10 @@ def evaluate(engine: Engine, module: nn.Module, dataset: Any, collate: Any, batc
                 totals[k] = totals.get(k, 0.0) + float(v) * n
             done += 1
         for _ in range(calls - done):
-            keys = keys or list(eval_fn(module, engine.to_device(fetch(dataset, [0], collate))))
+            # The padding call runs on every rank that has fewer batches (its collectives, FSDP's
+            # gathers, tp's reductions, pair with the other ranks'); only its keys are kept.
+            padded = list(eval_fn(module, engine.to_device(fetch(dataset, [0], collate))))
+            keys = keys or padded
     module.train(was_training)
     # Every rank ran at least one call, so every rank knows the keys (the same code returns them).
     sums = torch.tensor([float(count)] + [totals.get(k, 0.0) for k in keys], dtype=torch.float64, device=engine.device)
