@@ -102,3 +102,19 @@ def test_the_exact_families_pass(name: str) -> None:
     b = zoo.batch(cells.data_name(name), 1)
     for cp in (2, 4):
         _check(cells.build(name), b, cp)
+
+
+def test_a_long_sequence_is_checked_on_a_prefix_and_still_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 256-token sample is emulated on its first 2 x cp x CHECK_CHUNK tokens (the recorded q/k/v stay
+    small), which still shows positions built from arange(t); a model given its positions passes."""
+    from shardwise.strategies import context_parallel as cp_pkg
+    from shardwise.strategies.context_parallel import emulate
+
+    seen: list[int] = []
+    real = emulate.check_ranks
+    monkeypatch.setattr(emulate, "check_ranks", lambda m, a, k, *rest: (seen.append(a[0].shape[1]), real(m, a, k, *rest))[1])
+    x = torch.randint(0, zoo.VOCAB, (1, 256), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"the q of emulated cp rank 0 of 2 differs .*arange\(t\)"):
+        _check(_RotaryGPT().double(), (x, x))
+    _check(_RotaryGPT().double(), (x, torch.arange(256).expand_as(x), x))
+    assert seen == [2 * 2 * cp_pkg.CHECK_CHUNK] * 2
