@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from shardwise.strategies import available
 from shardwise.strategies.cost.cluster import Cluster, load_profile
-from shardwise.strategies.cost.families import all_costs, cost_modules, cost_of, propose
+from shardwise.strategies.cost.families import all_costs, cost_modules, cost_of, option_costs, propose
 from shardwise.strategies.cost.family import ONE_PROCESS, PIPELINE, REFERENCE, REPLICATE, SHARD_ALL, SHARD_STATE, SPLIT_LAYERS, UNRELIABLE, StrategyCost
 from shardwise.strategies.cost.model_spec import transformer_spec
 
 
 def test_each_family_folder_with_a_cost_module_is_found_in_plan_order_and_costs_registered_names() -> None:
     modules = cost_modules()
-    assert [m.__name__.split(".")[2] for m in modules] == ["data_parallel", "sharded", "tensor_parallel", "pipeline", "param_server", "replicas"]
+    assert [m.__name__.split(".")[2] for m in modules] == [
+        "data_parallel",
+        "sharded",
+        "tensor_parallel",
+        "pipeline",
+        "param_server",
+        "replicas",
+        "context_parallel",  # the options several strategies share (cp, ep): found without a registered name
+        "expert_parallel",
+    ]
+    assert [type(o).__name__ for o in option_costs()] == ["ContextParallelOption", "ExpertParallelOption"]
     assert set(all_costs()) <= set(available())
     assert all(cost.name == name for name, cost in all_costs().items())
 
