@@ -106,3 +106,40 @@ def check_batch_fits(model: nn.Module, batch: Any) -> None:
             f"it fails with: {exc}. Make the data set's samples match the forward (a dict whose keys are the "
             "forward's parameter names, or an (inputs..., target) tuple), or define training_step(batch) on the model"
         ) from None
+
+
+class _Called(Exception):
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("training_step called the model")
+        self.args, self.kwargs = args, kwargs
+
+
+def run_own_step(model: nn.Module, batch: Any, forward: Any) -> Any:
+    """``model.training_step(batch)`` with the model's ``self(...)`` answered by ``forward`` (an
+    instance attribute for the call's duration: ``nn.Module.__call__`` reads ``self.forward``)."""
+    had = "forward" in model.__dict__
+    saved = model.__dict__.get("forward")
+    model.__dict__["forward"] = forward
+    try:
+        return model.training_step(batch)  # type: ignore[operator]
+    finally:
+        if had:
+            model.__dict__["forward"] = saved
+        else:
+            model.__dict__.pop("forward", None)
+
+
+def own_call(model: nn.Module, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments of the first ``self(...)`` that ``model.training_step(batch)`` makes (the step is
+    stopped there, the forward never runs), or None when it returns without calling the model; an
+    exception the step raises before the call propagates. Shared by the pipeline (`own_step`) and
+    context parallelism's parent check, which both need the forward's own arguments."""
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        raise _Called(args, kwargs)
+
+    try:
+        run_own_step(model, batch, record)
+    except _Called as called:
+        return called.args, called.kwargs
+    return None

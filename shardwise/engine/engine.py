@@ -408,17 +408,26 @@ def call_through(model: nn.Module, module: nn.Module, method: str, *args: Any) -
     Wrappers like DDP only synchronize what passes through their ``forward``; a
     ``training_step`` method called directly would bypass it. For one call,
     ``module.forward`` is a redirect that first restores the real forward (the
-    method itself usually calls ``self(x)``) and then runs the method.
+    method itself usually calls ``self(x)``; an instance's own replacement, as
+    context parallelism's, is kept) and then runs the method.
     """
     if model is module:
         return getattr(module, method)(*args)
 
+    own = module.__dict__.get("forward")  # a forward replaced on the instance (context parallelism's) stays in force
+
+    def put_back() -> None:
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = own
+
     def redirect(*a: Any, **k: Any) -> Any:
-        module.__dict__.pop("forward", None)
+        put_back()
         return getattr(module, method)(*a, **k)
 
     module.forward = redirect
     try:
         return model(*args)
     finally:
-        module.__dict__.pop("forward", None)
+        put_back()

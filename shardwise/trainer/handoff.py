@@ -33,8 +33,10 @@ RETURN_LIMIT_BYTES = 1 << 30  # 'auto' brings back at most this much when the ru
 
 
 def fingerprint(model: nn.Module) -> str:
-    """Names, shapes, dtypes and values of the model's state (values hashed; meta tensors by shape only)."""
+    """The model's class, and names, shapes, dtypes and values of its state (values hashed; meta tensors by shape only)."""
     h = hashlib.blake2b(digest_size=16)
+    # the class: same weights in another class (its own training_step) differ; not its module (a script is __mp_main__ in a worker)
+    h.update(type(model).__qualname__.encode())
     for name, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             continue

@@ -80,9 +80,11 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
     check_tools(trainer, val_data, model)
     if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
         check_out(cfg.out, cfg.resume, cfg.overwrite)
-    if not has_step and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
+    own_cp = has_step and layout.degrees.get("cp", 1) > 1  # cp checks a training_step model on its self(...) call's arguments
+    if (own_cp or not has_step) and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
         sample = fetch(dataset, [0], collate)
-        check_batch_fits(model, sample)
+        if not has_step:
+            check_batch_fits(model, sample)
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
 
 

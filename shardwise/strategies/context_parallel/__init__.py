@@ -62,12 +62,11 @@ def check_model(model: nn.Module, batch: Any, cp: int, style: str, strategy: str
     """In the parent, on one collated sample: the sequence splits into 2 x cp chunks, and the model run
     with its attention routed through context parallelism's (here: plain causal attention, cp 1) gives
     the model's own output, and no attention-looking module was left out (the backstop); then every cp
-    rank, emulated, computes what the whole sequence does at its positions (`emulate.check_ranks`)."""
+    rank, emulated, computes what the whole sequence does at its positions (`emulate.check_ranks`).
+    A model with a ``training_step`` is checked on the arguments of its first ``self(...)`` call."""
     if cp == 1:
         return
-    from shardwise.data.batches import model_args
-
-    args, kwargs = model_args(batch)
+    args, kwargs = _forward_args(model, batch, cp, strategy)
     check_divisible(sequence_length(args, kwargs), cp)
     cfg = getattr(model, "config", None)
     window = getattr(cfg, "sliding_window", None)
@@ -98,6 +97,26 @@ def check_model(model: nn.Module, batch: Any, cp: int, style: str, strategy: str
         except Exception:  # noqa: BLE001 - the model's own limit on lengths; the whole sample decides
             pass
     check_ranks(model, args, kwargs, cp, strategy)
+
+
+def _forward_args(model: nn.Module, batch: Any, cp: int, strategy: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The forward's arguments for ``batch``: the batch's own (`model_args`), or for a model with a
+    ``training_step`` those of its first ``self(...)`` call (`own_call`: the step stopped there)."""
+    from shardwise.data.batches import model_args, own_call
+
+    if not callable(getattr(model, "training_step", None)):
+        return model_args(batch)
+    name = type(model).__name__
+    try:
+        called = own_call(model, batch)
+    except Exception as exc:  # noqa: BLE001 - the user's step on one sample: said in one line
+        raise ConfigError(f"{strategy}: {name}.training_step raised {type(exc).__name__} on a sample before calling the model ({exc})") from None
+    if called is None:
+        raise ConfigError(
+            f"{strategy}: {name}.training_step returned without calling the model (self(...)); context parallelism (cp={cp}) "
+            "splits the sequence of the model's forward calls, so nothing would be split. Call self(...) in training_step, or run without cp"
+        )
+    return called
 
 
 CHECK_CHUNK = 8
@@ -167,6 +186,21 @@ def _probe(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], stra
             f"{strategy}: with attention routed through context parallelism the model's output differs from its own by {diff:.3g}: "
             "its attention is not plain causal attention (a mask, a window, a bias, or positions the split cannot follow). Run without cp"
         )
+    _train_mode(probe, args, kwargs)
+
+
+def _train_mode(probe: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The routed probe run once in training mode (no gradients, the random state restored): what only
+    training does to attention (dropout in ``scaled_dot_product_attention`` or transformers' attention
+    call) is refused here, before launch, not at the workers' first step. Other errors are left to the run."""
+    probe.train()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            probe(*args, **kwargs)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - the model's own training-mode needs; the eval-mode checks above decided
+        pass
 
 
 class _Alone(Group):

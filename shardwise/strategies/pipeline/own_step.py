@@ -14,14 +14,17 @@ elements (``self(x.long(), y)``), or a step that never calls ``self``, is a `Con
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from shardwise.data.batches import own_call, run_own_step
 from shardwise.errors import ConfigError
+
+__all__ = ["Call", "has_own_step", "probe_call", "run_own_step"]
 
 
 def has_own_step(model: nn.Module) -> bool:
@@ -56,43 +59,20 @@ class Call:
         return {**{f"_arg{i}": a for i, a in enumerate(args)}, **kwargs}
 
 
-class _Called(Exception):
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("training_step called the model")
-        self.args, self.kwargs = args, kwargs
-
-
-def run_own_step(model: nn.Module, batch: Any, forward: Callable[..., Any]) -> Any:
-    """``model.training_step(batch)`` with the model's ``self(...)`` answered by ``forward`` (an
-    instance attribute for the call's duration: ``nn.Module.__call__`` reads ``self.forward``)."""
-    had = "forward" in model.__dict__
-    saved = model.__dict__.get("forward")
-    model.__dict__["forward"] = forward
-    try:
-        return model.training_step(batch)  # type: ignore[operator]
-    finally:
-        if had:
-            model.__dict__["forward"] = saved
-        else:
-            model.__dict__.pop("forward", None)
-
-
 def probe_call(model: nn.Module, batch: Any) -> Call:
     """How ``model.training_step(batch)`` calls the model (see the module); stops at that call."""
     name = type(model).__name__
 
-    def record(*args: Any, **kwargs: Any) -> Any:
-        raise _Called(args, kwargs)
-
     try:
-        run_own_step(model, batch, record)
-    except _Called as called:
-        return Call(tuple(_ref(a, batch, name) for a in called.args), {k: _ref(v, batch, name) for k, v in called.kwargs.items()})
+        called = own_call(model, batch)
     except Exception as exc:
         raise ConfigError(
             f"{name}.training_step raised {type(exc).__name__} before calling the model ({exc}); under the pipeline the "
             "step must call the model itself (self(x) or self(x, y)), whose forward runs in stages; pass loss_fn=... instead"
         ) from None
+    if called is not None:
+        args, kwargs = called
+        return Call(tuple(_ref(a, batch, name) for a in args), {k: _ref(v, batch, name) for k, v in kwargs.items()})
     raise ConfigError(
         f"{name}.training_step returned without calling the model (self(...)); the pipeline runs the model's forward in "
         "stages and computes the loss on the last one from what self(...) returns there; call self(x) or self(x, y) in "

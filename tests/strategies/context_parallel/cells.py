@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers as tf
 from torch import nn
 
 from tests.support import harness, zoo
@@ -18,11 +19,24 @@ from tests.support import harness, zoo
 FAMILIES = ("llama", "gpt2", "qwen2", "nanogpt")
 
 
+class LlamaStep(tf.LlamaForCausalLM):
+    """Llama with the README's alternative to loss_fn: ``training_step`` returning ``self(**batch).loss``."""
+
+    def training_step(self, batch: Any) -> torch.Tensor:
+        return self(**batch).loss  # type: ignore[no-any-return]
+
+
+def _llama_step() -> nn.Module:
+    """`LlamaStep` with the weights of the cells' Llama."""
+    base = build("llama")
+    model = LlamaStep(base.config).to(torch.float64)
+    model.load_state_dict(base.state_dict())
+    return model
+
+
 def build(name: str) -> nn.Module:
     """``name``'s model in float64 from seed 0, 2 layers, attention in float64."""
     if name == "qwen2":
-        import transformers as tf
-
         torch.manual_seed(0)
         cfg = tf.Qwen2Config(
             vocab_size=zoo.VOCAB,
@@ -37,7 +51,9 @@ def build(name: str) -> nn.Module:
             attn_implementation="sdpa",
         )
         return tf.Qwen2ForCausalLM(cfg).to(torch.float64)
-    model = zoo.build(name, layers=2)
+    if name == "llama_step":
+        return _llama_step()
+    model = zoo.build(name, layers=2)  # "nanogpt_targets": Karpathy's forward(idx, targets), training_step calls self(x, y)
     cfg = getattr(model, "config", None)
     if cfg is not None:
         cfg._attn_implementation = "sdpa"
@@ -45,7 +61,7 @@ def build(name: str) -> nn.Module:
 
 
 def data_name(name: str) -> str:
-    return "llama" if name == "qwen2" else name
+    return "llama" if name in ("qwen2", "llama_step") else name
 
 
 def train(name: str, strategy: str = "single", options: dict[str, Any] | None = None, **settings: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:

@@ -34,6 +34,8 @@ TWO = [
 ]
 OWN_LOSS = [("llama", "ddp", {"cp": 2}, {"own_loss": True}), ("gpt2", "ddp", {"cp": 2, "cp_style": "ulysses"}, {"own_loss": True})]
 """transformers' own loss (labels shifted inside the model, in float32): the shift made before the split."""
+OWN_STEP = [("llama_step", "ddp", {"cp": 2}, {"own_loss": True}), ("nanogpt_targets", "ddp", {"cp": 2}, {"own_loss": True})]
+"""Models with a training_step: Llama returning ``self(**batch).loss``, nanoGPT calling ``self(x, y)``."""
 OWN_TOL = 1e-6
 """transformers computes its loss in float32 (`zoo.causal_lm_loss64`): parity to float32 rounding."""
 FOUR = [
@@ -54,9 +56,9 @@ def _reference(name: str, own_loss: bool = False) -> dict[str, torch.Tensor]:
 
 
 def _two() -> list[Any]:
-    """The 2-process launch's results (TWO, then OWN_LOSS), run once for the tests that read them."""
+    """The 2-process launch's results (TWO, OWN_LOSS, then OWN_STEP), run once for the tests that read them."""
     if "two" not in _RESULTS:
-        _RESULTS["two"] = launch(cells.run, TWO + OWN_LOSS, nproc=2, threads_per_proc=1, timeout=800)[0]
+        _RESULTS["two"] = launch(cells.run, TWO + OWN_LOSS + OWN_STEP, nproc=2, threads_per_proc=1, timeout=800)[0]
     return _RESULTS["two"]
 
 
@@ -119,7 +121,7 @@ def test_cp2_matches_single_and_bytes_match_the_formulas() -> None:
 
 @pytest.mark.timeout(900)
 def test_the_model_s_own_loss_is_the_loss_of_all_tokens() -> None:
-    for (name, _, options, _), (_summary, state) in zip(OWN_LOSS, _two()[len(TWO) :], strict=True):
+    for (name, _, options, _), (_summary, state) in zip(OWN_LOSS, _two()[len(TWO) : len(TWO) + len(OWN_LOSS)], strict=True):
         diff = harness.max_difference(state, _reference(name, own_loss=True))
         assert diff <= OWN_TOL, f"{name} {options} with the model's own loss: largest parameter difference from single {diff:.3g}"
 
@@ -128,6 +130,22 @@ def test_the_model_s_own_loss_is_the_loss_of_all_tokens() -> None:
 def test_cp2_with_tp2_and_cp4_match_single() -> None:
     results = launch(cells.run, FOUR, nproc=4, threads_per_proc=1, timeout=800)[0]
     _check_cells(FOUR, results)
+
+
+@pytest.mark.timeout(900)
+def test_a_model_s_training_step_goes_through_cp() -> None:
+    """The forward a training_step calls is split (ring bytes as the formula, outputs gathered, the loss
+    all-reduced over cp) and the weights are single's: before, the Trainer's call of training_step
+    dropped cp's forward (Llama: ring attention over unsplit inputs, 4.8e-4 off; nanoGPT: nothing split)."""
+    for (name, _, options, _), (summary, state) in zip(OWN_STEP, _two()[len(TWO) + len(OWN_LOSS) :], strict=True):
+        family = "llama" if name == "llama_step" else "nanogpt"
+        diff = harness.max_difference(state, _reference(family, own_loss=family == "llama"))
+        tol = OWN_TOL if family == "llama" else harness.TOL
+        assert diff <= tol, f"{name} {options}: largest parameter difference from single {diff:.3g}"
+        by_op = summary["comm"]["by_op"]
+        for key, want in _expected(family, 2, 1, "ring").items():
+            assert by_op.get(key, {}).get("sent_bytes") == want, f"{name}: {key} {by_op.get(key)}, formula {want}"
+        assert "cp/all_gather" in by_op and "cp/all_reduce" in by_op, f"{name}: no gather or loss reduction over cp: {sorted(by_op)}"
 
 
 # -- refusals, in the parent ----------------------------------------------------------------------
@@ -198,3 +216,77 @@ def test_refuses_bad_options() -> None:
 def test_layout_puts_cp_between_dp_and_tp() -> None:
     layout = TensorParallel(tp=2, cp=2).plan(8)
     assert dict(layout.degrees) == {"dp": 2, "pp": 1, "cp": 2, "tp": 2} and layout.data_parallel == 2
+
+
+# -- a model's own training_step, in the parent ---------------------------------------------------
+
+
+class _Cut(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """nanoGPT's samples cut to ``seq`` tokens."""
+
+    def __init__(self, seq: int) -> None:
+        self.data, self.seq = zoo.dataset("nanogpt_targets", 8), seq
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        x, y = self.data[i]
+        return x[: self.seq], y[: self.seq]
+
+
+def _fit_check(model: nn.Module, data: Any) -> None:
+    """``fit``'s checks before launch (nothing runs) under ddp cp=2 on 2 processes, the model's own loss."""
+    harness.trainer("nanogpt_targets", "ddp", {"cp": 2}, own_loss=True, nproc=2)._check(model, data)
+
+
+class _DroppingAttention(zoo.CausalSelfAttention):
+    """nanoGPT's attention with its dropout inside scaled_dot_product_attention while training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(self.n_embd, dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class _NoCall(zoo.NanoGPTTargets):
+    def training_step(self, batch: Any) -> torch.Tensor:
+        return self.lm_head.weight.sum()
+
+
+def test_a_training_step_model_is_checked_before_launch() -> None:
+    """Divisibility, dropout and a step that never calls the model: refused in the parent for a model
+    whose training_step calls ``self(x, y)`` (the check runs on that call's arguments); 16 tokens pass."""
+    _fit_check(cells.build("nanogpt_targets"), _Cut(16))
+    with pytest.raises(ConfigError, match=r"sequence length 14 is not divisible by 4"):
+        _fit_check(cells.build("nanogpt_targets"), _Cut(14))
+    dropping = cells.build("nanogpt_targets")
+    for block in dropping.transformer.h:  # type: ignore[union-attr]
+        block.attn.__class__ = _DroppingAttention
+    with pytest.raises(ConfigError, match=r"scaled_dot_product_attention call.*dropout_p=0.1"):
+        _fit_check(dropping, _Cut(16))
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match=r"training_step returned without calling the model"):
+        _fit_check(_NoCall(layers=1).double(), _Cut(16))
+
+
+def test_a_training_step_keeps_cp_s_forward_and_workers_train_the_parent_s_class() -> None:
+    """The two causes of the trial's wrong run: the Trainer's call of training_step through a wrapper
+    (`call_through`) removed an instance's forward (cp's); and a worker re-running the script took its
+    own model of the same weights but another class (the training_step one) for the parent's plain one."""
+    from shardwise.engine.engine import call_through
+    from shardwise.trainer.handoff import fingerprint
+
+    model, seen = cells.build("nanogpt_targets"), []
+
+    def own(*a: Any, **k: Any) -> Any:
+        seen.append(a)
+        return type(model).forward(model, *a, **k)
+
+    model.forward = own  # type: ignore[method-assign]
+    wrapper = nn.Sequential(model)  # a wrapper that calls the module's forward, as DDP does
+    wrapper.forward = lambda b: model(b)  # type: ignore[method-assign]
+    call_through(wrapper, model, "training_step", zoo.batch("nanogpt_targets", 2))
+    assert len(seen) == 1 and model.__dict__.get("forward") is own
+    assert fingerprint(cells.build("llama_step")) != fingerprint(cells.build("llama"))
