@@ -105,7 +105,10 @@ def get_strategy(spec: str | Strategy, **options: Any) -> Strategy:
         unknown = [k for k in options if k not in fields]
         if unknown:
             hints = [f"{k!r}" + (f" (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(k, fields, n=1)) else "") for k in unknown]
-            raise ConfigError(f"strategy {spec!r} has no option {', '.join(hints)}; its options are: {', '.join(fields) or 'none'}")
+            from shardwise.strategies.options import not_composed
+
+            why = not_composed(spec, unknown)
+            raise ConfigError(f"strategy {spec!r} has no option {', '.join(hints)}{why}; its options are: {', '.join(fields) or 'none'}")
     try:
         return _contract(factory(**options))
     except TypeError as exc:

@@ -259,6 +259,25 @@ def strategy_options(name: str) -> StrategyOptions | None:
     return StrategyOptions((name,), factory, options_of(factory)) if is_options_class(factory) else None
 
 
+_NOT_COMPOSED: dict[str, tuple[str, str]] = {
+    "ep": ("expert parallelism (ep)", "ep runs on strategies 'ddp', 'zero2', 'zero3' and 'hsdp'"),
+    "cp": ("context parallelism (cp)", "cp runs on strategies 'ddp', 'zero1', 'zero2', 'zero3', 'hsdp' and 'tp'"),
+}
+"""Options of the parallelisms that compose with some strategies only: what each is, and where it runs."""
+
+
+def not_composed(strategy: str, names: Collection[str]) -> str:
+    """Why ``strategy`` lacks options that other strategies have (ep, cp), and what takes them: a
+    sentence starting with ``": "`` to put after "has no option ...", or ``""``."""
+    parts = []
+    for name in names:
+        if name in _NOT_COMPOSED:
+            what, where = _NOT_COMPOSED[name]
+            extra = " (under 'tp' with ep=1 the experts are split by tp's plan)" if name == "ep" and strategy in ("tp", "pipeline") else ""
+            parts.append(f"{what} does not compose with strategy {strategy!r} yet: {where}{extra}; or drop {name}")
+    return (": " + "; ".join(parts)) if parts else ""
+
+
 def resolve(strategy: str, values: Mapping[str, Any], *, flags: Collection[str] = (), known: Catalog | None = None) -> dict[str, Any]:
     """``values`` (strategy options from TOML, ``--set`` and flags) checked against ``strategy``'s
     fields and converted to their types.
@@ -280,7 +299,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, flags: Collection[str] 
             else "its options through --set trainer.strategy_options.KEY=VALUE"
         )
         raise ConfigError(
-            f"{name_to_flag(name)} is an option of {owners}; strategy {strategy!r} does not take it "
+            f"{name_to_flag(name)} is an option of {owners}; strategy {strategy!r} does not take it{not_composed(strategy, [name])} "
             f"(it takes {takes}). Drop the flag or choose a strategy that has it"
         )
     if target is None:
@@ -293,7 +312,7 @@ def resolve(strategy: str, values: Mapping[str, Any], *, flags: Collection[str] 
             close = difflib.get_close_matches(u, list(own), n=1)
             hints.append(f"{u!r} (did you mean {close[0]!r}?)" if close else repr(u))
         raise ConfigError(
-            f"strategy {strategy!r} has no option {', '.join(hints)} (in trainer.strategy_options); "
+            f"strategy {strategy!r} has no option {', '.join(hints)}{not_composed(strategy, unknown)} (in trainer.strategy_options); "
             f"its options are: {valid} (see `shardwise strategies {strategy}`)"
         )
     return {n: own[n].convert(v, strategy) for n, v in values.items()}
@@ -308,6 +327,7 @@ __all__ = [
     "catalog",
     "describe",
     "field_docs",
+    "not_composed",
     "format_value",
     "is_options_class",
     "metavar",

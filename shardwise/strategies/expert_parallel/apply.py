@@ -22,7 +22,7 @@ from torch import nn
 from shardwise.comm import WORLD, Group, Recorder, all_gather, all_reduce, new_group
 from shardwise.comm.mesh import Mesh
 from shardwise.errors import ConfigError
-from shardwise.strategies.expert_parallel.detect import ExpertsLayer, check_model
+from shardwise.strategies.expert_parallel.detect import ExpertsLayer, check_model, forward_args
 from shardwise.strategies.expert_parallel.dispatch import dispatch_forward
 
 
@@ -62,7 +62,8 @@ class ExpertParallel:
             for attr, value in list(vars(module).items()):  # the module's own count of its experts (num_experts, ...)
                 if "expert" in attr and isinstance(value, int) and not isinstance(value, bool) and value == layer.num_experts:
                     setattr(module, attr, n)
-            module.forward = dispatch_forward(module, type(module).forward.__get__(module), self.group, recorder, layer.num_experts)
+            inner = type(module).forward.__get__(module)
+            module.forward = dispatch_forward(module, inner, self.group, recorder, layer.num_experts, layer.name, forward_args(module))
         self._ids = {id(p) for p in self.params.values()}
 
     def ignore(self, model: nn.Module) -> None:

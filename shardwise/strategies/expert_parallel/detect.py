@@ -2,7 +2,9 @@
 
 The rule: a module whose forward takes ``(hidden_states, top_k_index, top_k_weights)`` (the
 experts interface transformers 5.x gives every MoE family: Mixtral, Qwen2/3-MoE, OLMoE,
-GraniteMoE, DeepSeek-V3, ...) and whose own parameters are stacked, each with the same leading
+GraniteMoE, DeepSeek-V3, ...), matched by position, not by name (any forward of exactly three
+required positional arguments; `dispatch.py` checks their shapes on the first call: hidden rows
+[T, H], integer indices [T, k], float weights [T, k]), and whose own parameters are stacked, each with the same leading
 dimension E >= 2 (the experts: ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I), biases (E, ...)),
 and no child module holding parameters (a norm shared by the experts would need its own reduction).
 
@@ -22,6 +24,11 @@ from torch import nn
 from shardwise.errors import ConfigError
 
 SIGNATURE = ("hidden_states", "top_k_index", "top_k_weights")
+INTERFACE = (
+    "forward(hidden_states, top_k_index, top_k_weights) -> [T, H]: three tensors, hidden rows [T, H], expert indices [T, k] "
+    "(integer), routing weights [T, k] (float), matched by position (any names)"
+)
+"""The experts interface ep splits, as every message that refuses a forward says it."""
 
 
 @dataclass(frozen=True)
@@ -33,12 +40,45 @@ class ExpertsLayer:
     params: tuple[str, ...]
 
 
-def _forward_args(module: nn.Module) -> tuple[str, ...]:
+def forward_args(module: nn.Module) -> tuple[str, ...]:
     try:
         sig = inspect.signature(type(module).forward)  # follows functools.wraps to the model's own forward
     except (TypeError, ValueError):
         return ()
     return tuple(p for p in sig.parameters if p != "self")
+
+
+def _three_tensors(module: nn.Module) -> bool:
+    """The forward's first three arguments are transformers' names, or it has exactly three required
+    positional arguments (any names; the rest, if any, have defaults)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    if tuple(p.name for p in params[:3]) == SIGNATURE:
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in params if p.default is inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return len(required) == 3 and all(p.kind in positional for p in required) and required == params[:3]
+
+
+def _library(module: nn.Module) -> bool:
+    """The class comes from transformers (the user cannot rewrite it)."""
+    return type(module).__module__.split(".")[0] == "transformers"
+
+
+def _why_not(module: nn.Module, e: int) -> str:
+    """Why a stacked-experts module is not covered, and what to do: for a library class, the nearest setting."""
+    args = forward_args(module)
+    cls = type(module).__name__
+    if not _library(module):
+        return f"{cls}: {e} stacked experts behind forward{args}; ep needs {INTERFACE}"
+    how = (
+        "each expert runs on every token (the router's weights applied to its input beforehand), not on the top-k tokens it is sent"
+        if len(args) == 1
+        else f"its forward{args} is not the top-k interface"
+    )
+    return f"{cls}, transformers' own class: {e} stacked experts behind forward{args}: {how}; ep=1 with strategy 'tp' or 'zero3' trains it"
 
 
 def _stacked(module: nn.Module) -> int:
@@ -71,14 +111,14 @@ def find_experts(model: nn.Module) -> tuple[list[ExpertsLayer], list[str]]:
     uncovered: list[str] = []
     for name, module in model.named_modules():
         e = _stacked(module)
-        if e and _forward_args(module)[:3] == SIGNATURE:
+        if e and _three_tensors(module):
             shared = _has_param_children(module)
             if shared:
                 uncovered.append(f"'{name}' ({type(module).__name__}: its experts share the parameters of {shared})")
                 continue
             covered.append(ExpertsLayer(name, e, tuple(n for n, _ in module.named_parameters(recurse=False))))
         elif e and sum(1 for p in module.parameters(recurse=False) if p.dim() == 3) >= 2:
-            uncovered.append(f"'{name}' ({type(module).__name__}: {e} stacked experts behind forward{_forward_args(module)})")
+            uncovered.append(f"'{name}' ({_why_not(module, e)})")
         else:
             hand = _hand_written(name, module)
             if hand is not None:
@@ -96,13 +136,21 @@ def check_model(model: nn.Module, ep: int, dp: int) -> list[ExpertsLayer]:
             f"group into groups of {ep} ranks; choose an ep that divides {dp}, or a world size that is a multiple of {ep}"
         )
     covered, uncovered = find_experts(model)
+    if uncovered and all("transformers' own class" in u for u in uncovered):
+        names = ", ".join(u.split(" (", 1)[0] for u in uncovered)
+        raise ConfigError(
+            f"ep={ep}: expert parallelism does not cover the experts layer(s) {names} ({uncovered[0].split(' (', 1)[1]}. "
+            "ep splits experts that receive only the tokens routed to them; these take a different interface. The nearest "
+            "working settings: strategy 'tp' with ep=1 (the experts split by transformers' own plan), or 'zero3' with ep=1 "
+            "(the experts sharded with the rest of the model)"
+        )
     if uncovered:
         raise ConfigError(
             f"ep={ep}: {len(uncovered)} module(s) look like mixture-of-experts layers that expert parallelism does not cover: "
             + "; ".join(uncovered)
-            + ". shardwise splits experts stacked as (num_experts, ...) parameters behind a forward(hidden_states, top_k_index, "
-            "top_k_weights), as transformers' MoE families declare them; use ep=1 (the experts replicated or sharded by "
-            "fsdp/zero3), or write the experts in that form"
+            + f". shardwise splits experts stacked as (num_experts, ...) parameters behind {INTERFACE}, as transformers' MoE "
+            "families declare them; use ep=1 (the experts replicated or sharded by fsdp/zero3), or give your experts module "
+            "that forward (a router outside it choosing the top k)"
         )
     if not covered:
         raise ConfigError(

@@ -28,17 +28,39 @@ import torch
 from torch import nn
 
 from shardwise.comm import Group, Recorder, all_to_all, all_to_all_autograd
+from shardwise.errors import ConfigError
+from shardwise.strategies.expert_parallel.detect import INTERFACE
+
+
+def _take_three(names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+    """The three experts arguments, by position or by the module's own names, and the positional rest."""
+    rest = list(args)
+    three = [rest.pop(0) if rest else kwargs.pop(n, None) for n in names[:3]]
+    return three, tuple(rest)
+
+
+def check_call(name: str, hidden: Any, index: Any, weights: Any) -> None:
+    """The experts' call has the interface ep splits (`detect.INTERFACE`), or a `ConfigError` naming what came."""
+    ok = all(isinstance(t, torch.Tensor) for t in (hidden, index, weights))
+    ok = ok and hidden.dim() == 2 and index.dim() == 2 and not index.is_floating_point() and weights.is_floating_point()
+    ok = ok and index.shape[0] == hidden.shape[0] and tuple(weights.shape) == tuple(index.shape)
+    if not ok:
+        got = ", ".join(f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in (hidden, index, weights))
+        raise ConfigError(f"ep: the experts layer '{name}' was called with ({got}); ep needs {INTERFACE}; use ep=1 for this model")
 
 
 def dispatch_forward(
-    module: nn.Module, inner: Callable[..., torch.Tensor], group: Group, recorder: Recorder | None, experts: int
+    module: nn.Module, inner: Callable[..., torch.Tensor], group: Group, recorder: Recorder | None, experts: int, name: str = "", names: tuple[str, ...] = ()
 ) -> Callable[..., torch.Tensor]:
     """The forward that replaces ``module.forward``: routes to the owners of the experts, runs
     ``inner`` (the model's own experts forward, bound to the local slice) on what arrives, combines."""
     ep = group.size
     local = experts // ep
+    names = names or ("hidden_states", "top_k_index", "top_k_weights")
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        (hidden_states, top_k_index, top_k_weights), args = _take_three(names, args, kwargs)
+        check_call(name, hidden_states, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape
         ids = top_k_index.reshape(-1)
         order = torch.argsort(ids, stable=True)

@@ -315,7 +315,7 @@ class ShardedDataParallel(Strategy):
             groups = {"replicate": device_mesh["replicate"].get_group(), "shard": device_mesh["shard"].get_group()}
         traffic = CollectiveTraffic(recorder, groups, enabled=self.count_collectives)
         traffic.hook(model)
-        probe = ModelStateProbe(self.name, shard)
+        probe = ModelStateProbe(self.name, shard, () if ep is None else list(ep.params.values()))
         run = FSDPRun if self.reshard_after_forward else Zero2Run
         return run(model, optimizer, sharded_params, strategy=self, units=units, shape=(replicate, shard), probe=probe, traffic=traffic, ep=ep)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,12 +99,18 @@ def measure_model_states(module: nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 class ModelStateProbe:
-    """Measures model-state bytes after the first optimizer step and reports them against ZeRO's formula."""
+    """Measures model-state bytes after the first optimizer step and reports them against ZeRO's formula.
 
-    def __init__(self, strategy: str, shard_degree: int) -> None:
+    ``whole``: parameters every rank keeps whole, outside the sharding (expert parallelism's slices of
+    the experts, left out of FSDP2): predicted at stage 0 (unsharded), the rest at the strategy's stage.
+    """
+
+    def __init__(self, strategy: str, shard_degree: int, whole: Collection[torch.Tensor] = ()) -> None:
         self.strategy, self.shard_degree = strategy, shard_degree
+        self.whole = sum(p.numel() for p in {id(p): p for p in whole}.values())
         self.measured: dict[str, int] | None = None
         self.per_param: BytesPerParam | None = None
+        self.per_whole: BytesPerParam | None = None
         self.psi = 0
         self._pending: tuple[nn.Module, torch.optim.Optimizer, bool] | None = None
 
@@ -136,6 +142,7 @@ class ModelStateProbe:
             stepped = opt.param_groups[0]["params"][0].element_size()
             slots = optimizer_slots(opt)
             self.per_param = BytesPerParam(compute, stepped, stepped * (slots + int(master_copy)))
+            self.per_whole = BytesPerParam(compute, stepped, stepped * slots)  # outside FSDP: no master copy
             handle.remove()
 
         handle = optimizer.register_step_post_hook(after_step)
@@ -144,12 +151,16 @@ class ModelStateProbe:
         if self.measured is None or self.per_param is None:
             return {}
         stage = STAGE_OF[self.strategy]
-        predicted = model_state_bytes(stage, self.psi, self.shard_degree, self.per_param)
+        predicted = model_state_bytes(stage, self.psi - self.whole, self.shard_degree, self.per_param)
+        if self.whole:  # kept whole on every rank: stage 0 (ep's experts)
+            kept = model_state_bytes(0, self.whole, 1, self.per_whole or self.per_param)
+            predicted = {k: v + kept[k] for k, v in predicted.items()}
         section: dict[str, Any] = {
             "strategy": self.strategy,
             "stage": stage,
             "shard_degree": self.shard_degree,
             "psi": self.psi,
+            "whole_params": self.whole,
             "bytes_per_param": vars(self.per_param),
         }
         section.update(compare(self.measured, predicted))

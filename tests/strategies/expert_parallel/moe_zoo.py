@@ -4,7 +4,8 @@ their data, and one cell's training (as tests/support/harness.py, with a float64
 Families: Mixtral (router + experts), Qwen2-MoE (plus a shared expert and its gate), OLMoE,
 GraniteMoE (``block_sparse_moe``); ``MORE``: Qwen3-MoE, DeepSeek-V3. Tiny: 2 layers, hidden 16, 4 experts top-2, seq 16, vocab 64;
 the experts in transformers' ``eager`` implementation (its grouped_mm has no float64 CPU kernel).
-``*_aux``: the same model with ``output_router_logits`` on, its loss the language-model loss plus
+``mixtral_renamed``: Mixtral whose experts' forward is ``(rows, chosen, weights)`` (other names, the same
+interface: ep matches it by position). ``*_aux``: the same model with ``output_router_logits`` on, its loss the language-model loss plus
 ``router_aux_loss_coef`` x the load-balancing loss, as the model defines it.
 """
 
@@ -53,9 +54,24 @@ def build(name: str, seed: int = 0) -> nn.Module:
     """``name`` is a family, or a family + ``_aux`` (the router's load-balancing loss on)."""
     import transformers as tf
 
-    family, aux = name.removesuffix("_aux"), name.endswith("_aux")
+    renamed = name == "mixtral_renamed"
+    family, aux = ("mixtral", False) if renamed else (name.removesuffix("_aux"), name.endswith("_aux"))
     torch.manual_seed(seed)
-    return tf.AutoModelForCausalLM.from_config(_config(family, aux), experts_implementation="eager").to(torch.float64)
+    model = tf.AutoModelForCausalLM.from_config(_config(family, aux), experts_implementation="eager").to(torch.float64)
+    if renamed:
+        for module in model.modules():
+            if hasattr(module, "gate_up_proj"):
+                module.__class__ = _renamed(type(module))
+    return model  # type: ignore[no-any-return]
+
+
+def _renamed(cls: type) -> type:
+    """``cls`` (a transformers experts class) with its forward's arguments renamed, defined here (not a library class)."""
+
+    def forward(self: nn.Module, rows: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return cls.forward(self, rows, chosen, weights)  # type: ignore[no-any-return]
+
+    return type("RenamedExperts", (cls,), {"forward": forward, "__module__": __name__})
 
 
 def dataset(n: int, seed: int = 0) -> zoo.Samples:

@@ -17,7 +17,7 @@ from torch import nn
 from shardwise import Trainer
 from shardwise.errors import ConfigError
 from shardwise.strategies.data_parallel.ddp import DDP
-from shardwise.strategies.expert_parallel import find_experts
+from shardwise.strategies.expert_parallel import dispatch, find_experts
 from tests.strategies.expert_parallel import moe_zoo
 from tests.support import harness, zoo
 
@@ -85,8 +85,30 @@ def test_ep_not_dividing_dp_is_refused() -> None:
 def test_moe_looking_modules_no_rule_covers_are_named() -> None:
     with pytest.raises(ConfigError, match=r"'block.experts' \(a ModuleList of 4 experts beside a linear router\)"):
         _check(Wrapped(HandMoE()), nproc=2, ep=2)
-    with pytest.raises(ConfigError, match=r"'block' \(Stacked: 4 stacked experts behind forward\('x', 'expert_ids'\)\)"):
+    needs = r"ep needs forward\(hidden_states, top_k_index, top_k_weights\) -> \[T, H\]: three tensors, hidden rows \[T, H\]"
+    with pytest.raises(ConfigError, match=r"'block' \(Stacked: 4 stacked experts behind forward\('x', 'expert_ids'\); " + needs):
         _check(Wrapped(Stacked()), nproc=2, ep=2)
+
+
+def test_three_positional_arguments_are_taken_under_any_names_and_their_shapes_checked() -> None:
+    covered, uncovered = find_experts(moe_zoo.build("mixtral_renamed"))
+    assert [c.name for c in covered] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"] and not uncovered
+    x, idx, w = torch.zeros(6, 8, dtype=torch.float64), torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2, dtype=torch.float64)
+    dispatch.check_call("e", x, idx, w)
+    for bad in ((x[None], idx, w), (x, idx.double(), w), (x, idx, w[:, :1]), (x, idx[:5], w[:5])):
+        with pytest.raises(ConfigError, match=r"ep: the experts layer 'e' was called with \(.*\); ep needs forward\(hidden_states, top_k_index"):
+            dispatch.check_call("e", *bad)
+
+
+def test_a_library_experts_class_of_another_interface_gets_the_nearest_working_setting() -> None:
+    from tests.strategies.tensor_parallel import families
+
+    with pytest.raises(ConfigError) as info:
+        _check(families.build("llama4"), nproc=2, ep=2)
+    msg = str(info.value)
+    assert "'model.layers.0.feed_forward.experts', 'model.layers.1.feed_forward.experts' (Llama4TextExperts, transformers' own class" in msg
+    assert "each expert runs on every token" in msg and "strategy 'tp' with ep=1" in msg and "'zero3' with ep=1" in msg
+    assert "write the experts" not in msg and "give your experts module" not in msg
 
 
 def test_a_model_without_experts_is_refused() -> None:
@@ -111,3 +133,21 @@ def test_zero1_refuses_ep_and_names_the_strategies_that_take_it() -> None:
         Trainer(strategy="zero3", strategy_options={"ep": 3}, nproc=3, optimizer=harness.sgd, global_batch_size=12, max_steps=1)._check(
             moe_zoo.build("olmoe"), moe_zoo.dataset(16)
         )
+
+
+def test_strategies_without_ep_or_cp_say_why_and_what_takes_them() -> None:
+    from shardwise.strategies import get_strategy
+    from shardwise.strategies.options import resolve
+
+    for strategy, option in (("pipeline", "ep"), ("pipeline", "cp"), ("tp", "ep"), ("local-sgd", "ep"), ("diloco", "cp")):
+        why = rf"does not compose with strategy '{strategy}' yet: {option} runs on strategies 'ddp', .*; or drop {option}; its options are"
+        with pytest.raises(ConfigError, match=rf"strategy '{strategy}' has no option '{option}': .* " + why):
+            get_strategy(strategy, **{option: 2})
+    cp = r"has no option 'cp': context parallelism \(cp\) does not compose .* 'hsdp' and 'tp'; or drop cp \(in trainer.strategy_options\)"
+    with pytest.raises(ConfigError, match=cp):
+        resolve("pipeline", {"cp": 2})
+    ep = r"--ep is an option of .*; strategy 'pipeline' does not take it: expert parallelism \(ep\) does not compose .*under 'tp' with ep=1"
+    with pytest.raises(ConfigError, match=ep):
+        resolve("pipeline", {"ep": 2}, flags=["ep"])
+    with pytest.raises(ConfigError, match=r"strategy 'ddp' has no option 'epp' \(did you mean 'ep'\?\); its options are"):
+        get_strategy("ddp", epp=2)
