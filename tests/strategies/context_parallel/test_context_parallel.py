@@ -221,7 +221,7 @@ def test_layout_puts_cp_between_dp_and_tp() -> None:
 # -- a model's own training_step, in the parent ---------------------------------------------------
 
 
-class _Cut(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class _Cut(torch.utils.data.Dataset):
     """nanoGPT's samples cut to ``seq`` tokens."""
 
     def __init__(self, seq: int) -> None:
@@ -284,7 +284,7 @@ def test_a_training_step_keeps_cp_s_forward_and_workers_train_the_parent_s_class
         seen.append(a)
         return type(model).forward(model, *a, **k)
 
-    model.forward = own  # type: ignore[method-assign]
+    model.forward = own
     wrapper = nn.Sequential(model)  # a wrapper that calls the module's forward, as DDP does
     wrapper.forward = lambda b: model(b)  # type: ignore[method-assign]
     call_through(wrapper, model, "training_step", zoo.batch("nanogpt_targets", 2))
