@@ -49,8 +49,9 @@ def forward_args(module: nn.Module) -> tuple[str, ...]:
 
 
 def _three_tensors(module: nn.Module) -> bool:
-    """The forward's first three arguments are transformers' names, or it has exactly three required
-    positional arguments (any names; the rest, if any, have defaults)."""
+    """The forward's first three arguments are transformers' names, or three positional arguments of
+    any names: the first required, the other two required or defaulting to None (GPT-OSS's
+    ``(hidden_states, router_indices=None, routing_weights=None)``), any further ones with defaults."""
     try:
         params = list(inspect.signature(type(module).forward).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -58,8 +59,11 @@ def _three_tensors(module: nn.Module) -> bool:
     if tuple(p.name for p in params[:3]) == SIGNATURE:
         return True
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p for p in params if p.default is inspect.Parameter.empty and p.kind is not inspect.Parameter.VAR_KEYWORD]
-    return len(required) == 3 and all(p.kind in positional for p in required) and required == params[:3]
+    three = params[:3]
+    if len(three) < 3 or any(p.kind not in positional for p in three) or three[0].default is not inspect.Parameter.empty:
+        return False
+    rest_optional = all(p.default is not inspect.Parameter.empty or p.kind is inspect.Parameter.VAR_KEYWORD for p in params[3:])
+    return rest_optional and all(p.default in (inspect.Parameter.empty, None) for p in three[1:])
 
 
 def _library(module: nn.Module) -> bool:

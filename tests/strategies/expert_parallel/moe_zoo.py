@@ -5,7 +5,8 @@ Families: Mixtral (router + experts), Qwen2-MoE (plus a shared expert and its ga
 GraniteMoE (``block_sparse_moe``); ``MORE``: Qwen3-MoE, DeepSeek-V3. Tiny: 2 layers, hidden 16, 4 experts top-2, seq 16, vocab 64;
 the experts in transformers' ``eager`` implementation (its grouped_mm has no float64 CPU kernel).
 ``mixtral_renamed``: Mixtral whose experts' forward is ``(rows, chosen, weights)`` (other names, the same
-interface: ep matches it by position). ``*_aux``: the same model with ``output_router_logits`` on, its loss the language-model loss plus
+interface: ep matches it by position); ``gpt_oss``: GPT-OSS (its experts' index and weights arguments
+default to None, their biases stacked too). ``*_aux``: the same model with ``output_router_logits`` on, its loss the language-model loss plus
 ``router_aux_loss_coef`` x the load-balancing loss, as the model defines it.
 """
 
@@ -54,6 +55,10 @@ def build(name: str, seed: int = 0) -> nn.Module:
     """``name`` is a family, or a family + ``_aux`` (the router's load-balancing loss on)."""
     import transformers as tf
 
+    if name == "gpt_oss":  # experts forward(hidden_states, router_indices=None, routing_weights=None), biases (E, ...)
+        from tests.strategies.tensor_parallel import families
+
+        return families.build("gpt_oss", seed)
     renamed = name == "mixtral_renamed"
     family, aux = ("mixtral", False) if renamed else (name.removesuffix("_aux"), name.endswith("_aux"))
     torch.manual_seed(seed)

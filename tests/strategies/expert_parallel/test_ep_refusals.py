@@ -93,6 +93,8 @@ def test_moe_looking_modules_no_rule_covers_are_named() -> None:
 def test_three_positional_arguments_are_taken_under_any_names_and_their_shapes_checked() -> None:
     covered, uncovered = find_experts(moe_zoo.build("mixtral_renamed"))
     assert [c.name for c in covered] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"] and not uncovered
+    covered, uncovered = find_experts(moe_zoo.build("gpt_oss"))  # (hidden_states, router_indices=None, routing_weights=None)
+    assert len(covered) == 2 and not uncovered and set(covered[0].params) == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
     x, idx, w = torch.zeros(6, 8, dtype=torch.float64), torch.zeros(6, 2, dtype=torch.long), torch.ones(6, 2, dtype=torch.float64)
     dispatch.check_call("e", x, idx, w)
     for bad in ((x[None], idx, w), (x, idx.double(), w), (x, idx, w[:, :1]), (x, idx[:5], w[:5])):

@@ -2,7 +2,7 @@
 
 One 2-process launch: ``ddp`` with ``ep=2`` (each rank 2 of 4 experts) for Mixtral, Qwen2-MoE,
 OLMoE, GraniteMoE, Qwen3-MoE and DeepSeek-V3, Mixtral with its load-balancing loss on, ``zero3`` and ``zero2`` with ``ep=2``
-(the zero3 cell on Mixtral with its experts' forward arguments renamed: matched by position),
+(the zero3 cell on Mixtral with its experts' forward arguments renamed: matched by position), GPT-OSS,
 and two resumes (ddp and zero3: a checkpoint at step 3, a second run from it to step 5, so the
 experts' whole optimizer state is saved and sliced again). One 4-process launch: ``ep=2`` inside dp 4
 (dp_outer 2) for the four families, ``ep=4`` (dp_outer 1) for OLMoE, ``hsdp`` (2 x 2) and ``zero3``
@@ -51,7 +51,8 @@ def _reference(name: str, nproc: int) -> Any:
 
 def _two(root: Path) -> list[Cell]:
     cells: list[Cell] = [(f, "ddp", {"ep": 2}, {}) for f in moe_zoo.FAMILIES + moe_zoo.MORE]
-    cells += [("mixtral_aux", "ddp", {"ep": 2}, {}), ("olmoe", "zero2", {"ep": 2}, {}), ("mixtral_renamed", "zero3", {"ep": 2}, {})]
+    cells += [("mixtral_aux", "ddp", {"ep": 2}, {}), ("olmoe", "zero2", {"ep": 2}, {})]
+    cells += [("mixtral_renamed", "zero3", {"ep": 2}, {}), ("gpt_oss", "ddp", {"ep": 2}, {})]
     for name, strategy in (("mixtral", "ddp"), ("qwen2_moe", "zero3")):
         first = str(root / strategy)
         cells.append((name, strategy, {"ep": 2}, {"out": first, "checkpoint_every": 3}))
