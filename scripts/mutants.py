@@ -475,6 +475,10 @@ MUTANTS = [
            "shardwise/strategies/expert_parallel/detect.py",
            "    return rest_optional and all(", "    return False and all(",
            ("tests/strategies/expert_parallel/test_ep_refusals.py::test_three_positional_arguments_are_taken_under_any_names_and_their_shapes_checked",)),
+    Mutant("context parallel: an output that is not per token (a sequence classifier's) passes the parent's check",
+           "shardwise/strategies/context_parallel/emulate.py",
+           "    worst = max(ranks, key=lambda r: _rel(r, whole))", "    worst = whole",
+           ("tests/strategies/context_parallel/test_emulate.py::test_refuses_an_output_that_is_not_per_token",)),
 ]
 
 

@@ -75,13 +75,6 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-300)
 
 
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    for t in (out, getattr(out, "logits", None), out[0] if isinstance(out, (tuple, list)) and out else None):
-        if isinstance(t, torch.Tensor):
-            return t.detach()
-    return None
-
-
 class _Emulator:
     """The probe model, its routing, and the attention functions of the whole run and of each rank."""
 
@@ -145,28 +138,71 @@ class _Emulator:
         return attend
 
 
+LOW_PRECISION_TOL = 1e-5
+"""Relative tolerance for a scalar output (a loss transformers computes in float32 whatever the logits' dtype)."""
+
+
 def check_ranks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cp: int, strategy: str) -> None:
-    """Emulate the ``cp`` ranks on one sample (see the module); a `ConfigError` naming the first difference."""
+    """Emulate the ``cp`` ranks on one sample (see the module); a `ConfigError` naming the first difference.
+
+    Every tensor the model returns is compared, as the cp forward hands it on (`apply._finish`): a
+    per-token output gathered in sequence order, a scalar loss averaged over the ranks, anything else
+    (a pooled or last-token output: a sequence classifier's logits) as each rank has it."""
     em = _Emulator(model, strategy)
     args, kwargs = _double(args), _double(kwargs)
     with torch.no_grad():
-        want = _first_tensor(em.run(args, kwargs, em.whole)[0])
+        want = _leaves(em.run(args, kwargs, em.whole)[0])
         parts = []
         for rank in range(cp):
             em.state.group = _Emulated(p=cp, r=rank)
             out, n = em.run(args, kwargs, em.rank_attend(rank, cp))
-            parts.append(_first_tensor(out))
-    if want is None or want.dim() < 2 or any(p is None or p.dim() < 2 or p.shape[1] != n for p in parts):
-        return  # no per-token output to compare: the attention calls' checks stand alone
-    gathered = torch.cat([p for p in parts if p is not None], dim=1)
-    got = torch.empty_like(gathered)
-    got[:, zigzag.rank_order(gathered.shape[1], cp, got.device)] = gathered
-    diff = _rel(got, want)
-    if not diff <= TOL:
+            parts.append(_leaves(out))
+    for j, whole in enumerate(want):
+        ranks = [p[j] if j < len(p) else None for p in parts]
+        if any(r is None for r in ranks):
+            return  # outputs of another structure: the attention calls' checks stand alone
+        got, per_token = _as_handed_on([r for r in ranks if r is not None], whole, n, cp)
+        diff = _rel(got, whole)
+        # transformers computes its loss in float32 even for float64 logits (the value rounded so, its dtype
+        # float64): a scalar is held to float32's rounding; per-token outputs (the logits) to TOL
+        if diff <= (LOW_PRECISION_TOL if whole.dim() == 0 else TOL):
+            continue
+        if per_token:
+            raise ConfigError(
+                f"{strategy}: context parallelism would train this model silently wrong: the outputs of the {cp} emulated cp ranks, "
+                f"put back in sequence order, differ from the whole sequence's by {diff:.3g} (relative) though every attention call "
+                "matched: something outside attention mixes tokens along the sequence (a convolution, a cumulative sum, a token "
+                "shift) or depends on the sequence length or on positions built from it; context parallelism splits attention "
+                "only. Run without cp"
+            )
         raise ConfigError(
-            f"{strategy}: context parallelism would train this model silently wrong: the outputs of the {cp} emulated cp ranks, "
-            f"put back in sequence order, differ from the whole sequence's by {diff:.3g} (relative) though every attention call "
-            "matched: something outside attention mixes tokens along the sequence (a convolution, a cumulative sum, a token "
-            "shift) or depends on the sequence length or on positions built from it; context parallelism splits attention "
-            "only. Run without cp"
+            f"{strategy}: context parallelism would train this model silently wrong: its output {j} (shape "
+            f"{tuple(whole.shape)}) is not one value per token, and each of the {cp} emulated cp ranks computes it from its "
+            f"own chunks of the sequence, {diff:.3g} (relative) away from the whole sequence's (a pooled or last-token output: "
+            "a sequence classifier, a forward that returns only the last position). Context parallelism fits models whose "
+            "outputs are per token (a language model's logits, its token-mean loss). Run without cp"
         )
+
+
+def _leaves(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model output in order (a tensor, a tuple or list, a transformers ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [out.detach()]
+    if hasattr(out, "keys") and hasattr(out, "values"):
+        return [t.detach() for t in out.values() if isinstance(t, torch.Tensor)]
+    if isinstance(out, (tuple, list)):
+        return [t.detach() for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _as_handed_on(ranks: list[torch.Tensor], whole: torch.Tensor, n: int, cp: int) -> tuple[torch.Tensor, bool]:
+    """The ranks' values of one output as the cp forward hands it on, and whether it is per token."""
+    if whole.dim() >= 2 and whole.shape[1] == n * cp and all(r.dim() >= 2 and r.shape[1] == n for r in ranks):
+        gathered = torch.cat(ranks, dim=1)
+        got = torch.empty_like(gathered)
+        got[:, zigzag.rank_order(gathered.shape[1], cp, got.device)] = gathered
+        return got, True
+    if whole.dim() == 0 and whole.is_floating_point():
+        return torch.stack(ranks).mean(), False  # each rank's share of the loss of all tokens, averaged
+    worst = max(ranks, key=lambda r: _rel(r, whole))
+    return worst, False

@@ -118,3 +118,21 @@ def test_a_long_sequence_is_checked_on_a_prefix_and_still_refused(monkeypatch: p
         _check(_RotaryGPT().double(), (x, x))
     _check(_RotaryGPT().double(), (x, torch.arange(256).expand_as(x), x))
     assert seen == [2 * 2 * cp_pkg.CHECK_CHUNK] * 2
+
+
+def test_refuses_an_output_that_is_not_per_token() -> None:
+    """A sequence classifier pools its last token: each cp rank would pool the last of its own chunks
+    (its loss and logits differ from the whole sequence's); refused before launch, not averaged."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=zoo.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
+    cfg.num_labels, cfg.pad_token_id = 3, 0
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(cfg).double()
+    ids = torch.randint(1, zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"its output 0 \(shape \(\)\) is not one value per token.*sequence classifier"):
+        _check(model, {"input_ids": ids, "labels": torch.tensor([1])})
+    with pytest.raises(ConfigError, match=r"its output 0 \(shape \(1, 3\)\) is not one value per token"):
+        _check(model, {"input_ids": ids})
