@@ -479,6 +479,10 @@ MUTANTS = [
            "shardwise/strategies/context_parallel/emulate.py",
            "    worst = max(ranks, key=lambda r: _rel(r, whole))", "    worst = whole",
            ("tests/strategies/context_parallel/test_emulate.py::test_refuses_an_output_that_is_not_per_token",)),
+    Mutant("tp: a declared colwise on a fused q|k|v of a layout shardwise cannot tell (CodeGen) split by plain columns",
+           "shardwise/strategies/tensor_parallel/plan.py",
+           "        resolved = gather_unknown_fused(module, resolved)", "        pass",
+           ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
 ]
 
 

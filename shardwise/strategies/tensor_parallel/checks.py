@@ -182,3 +182,26 @@ def _whole_statistics(module: nn.Module, plan: dict[str, str]) -> dict[str, str]
         if isinstance(sparsity, (int, float)) and sparsity > 0:
             out[name] = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}.get(style, style)
     return out
+
+
+def gather_unknown_fused(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """A declared plan's column split of a fused q|k|v whose layout shardwise cannot tell made the gathered
+    pair (the projection's output gathered whole, its output projection's input split), exact for any layout.
+
+    transformers declares ``colwise`` for CodeGen's ``qkv_proj``, whose forward reshapes the output into a
+    fixed count of q|v|k blocks: a plain column split trains it 7.9e-3 off ``single`` (the zoo sweep).
+    A layout known to keep whole heads per rank (`per_head_layout`, a stacked ``c_attn``) keeps its split."""
+    from shardwise.strategies.tensor_parallel.plan import FUSED, per_head_layout
+
+    out = dict(plan)
+    for name, style in plan.items():
+        leaf = _leaf(name).lower()
+        if style != "colwise" or leaf not in FUSED or leaf in STACKED_QKV:
+            continue
+        parent = _parent(name)
+        if per_head_layout(module.get_submodule(parent) if parent else module):
+            continue
+        rows = [n for n, st in plan.items() if _parent(n) == parent and st == "rowwise"]
+        if len(rows) == 1:
+            out[name], out[rows[0]] = "colwise_gather_output", "rowwise_split_input"
+    return out

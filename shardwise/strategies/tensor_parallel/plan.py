@@ -361,6 +361,7 @@ def resolve(module: nn.Module, plan: dict[str, str] | None = None, tp: int | Non
             )
         names = [n for n, _ in module.named_modules() if n]
         grad_sum = [n for n in names if any(matches(pat, n) for pat in declared[1])]
+        resolved = gather_unknown_fused(module, resolved)
     else:
         resolved, source = auto_plan(module), "auto"
         convs = [n for n, m in module.named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
@@ -490,5 +491,6 @@ from shardwise.strategies.tensor_parallel.checks import (  # noqa: E402  # the c
     _check_pairs,
     _whole_statistics,
     check_divisible,
+    gather_unknown_fused,
     matches,
 )

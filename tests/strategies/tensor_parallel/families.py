@@ -88,6 +88,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {**ATTN, "intermediate_size": 32, "layer_types": ["full_attention", "full_attention"], "block_auto_adjust_ff_dim": False},
     ),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {**ATTN, "intermediate_size": 32}),
+    # declares colwise on its fused qkv_proj, which its forward reshapes into 4 fixed blocks of q|v|k
+    "codegen": (
+        "CodeGenConfig",
+        "CodeGenForCausalLM",
+        {"n_embd": 32, "n_head": 4, "rotary_dim": 4, "n_inner": 32, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    ),
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N}),
     "gemma3n_dense": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {**ATTN, **GEMMA3N, "activation_sparsity_pattern": [0.0, 0.0]}),
 }

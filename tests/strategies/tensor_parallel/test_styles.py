@@ -56,6 +56,7 @@ CELLS: list[tuple[str, str, dict[str, Any]]] = [
     ("apertus", "tp", TP),
     ("gpt_oss", "tp", TP),
     ("lfm2", "tp", TP),
+    ("codegen", "tp", TP),
 ]
 STYLE_SEEN = {
     "mixtral": "moe_tp_experts",
@@ -73,6 +74,7 @@ STYLE_SEEN = {
     "apertus": "colwise",  # XIELU's scalar alphas inside the MLP: their gradients summed over tp
     "lfm2": "colwise",  # per-head q/k norms (undeclared): replicated, gradients summed over tp
     "gpt_oss": "colwise",  # its attention sinks (one per head) split with the heads
+    "codegen": "colwise_gather_output",  # its declared colwise qkv_proj, a layout shardwise cannot tell: gathered
     "gemma3n": "colwise_gather_output",  # layer 0's MLP cuts its activations at a statistic over its hidden units: gathered
 }
 
