@@ -193,7 +193,7 @@ def memory_section(
             degrees,
             units=layout.units or (),
             micro_batch=micro_batch,
-            seq=seq,
+            seq=seq // degrees.get("cp", 1),  # a cp rank holds 1/cp of every sequence
             optimizer_slots=slots,
             built_whole=built_whole,
             baseline=baseline,
