@@ -483,6 +483,10 @@ MUTANTS = [
            "shardwise/strategies/tensor_parallel/plan.py",
            "        resolved = gather_unknown_fused(module, resolved)", "        pass",
            ("tests/strategies/tensor_parallel/test_styles.py::test_declared_styles_train_like_single_under_tp2",)),
+    Mutant("zero3: a submodule whose weight the root's forward reads (a functional tied head) made a unit of its own",
+           "shardwise/strategies/sharded/units.py",
+           "    return _read_inside(model, _auto_units(model, min_fraction))", "    return _auto_units(model, min_fraction)",
+           ("tests/strategies/sharded/test_units_reads.py::test_zero3_trains_the_functional_head_model_exactly_as_single",)),
 ]
 
 

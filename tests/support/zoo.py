@@ -132,6 +132,24 @@ class NanoGPTTargets(NanoGPT):
         return loss
 
 
+class NanoGPTFunctionalHead(NanoGPT):
+    """nanoGPT with its head written as code, not a module: ``x @ self.transformer.wte.weight.t()`` in the
+    root's forward (a tied head the way many hand-written GPTs have it), and a vocabulary large enough that
+    the embedding is a sizeable share of the model (an FSDP unit of its own, were the read not seen)."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__(vocab=4 * VOCAB, layers=layers)
+        del self.lm_head
+        self.transformer.wte = nn.Embedding(4 * VOCAB, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x) @ self.transformer.wte.weight.t()
+
+
 def nanogpt_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
     """The loss a nanoGPT user writes: next-token cross-entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
@@ -226,7 +244,8 @@ def _hf(name: str, layers: int) -> nn.Module:
 def build(name: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, layers: int = 4) -> nn.Module:
     """The model ``name`` with random weights drawn from ``seed``, in ``dtype``."""
     torch.manual_seed(seed)
-    model = NanoGPT(layers=layers) if name == "nanogpt" else NanoGPTTargets(layers=layers) if name == "nanogpt_targets" else _hf(name, layers)
+    hand = {"nanogpt": NanoGPT, "nanogpt_targets": NanoGPTTargets, "nanogpt_fhead": NanoGPTFunctionalHead}
+    model = hand[name](layers=layers) if name in hand else _hf(name, layers)
     return model.to(dtype)
 
 
@@ -241,7 +260,7 @@ def sample(name: str, i: int, seed: int = 0) -> Any:
         return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": torch.randint(0, 3, (), generator=g)}
     if name in ("vit", "resnet"):
         return {"pixel_values": torch.randn(3, 16, 16, generator=g, dtype=torch.float64), "labels": torch.randint(0, 10, (), generator=g)}
-    if name in ("nanogpt", "nanogpt_targets"):
+    if name in ("nanogpt", "nanogpt_targets", "nanogpt_fhead"):
         ids = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
         return ids[:-1], ids[1:]
     raise KeyError(f"unknown model {name!r}; known: {MODELS}")
@@ -271,7 +290,7 @@ def batch(name: str, n: int = 4, seed: int = 0) -> Any:
 
 def loss_fn(name: str) -> Callable[[Any, Any], torch.Tensor] | None:
     """What a user passes as ``loss_fn``: none for Hugging Face models (``model(**batch).loss``)."""
-    return nanogpt_loss if name == "nanogpt" else None
+    return nanogpt_loss if name in ("nanogpt", "nanogpt_fhead") else None
 
 
 def hf_loss(model: nn.Module, b: Any) -> torch.Tensor:

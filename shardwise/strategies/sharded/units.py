@@ -12,6 +12,7 @@ from torch import nn
 
 from shardwise.comm.mesh import Mesh
 from shardwise.errors import ConfigError
+from shardwise.strategies.sharded.reads import reads_outside
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 MixedPrecision = Literal["bf16", "bfloat16", "fp16", "float16"]
@@ -34,6 +35,10 @@ def auto_wrap_units(model: nn.Module, min_fraction: float = 0.05) -> list[str]:
     units, looking through containers that hold a single child with parameters
     (``Model.net = Sequential(...)``).
     """
+    return _read_inside(model, _auto_units(model, min_fraction))
+
+
+def _auto_units(model: nn.Module, min_fraction: float) -> list[str]:
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if lists:
         name, blocks = max(lists, key=lambda item: _numel(item[1]))
@@ -47,6 +52,13 @@ def auto_wrap_units(model: nn.Module, min_fraction: float = 0.05) -> list[str]:
         prefix, node = f"{prefix}{with_params[0][0]}.", with_params[0][1]
     total = max(_numel(model), 1)
     return _unshared(model, [f"{prefix}{n}" for n, c in node.named_children() if _numel(c) >= min_fraction * total])
+
+
+def _read_inside(model: nn.Module, units: list[str]) -> list[str]:
+    """``units`` less those whose weights the model's code reads outside them (`reads.reads_outside`: a head
+    tied by ``x @ self.emb.weight.t()`` in the root's forward); such a module stays with the root."""
+    outside = reads_outside(model)
+    return [u for u in units if not any(p == u or p.startswith(u + ".") for p in outside)]
 
 
 def _unshared(model: nn.Module, units: list[str]) -> list[str]:
@@ -92,6 +104,14 @@ def resolve_units(model: nn.Module, wrap: str | Sequence[str]) -> list[str]:
         raise ConfigError(
             f"wrap={wanted!r}: {unknown} match no submodule name or class of {type(model).__name__}; "
             "use 'auto', 'root', or names from model.named_modules() (e.g. 'layers.0') or class names (e.g. 'Block')"
+        )
+    outside = reads_outside(model)
+    read = {u: next(w for p, w in outside.items() if p == u or p.startswith(u + ".")) for u in names if any(p == u or p.startswith(u + ".") for p in outside)}
+    if read:
+        unit, where = next(iter(read.items()))
+        raise ConfigError(
+            f"wrap={wanted!r}: {unit!r} cannot be a unit of its own: {where}, outside {unit}'s forward, where FSDP keeps "
+            f"its parameters sharded. Leave {sorted(read)} out of wrap (they stay with the root, gathered for its forward), or use wrap='auto'"
         )
     return names
 
