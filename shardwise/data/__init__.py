@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from shardwise.errors import ConfigError
@@ -48,6 +48,26 @@ def epoch_permutation(n: int, seed: int, epoch: int, shuffle: bool = True) -> to
     g = torch.Generator()
     g.manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g)
+
+
+def epoch_order(dataset: Any, n: int, seed: int, epoch: int, shuffle: bool = True) -> Any:
+    """Epoch ``epoch``'s order of ``n`` samples: ``dataset.epoch_order(seed, epoch)`` where the dataset has
+    one (`TokenShards`: O(window + shards) memory, not O(n)), else `epoch_permutation`. Any object with
+    ``len`` and int and slice indexing serves (a tensor, a range, a list, `shardwise.data.order.BlockOrder`)."""
+    if not shuffle:
+        return range(n)
+    own = getattr(dataset, "epoch_order", None)
+    if callable(own):
+        order = own(seed, epoch)
+        if len(order) != n:
+            raise ConfigError(f"{type(dataset).__name__}.epoch_order({seed}, {epoch}) has {len(order)} positions and the dataset {n} samples; they must match")
+        return order
+    return epoch_permutation(n, seed, epoch)
+
+
+def _ids(part: Any) -> list[int]:
+    """A slice of an order as a list of ints (a tensor's ``tolist``, a range or a list as they are)."""
+    return part.tolist() if isinstance(part, torch.Tensor) else [int(i) for i in part]
 
 
 def fetch(dataset: Any, indices: Sequence[int], collate: Collate | None = None) -> Any:
@@ -128,7 +148,7 @@ class _PlanSampler(Sampler):
     def __iter__(self) -> Iterator[list[tuple[int, tuple[int, ...]]]]:
         epoch, step = self.epoch, self.step
         while True:
-            perm = epoch_permutation(self.loader.n, self.loader.seed, epoch, self.loader.shuffle)
+            perm = self.loader.order(epoch)
             for s in range(step, self.loader.steps_per_epoch):
                 for idx in self.loader._step_indices(perm, s):
                     yield [(epoch, tuple(idx))]
@@ -230,18 +250,22 @@ class ShardedLoader:
         parts = self.world_size * self.accumulate
         return size, [size // parts + (k < size % parts) for k in range(parts)]
 
-    def _step_indices(self, perm: torch.Tensor, step: int) -> list[list[int]]:
+    def order(self, epoch: int) -> Any:
+        """Epoch ``epoch``'s order of the samples (`epoch_order`): step s trains positions [s*B, (s+1)*B)."""
+        return epoch_order(self.dataset, self.n, self.seed, epoch, self.shuffle)
+
+    def _step_indices(self, perm: Any, step: int) -> list[list[int]]:
         last = self._parts(step)
         if last is None:
             start = step * self.global_batch + self.rank * self.micro * self.accumulate
-            mine = perm[start : start + self.micro * self.accumulate].tolist()
+            mine = _ids(perm[start : start + self.micro * self.accumulate])
             return [mine[i * self.micro : (i + 1) * self.micro] for i in range(self.accumulate)]
         _, sizes = last
         base = step * self.global_batch
         out = []
         for k in range(self.rank * self.accumulate, (self.rank + 1) * self.accumulate):
             at = base + sum(sizes[:k])
-            idx = perm[at : at + sizes[k]].tolist()
+            idx = _ids(perm[at : at + sizes[k]])
             out.append(idx or [int(perm[base])])  # an empty part: a copy, weighted 0 (a forward needs a sample)
         return out
 
@@ -268,7 +292,7 @@ class ShardedLoader:
 
     def index_plan(self) -> Iterator[list[list[int]]]:
         """Indices of the remaining steps of the current epoch (no data touched)."""
-        perm = epoch_permutation(self.n, self.seed, self.epoch, self.shuffle)
+        perm = self.order(self.epoch)
         for step in range(self.step_in_epoch, self.steps_per_epoch):
             yield self._step_indices(perm, step)
 
@@ -400,26 +424,35 @@ def eval_batches(dataset: Any, world_size: int, rank: int, batch_size: int, coll
 
 
 def unpack_data(data: Any) -> tuple[Any, Collate | None, int, int | None]:
-    """Accept a Dataset or a DataLoader: returns (dataset, collate_fn, num_workers, batch_size)."""
+    """Accept a Dataset, a stream or a DataLoader over either: returns (dataset, collate_fn, num_workers, batch_size).
+
+    A stream (an ``IterableDataset``, or any object with ``__iter__`` and no ``__getitem__``) is returned as
+    it is; `shardwise.data.stream.StreamLoader` reads it (docs/data.md, "Streams")."""
+    from shardwise.data.stream import check_source, is_stream
+
     if data is None:
         return None, None, 0, None
-    inner = data.dataset if isinstance(data, DataLoader) else data
-    if isinstance(inner, IterableDataset):
-        raise ConfigError(
-            f"{type(inner).__name__} is an IterableDataset: shardwise's loader picks each global batch by index "
-            "(a seeded permutation per epoch), which is what makes results independent of the number of processes "
-            "and a resume exact mid-epoch, and a stream has no index. Give fit a map-style Dataset (with __len__ and "
-            "__getitem__; index your stream's shards or records), or train with the Engine and your own loader, "
-            "sharding the stream by engine.rank / engine.world_size"
-        )
     if isinstance(data, DataLoader):
         collate = data.collate_fn if data.collate_fn is not default_collate else None
+        if is_stream(data.dataset):
+            check_source(data.dataset)
         return data.dataset, collate, data.num_workers, data.batch_size
+    if is_stream(data):
+        check_source(data)
+        return data, None, 0, None
     if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
-        raise ConfigError(f"data must be a map-style Dataset (with __getitem__ and __len__) or a DataLoader over one; got {type(data).__name__}")
+        raise ConfigError(
+            "data must be a map-style Dataset (with __getitem__ and __len__), a stream (an IterableDataset) or a DataLoader "
+            f"over one; got {type(data).__name__}"
+        )
     return data, None, 0, None
 
 
 # The public ``shardwise.data.map`` (parallel preprocessing, `shardwise.data.parallel`), after this module's own names.
+# Token shards and text on disk (`shardwise.data.files`, `shardwise.data.text`): map-style datasets over files.
+from shardwise.data.files import TokenShards as TokenShards  # noqa: E402
+from shardwise.data.files import write_token_shards as write_token_shards  # noqa: E402
 from shardwise.data.parallel import Mapped as Mapped  # noqa: E402
 from shardwise.data.parallel import map as map  # noqa: E402,A004
+from shardwise.data.stream import StreamLoader as StreamLoader  # noqa: E402
+from shardwise.data.text import TextShards as TextShards  # noqa: E402
