@@ -487,6 +487,10 @@ MUTANTS = [
            "shardwise/strategies/sharded/units.py",
            "    return _read_inside(model, _auto_units(model, min_fraction))", "    return _auto_units(model, min_fraction)",
            ("tests/strategies/sharded/test_units_reads.py::test_zero3_trains_the_functional_head_model_exactly_as_single",)),
+    Mutant("context parallel: a model's own loss reported as the sum over cp ranks, not the mean over all tokens",
+           "shardwise/strategies/context_parallel/apply.py",
+           'all_reduce(mean, "mean", group=state.group', 'all_reduce(mean, "sum", group=state.group',
+           ("tests/strategies/context_parallel/test_context_parallel.py::test_the_model_s_own_loss_is_the_loss_of_all_tokens",)),
 ]
 
 

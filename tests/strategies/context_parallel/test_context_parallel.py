@@ -45,13 +45,18 @@ FOUR = [
     ("llama", "ddp", {"cp": 4}),  # a ring of 4: blocks from earlier and later ranks, grouped kv heads
     ("qwen2", "ddp", {"cp": 4, "cp_style": "ulysses"}),  # 2 kv heads over 4 ranks: repeated first
 ]
-_REFS: dict[tuple[str, bool], dict[str, torch.Tensor]] = {}
+_REFS: dict[tuple[str, bool], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 _RESULTS: dict[str, list[Any]] = {}
 
 
 def _reference(name: str, own_loss: bool = False) -> dict[str, torch.Tensor]:
+    return _single(name, own_loss)[1]
+
+
+def _single(name: str, own_loss: bool = False) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """single's (summary, final state) for ``name``."""
     if (name, own_loss) not in _REFS:
-        _REFS[name, own_loss] = cells.train(name, own_loss=own_loss)[1]  # type: ignore[assignment]
+        _REFS[name, own_loss] = cells.train(name, own_loss=own_loss)  # type: ignore[assignment]
     return _REFS[name, own_loss]
 
 
@@ -101,6 +106,9 @@ def _check_cells(cell_list: list[tuple[Any, ...]], results: list[Any]) -> None:
         tp = options.get("tp", 1)
         diff = harness.max_difference(state, _reference(name))
         assert diff <= harness.TOL, f"{name} {strategy} {options}: largest parameter difference from single {diff:.3g}"
+        # the loss the run reports is the mean over every token of the global batch, as single's
+        want = _single(name)[0]["train_loss"]
+        assert summary["train_loss"] == pytest.approx(want, rel=1e-9), f"{name} {strategy} {options}: reported loss {summary['train_loss']} != single's {want}"
         moved = harness.max_difference(_reference(name), cells.build(name).state_dict(), integers=False)
         assert moved > 1e-4 and _first_norm(name) > 2 * harness.CLIP, f"{name}: training did not move the weights, or clipping is untested"
         by_op = summary["comm"]["by_op"]
@@ -121,9 +129,12 @@ def test_cp2_matches_single_and_bytes_match_the_formulas() -> None:
 
 @pytest.mark.timeout(900)
 def test_the_model_s_own_loss_is_the_loss_of_all_tokens() -> None:
-    for (name, _, options, _), (_summary, state) in zip(OWN_LOSS, _two()[len(TWO) : len(TWO) + len(OWN_LOSS)], strict=True):
+    for (name, _, options, _), (summary, state) in zip(OWN_LOSS, _two()[len(TWO) : len(TWO) + len(OWN_LOSS)], strict=True):
         diff = harness.max_difference(state, _reference(name, own_loss=True))
         assert diff <= OWN_TOL, f"{name} {options} with the model's own loss: largest parameter difference from single {diff:.3g}"
+        # the value too: each rank's loss of its tokens is made the loss of all tokens (its gradient unchanged)
+        want = _single(name, own_loss=True)[0]["train_loss"]
+        assert summary["train_loss"] == pytest.approx(want, rel=OWN_TOL), f"{name} {options}: reported loss {summary['train_loss']} != single's {want}"
 
 
 @pytest.mark.timeout(900)
@@ -142,6 +153,8 @@ def test_a_model_s_training_step_goes_through_cp() -> None:
         diff = harness.max_difference(state, _reference(family, own_loss=family == "llama"))
         tol = OWN_TOL if family == "llama" else harness.TOL
         assert diff <= tol, f"{name} {options}: largest parameter difference from single {diff:.3g}"
+        want = _single(family, own_loss=family == "llama")[0]["train_loss"]
+        assert summary["train_loss"] == pytest.approx(want, rel=tol), f"{name} {options}: reported loss {summary['train_loss']} != single's {want}"
         by_op = summary["comm"]["by_op"]
         for key, want in _expected(family, 2, 1, "ring").items():
             assert by_op.get(key, {}).get("sent_bytes") == want, f"{name}: {key} {by_op.get(key)}, formula {want}"
