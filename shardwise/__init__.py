@@ -27,6 +27,10 @@ _EXPORTS = {
     "Mesh": "shardwise.comm.mesh",
     "Recorder": "shardwise.comm.recorder",
     "ShardedLoader": "shardwise.data",
+    "StreamLoader": "shardwise.data.stream",
+    "TokenShards": "shardwise.data",
+    "TextShards": "shardwise.data",
+    "write_token_shards": "shardwise.data",
     "get_strategy": "shardwise.strategies",
     "register_strategy": "shardwise.strategies",
     "available_strategies": "shardwise.strategies",
@@ -43,7 +47,8 @@ if TYPE_CHECKING:
     from shardwise.checkpoint.pretrained import init_from
     from shardwise.comm.mesh import Mesh
     from shardwise.comm.recorder import Recorder
-    from shardwise.data import ShardedLoader
+    from shardwise.data import ShardedLoader, TextShards, TokenShards, write_token_shards
+    from shardwise.data.stream import StreamLoader
     from shardwise.engine import Engine, seed_everything
     from shardwise.errors import CheckpointError, CommError, ConfigError, LaunchError, ShardwiseError
     from shardwise.launcher.spawn import launch
@@ -82,6 +87,9 @@ __all__ = [
     "Recorder",
     "ShardedLoader",
     "ShardwiseError",
+    "StreamLoader",
+    "TextShards",
+    "TokenShards",
     "Trainer",
     "TrainerConfig",
     "available_strategies",
@@ -91,4 +99,5 @@ __all__ = [
     "meta_init",
     "register_strategy",
     "seed_everything",
+    "write_token_shards",
 ]
