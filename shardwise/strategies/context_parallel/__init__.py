@@ -80,22 +80,24 @@ def check_model(model: nn.Module, batch: Any, cp: int, style: str, strategy: str
     heads = _heads(model)
     if style == "ulysses" and heads is not None and heads[0] % cp:
         raise ConfigError(f"{strategy}: cp_style 'ulysses' splits attention heads over cp; {heads[0]} heads do not divide by cp {cp}. Use cp_style='ring'")
-    _probe(model, args, kwargs, strategy)
     from shardwise.strategies.context_parallel.emulate import check_ranks
 
     # The mechanism: each cp rank emulated against the whole sequence. On a prefix of CHECK_CHUNK
     # tokens a chunk: positions built wrongly show on any length, and the recorded q/k/v of every
     # layer stay small however long the training sequence is (4k tokens of a 32-layer, 4096-wide
-    # model would be ~13 GB in the parent). A forward that refuses the shorter sequence is checked whole.
+    # model would be ~13 GB in the parent); the routing probe runs on the same prefix. A forward
+    # that refuses the shorter sequence is checked whole.
     short = _prefix(args, kwargs, sequence_length(args, kwargs), 2 * cp * CHECK_CHUNK)
     if short is not None:
         try:
+            _probe(model, *short, strategy)
             check_ranks(model, *short, cp, strategy)
             return
         except ConfigError:
             raise
         except Exception:  # noqa: BLE001 - the model's own limit on lengths; the whole sample decides
             pass
+    _probe(model, args, kwargs, strategy)
     check_ranks(model, args, kwargs, cp, strategy)
 
 
