@@ -256,6 +256,7 @@ def _own_parts(specs: dict[str, str]) -> Any:
     from torch import nn
     from torch.utils.data import DataLoader
 
+    from shardwise.data.stream import is_stream
     from shardwise.tools.advisor.models import import_object
     from shardwise.tools.recipes import RecipeParts
 
@@ -282,10 +283,11 @@ def _own_parts(specs: dict[str, str]) -> Any:
         if key not in specs:
             return None
         value = call(key)
-        if not isinstance(value, DataLoader) and not (hasattr(value, "__getitem__") and hasattr(value, "__len__")):
+        readable = isinstance(value, DataLoader) or (hasattr(value, "__getitem__") and hasattr(value, "__len__"))
+        if not readable and not (is_stream(value) and not hasattr(value, "__next__")):  # a generator is read once: no epochs, no resume
             raise ConfigError(
                 f"{_OWN_KEYS[key]} {specs[key]} returned {_kind(value)}, not a data set; return a map-style Dataset "
-                "(with __getitem__ and __len__, e.g. torch.utils.data.TensorDataset(x, y)) or a DataLoader over one"
+                "(with __getitem__ and __len__, e.g. torch.utils.data.TensorDataset(x, y)), a stream (an IterableDataset) or a DataLoader over one"
             )
         return value
 

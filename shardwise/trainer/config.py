@@ -119,6 +119,9 @@ class TrainerConfig:
     prefetch_factor: int | None = flag(None, metavar="K")
     """Micro-batches each data-loading worker keeps ready ahead of the step (torch's DataLoader prefetch_factor, default 2:
     at most num_workers x K in flight); needs num_workers >= 1."""
+    stream_resume: str = flag("auto", choices=("auto", "replay"))
+    """How a resume finds its place in a stream (an IterableDataset): 'auto' loads the source's own state where it has
+    state_dict/load_state_dict (saved with each checkpoint), else reads the stream again up to the position; 'replay' always reads it again."""
     start_method: str = "forkserver"
     """How local workers start: 'forkserver' (forks of a process that imported torch once, from the
     second launch in a process or with more ranks than cores; 'fork' is the same) or 'spawn' (a fresh

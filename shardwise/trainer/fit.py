@@ -19,15 +19,16 @@ from torch import nn
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint.rundir import describe_outputs, new_run_id
 from shardwise.comm import monitored_barrier
-from shardwise.data import ShardedLoader, loader_options, pinning, unpack_data
+from shardwise.data import ShardedLoader, StreamLoader, loader_options, pinning, unpack_data
 from shardwise.data.batches import call_model, loss_from_output
+from shardwise.data.stream import first_samples, is_stream
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.engine.loggers import Loggers, RunInfo
 from shardwise.errors import CommError
 from shardwise.launcher.memory import snapshot
 from shardwise.strategies import StepFn
 from shardwise.strategies.cost.peak import tensors_of
-from shardwise.trainer import callbacks, evaluate, nonfinite, resume
+from shardwise.trainer import callbacks, evaluate, nonfinite, resume, streams
 from shardwise.trainer.logging import Progress, RunFiles, batch_seq, format_memory, memory_section, write_rank_comm
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
@@ -63,6 +64,12 @@ def make_step_fn(loss_fn: LossFn | None, module: nn.Module) -> StepFn:
             return loss_from_output(call_model(model, batch), batch)
 
     return step
+
+
+def _epoch_over(loader: ShardedLoader | StreamLoader) -> bool:
+    """Whether the loader's epoch has taken all its steps (a stream without ``__len__`` tells only when it ends)."""
+    steps = loader.steps_per_epoch
+    return steps is not None and loader.step_in_epoch >= steps
 
 
 class _Weights:
@@ -142,7 +149,7 @@ class FitRun:
             scheduler = adapter.make_schedule(optimizer)
         self.scheduler = scheduler
         self.loader = self._loader()
-        self.total = cfg.max_steps or (cfg.max_epochs or 1) * self.loader.steps_per_epoch
+        self.total = cfg.max_steps or (cfg.max_epochs or 1) * (self.loader.steps_per_epoch or 0)  # a stream without __len__ needs max_steps
         if cfg.fast_dev_run:
             self.total = cfg.fast_dev_run
         self.counters: dict[str, Any] = {"step": 0, "samples": 0, "nonfinite_skipped": 0, "nonfinite_trained": 0, "weights_finite": True}
@@ -154,17 +161,19 @@ class FitRun:
         self._announce()
         return True
 
-    def _loader(self) -> ShardedLoader:
+    def _loader(self) -> ShardedLoader | StreamLoader:
         cfg, engine = self.cfg, self.engine
         dataset, collate, workers, dl_batch = unpack_data(self.train_data)
         dl_pin, dl_prefetch = loader_options(self.train_data)  # a DataLoader's own settings count too
         pin, self.pin_note = pinning(cfg.pin_memory or dl_pin, engine.device)
         self.dl_batch = dl_batch
         self.global_batch = global_batch = self.trainer._global_batch(dl_batch)
-        if cfg.overfit_batches:
-            dataset = evaluate.head(dataset, min(len(dataset), cfg.overfit_batches * global_batch))
-        return ShardedLoader(
+        if cfg.overfit_batches:  # a stream's first batches are taken into memory
+            many = cfg.overfit_batches * global_batch
+            dataset = first_samples(dataset, many, cfg.seed) if is_stream(dataset) else evaluate.head(dataset, min(len(dataset), many))
+        return streams.loader_for(
             dataset,
+            resume=cfg.stream_resume,
             global_batch=global_batch,
             world_size=engine.data_mesh.size("dp"),
             rank=engine.data_mesh.coordinate("dp"),
@@ -256,13 +265,13 @@ class FitRun:
         self.profiler = StepProfiler(cfg, self.engine, Path(self.out) if self.out else None, self.start_step, self.total) if cfg.profile else None
         self.phase: Callable[[str], contextlib.AbstractContextManager[Any]] = self.profiler.phase if self.profiler is not None else _no_phase
         while trainer.step < self.total and not trainer.should_stop:
-            epoch = loader.epoch + (1 if loader.step_in_epoch >= loader.steps_per_epoch else 0)
+            epoch = loader.epoch + (1 if _epoch_over(loader) else 0)
             trainer._callback("on_train_epoch_start", self.engine, epoch)
             batches = iter(loader)
             while (micro := self._next_batch(batches)) is not None:
                 if self.step(micro):
                     break
-            if loader.step_in_epoch >= loader.steps_per_epoch or loader.step_in_epoch == 0:
+            if _epoch_over(loader) or loader.step_in_epoch == 0:
                 trainer._callback("on_train_epoch_end", self.engine, epoch)
         if self.losses:  # stopped between log steps (a callback set should_stop after this step's log check)
             self.log_train()

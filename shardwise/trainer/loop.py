@@ -20,15 +20,16 @@ from torch import nn
 
 from shardwise import checkpoint as ckpt
 from shardwise.checkpoint.rundir import move_aside, new_run_id
-from shardwise.data import ShardedLoader, unpack_data
+from shardwise.data import ShardedLoader, StreamLoader, unpack_data
 from shardwise.data.batches import call_model, loss_from_output
+from shardwise.data.stream import is_stream
 from shardwise.engine import Engine
 from shardwise.engine.loggers import Logger, flatten
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env, user_threads
 from shardwise.launcher.spawn import launch, prestart, stop_if_bootstrapping
 from shardwise.strategies import Layout, OptimizerFactory, Strategy, materialize
-from shardwise.trainer import callbacks, evaluate, handoff, plan
+from shardwise.trainer import callbacks, evaluate, handoff, plan, streams
 from shardwise.trainer.adapters import ModelAdapter
 from shardwise.trainer.config import TrainerConfig, from_mapping
 from shardwise.trainer.evaluate import batch_size_of, copies_per_shard
@@ -165,7 +166,7 @@ class Trainer:
     def _global_batch(self, dl_batch: int | None) -> int:
         return self.config.global_batch_size or dl_batch or 32
 
-    def _batch_notes(self, global_batch: int, dl_batch: int | None, loader: ShardedLoader) -> dict[str, Any]:
+    def _batch_notes(self, global_batch: int, dl_batch: int | None, loader: ShardedLoader | StreamLoader) -> dict[str, Any]:
         """What the run's first lines say about the batch (rank 0 prints them): a global batch nobody set,
         and the samples each epoch leaves out."""
         lines = []
@@ -179,7 +180,7 @@ class Trainer:
                 f"{loader.left_out} samples of {loader.n} are left out of each epoch ({loader.n} % global batch {global_batch}); "
                 "drop_last=False keeps them (one more, smaller step an epoch, exact)"
             )
-        return {"lines": lines, "from": source}
+        return {"lines": lines + streams.notes(loader), "from": source}
 
     # -- fit ------------------------------------------------------------------------------
     tune_lr = lr_find
@@ -408,6 +409,8 @@ class Trainer:
         ``validation_step`` returns is logged (as ``val_<key>``), not only the ones named in ``metrics``."""
         dataset, collate, _, _ = val
         limit = self._val_limit() if prefix == "val" else self.config.fast_dev_run or None
+        if is_stream(dataset):  # the adapters evaluate map-style data only (refused before launch)
+            return self._validate_stream(engine, wrapped, dataset, collate, batch_size, prefix, limit)
         dataset = evaluate.head(dataset, evaluate.limited_size(len(dataset), limit, batch_size, engine.mesh.size("dp")))
         if prefix == "val":
             self._callback("on_validation_start", engine)
@@ -415,6 +418,14 @@ class Trainer:
             out = self._adapter.evaluate(engine, engine.unwrap(wrapped), dataset, collate, batch_size, prefix)
         else:
             out = evaluate.evaluate(engine, engine.unwrap(wrapped), dataset, collate, batch_size, self._eval_batch, prefix)
+        if prefix == "val":
+            self._callback("on_validation_end", engine, out)
+        return out
+
+    def _validate_stream(self, engine: Engine, wrapped: nn.Module, data: Any, collate: Any, size: int, prefix: str, limit: Any) -> dict[str, float]:
+        if prefix == "val":
+            self._callback("on_validation_start", engine)
+        out = streams.evaluate_stream(engine, engine.unwrap(wrapped), data, collate, size, self._eval_batch, prefix, limit)
         if prefix == "val":
             self._callback("on_validation_end", engine, out)
         return out

@@ -12,13 +12,14 @@ from torch import nn
 from shardwise.checkpoint.rundir import check_out
 from shardwise.data import fetch, unpack_data
 from shardwise.data.batches import check_batch_fits, returns_own_loss
+from shardwise.data.stream import is_stream, stream_length
 from shardwise.engine.loggers import check_names
 from shardwise.engine.plan import plan_strategy
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size
 from shardwise.strategies import Batch, Layout, Strategy, available, checkpointing, get_strategy, materialize
-from shardwise.trainer import callbacks
+from shardwise.trainer import callbacks, streams
 from shardwise.trainer.adapters import adapter_for
 
 if TYPE_CHECKING:
@@ -65,8 +66,9 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         )
     dataset, collate, _, dl_batch = unpack_data(train_data)
     if dataset is None:
-        raise ConfigError("fit needs training data: a Dataset or a DataLoader")
-    per_epoch = len(dataset) // trainer._global_batch(dl_batch) if hasattr(dataset, "__len__") else 0
+        raise ConfigError("fit needs training data: a Dataset, a stream or a DataLoader")
+    first = streams.check_fit(trainer, dataset, collate, trainer._global_batch(dl_batch)) if is_stream(dataset) else None
+    per_epoch = (stream_length(dataset) or 0) // trainer._global_batch(dl_batch)
     estimate = cfg.fast_dev_run or cfg.max_steps or (cfg.max_epochs or 1) * per_epoch
     trainer._adapter = adapter_for(trainer, model, "fit", has_val=val_data is not None, total=estimate or None)
     plan(trainer, model, dl_batch)
@@ -78,11 +80,12 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
     if not cfg.drop_last:
         check_drop_last(strategy, layout)
     check_tools(trainer, val_data, model)
+    streams.check_val(trainer, val_data)
     if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
         check_out(cfg.out, cfg.resume, cfg.overwrite)
     own_cp = has_step and layout.degrees.get("cp", 1) > 1  # cp checks a training_step model on its self(...) call's arguments
-    if (own_cp or not has_step) and (not hasattr(dataset, "__len__") or len(dataset) > 0) and hasattr(dataset, "__getitem__"):
-        sample = fetch(dataset, [0], collate)
+    if (own_cp or not has_step) and (first is not None or (stream_length(dataset) != 0 and hasattr(dataset, "__getitem__"))):
+        sample = first if first is not None else fetch(dataset, [0], collate)  # a stream's: its first sample
         if not has_step:
             check_batch_fits(model, sample)
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
@@ -101,14 +104,17 @@ def check_evaluate(trainer: Trainer, kind: str, model: nn.Module, data: Any, ckp
             "'last_checkpoint', or trainer.best_model_path)"
         )
     dataset, _, _, dl_batch = unpack_data(data)
-    if dataset is None or len(dataset) == 0:
-        raise ConfigError(f"{what} needs a non-empty Dataset or DataLoader; got {data!r}")
+    if kind == "predict" and is_stream(dataset):
+        raise ConfigError(f"predict returns one row per sample in dataset order, and {type(dataset).__name__} is a stream: give a map-style Dataset")
+    if dataset is None or (not is_stream(dataset) and len(dataset) == 0):
+        raise ConfigError(f"{what} needs a non-empty Dataset, stream or DataLoader; got {data!r}")
     if kind != "predict" and trainer.loss_fn is None and not callable(getattr(model, "validation_step", None)) and not returns_own_loss(model):
         if not callable(getattr(model, "training_step", None)):
             raise ConfigError("no loss to evaluate: pass loss_fn=... to the Trainer or define validation_step(batch) on the model")
     if ckpt_path is not None and not Path(ckpt_path).exists():
         raise ConfigError(f"ckpt_path={ckpt_path!r}: no such checkpoint directory")
     trainer._adapter = adapter_for(trainer, model, kind)
+    streams.check_val(trainer, data, what)
     plan(trainer, model, dl_batch)
 
 

@@ -1,0 +1,155 @@
+"""The Trainer's side of streams (docs/data.md, "Streams"): the parent's checks of a stream before launch,
+the loader a fit trains from (`shardwise.data.stream.StreamLoader` for a stream, `ShardedLoader` otherwise),
+what the run's first lines say about a resume, and evaluation over a stream.
+
+Evaluation over a stream: data-parallel rank ``r`` evaluates the samples ``i % dp == r`` of the stream
+(every sample once, by the stride training uses). Every rank reads the whole stream, so once it ends each
+rank knows its length and so every rank's batch count (no communication): a rank with fewer batches runs
+one more forward on the stream's first sample and drops its result, as the map-style evaluation does
+(FSDP's and pipelines' forwards are collective).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.data._utils.collate import default_collate
+
+from shardwise.data import ShardedLoader
+from shardwise.data.stream import StreamLoader, first_samples, is_stream, stateful, stream_length
+from shardwise.engine import Engine
+from shardwise.errors import ConfigError
+from shardwise.trainer.evaluate import EvalFn, batch_size_of, copies_per_shard, limited_size
+
+if TYPE_CHECKING:
+    from shardwise.trainer.loop import Trainer
+
+__all__ = ["check_fit", "check_val", "evaluate_stream", "loader_for", "notes"]
+
+
+def loader_for(dataset: Any, *, resume: str = "auto", shuffle: bool = True, **options: Any) -> ShardedLoader | StreamLoader:
+    """The loader over ``dataset``: a `StreamLoader` for a stream (``resume``: 'auto' or 'replay'; a stream
+    keeps its own order, ``shuffle`` is not used), else a `ShardedLoader`; ``options`` are the loaders' own."""
+    if is_stream(dataset):
+        return StreamLoader(dataset, resume=resume, **options)
+    return ShardedLoader(dataset, shuffle=shuffle, **options)
+
+
+def check_fit(trainer: Trainer, dataset: Any, collate: Any, global_batch: int) -> Any:
+    """What a stream of training data can refuse before launch; returns its first sample, collated (a batch of one)."""
+    cfg = trainer.config
+    n, name = stream_length(dataset), type(dataset).__name__
+    if n is None and not cfg.max_steps and not cfg.fast_dev_run:
+        raise ConfigError(
+            f"the training data ({name}) is a stream with no __len__: how many steps an epoch takes is known only when it ends, "
+            "so max_epochs cannot size the run (nor its schedule). Set max_steps=... (--max-steps N)"
+        )
+    if n is None and isinstance(cfg.limit_train_batches, float):
+        raise ConfigError(
+            f"limit_train_batches={cfg.limit_train_batches} is a fraction of an epoch, and {name} is a stream with no __len__: give a whole number of steps"
+        )
+    first = first_samples(dataset, 1 if n is not None else global_batch, cfg.seed)
+    got = n if n is not None else len(first)
+    if not first or got == 0:
+        raise ConfigError(f"the training stream ({name}) yields no sample")
+    if got < global_batch:
+        raise ConfigError(f"the training stream ({name}) yields {got} samples, fewer than one global batch of {global_batch}; lower the global batch size")
+    return (collate or default_collate)([first[0]])
+
+
+def check_val(trainer: Trainer, data: Any, what: str = "validation") -> None:
+    """A stream of evaluation data that cannot work, before launch."""
+    from shardwise.data import unpack_data
+
+    dataset = unpack_data(data)[0] if data is not None else None
+    if not is_stream(dataset):
+        return
+    name = type(dataset).__name__
+    if trainer._adapter is not None:
+        raise ConfigError(f"the {what} data ({name}) is a stream: a {type(trainer._adapter).__name__} module evaluates map-style data only; give a Dataset")
+    if isinstance(trainer.config.limit_val_batches, float) and stream_length(dataset) is None:
+        limit = trainer.config.limit_val_batches
+        raise ConfigError(f"limit_val_batches={limit} is a fraction, and the {what} stream ({name}) has no __len__: give a whole number of batches")
+    if not first_samples(dataset, 1):
+        raise ConfigError(f"the {what} stream ({name}) yields no sample")
+
+
+def notes(loader: Any) -> list[str]:
+    """The run's first lines about a stream: how a resume will find its place."""
+    if not isinstance(loader, StreamLoader):
+        return []
+    name = type(loader.source).__name__
+    if loader.uses_state:
+        how = f"a resume loads {name}'s own state (state_dict/load_state_dict, saved with each checkpoint)"
+    else:
+        why = "stream_resume='replay'" if stateful(loader.source) else f"{name} has no state_dict/load_state_dict"
+        how = f"a resume replays the stream up to its position ({why}): it reads the samples already trained on again"
+    length = "no __len__: an epoch ends where the stream does" if loader.n is None else f"{loader.n} samples"
+    return [f"training data: a stream ({name}, {length}), each rank keeping samples i % {loader.world_size} == rank; {how}"]
+
+
+def _cap(dataset: Any, limit: int | float | None, batch_size: int, dp: int) -> int | None:
+    """How many of the stream's samples an evaluation reads (None: all)."""
+    if limit is None:
+        return None
+    if isinstance(limit, float):
+        n = stream_length(dataset)
+        return None if n is None else limited_size(n, limit, batch_size, dp)
+    return limit * batch_size * dp
+
+
+def evaluate_stream(
+    engine: Engine, module: nn.Module, dataset: Any, collate: Any, batch_size: int, eval_fn: EvalFn, prefix: str, limit: int | float | None
+) -> dict[str, float]:
+    """As `shardwise.trainer.evaluate.evaluate` over a stream: each sample once (rank r: ``i % dp == r``)."""
+    was_training = module.training
+    module.eval()
+    world, rank = engine.mesh.size("dp"), engine.mesh.coordinate("dp")
+    cap = _cap(dataset, limit, batch_size, world)
+    collate = collate or default_collate
+    totals: dict[str, float] = {}
+    keys: list[str] = []
+    count = done = n = 0
+    first: Any = None
+
+    def run(samples: list[Any]) -> None:
+        nonlocal count, done, keys
+        batch = engine.to_device(collate(samples))
+        values = eval_fn(module, batch)
+        keys = keys or list(values)
+        size = batch_size_of(batch)
+        count, done = count + size, done + 1
+        for k, v in values.items():
+            totals[k] = totals.get(k, 0.0) + float(v) * size
+
+    with torch.no_grad(), engine.autocast():
+        mine: list[Any] = []
+        for sample in dataset:
+            if cap is not None and n >= cap:
+                break
+            first = sample if n == 0 else first
+            if n % world == rank:
+                mine.append(sample)
+            n += 1
+            if len(mine) == batch_size:
+                run(mine)
+                mine = []
+        if mine:
+            run(mine)
+        if n == 0:
+            raise ConfigError(f"the {prefix} stream ({type(dataset).__name__}) yielded no sample")
+        shares = [-(-(n - r) // world) for r in range(world)]  # every rank's samples, known once the stream has ended
+        calls = max(1, max(-(-share // batch_size) for share in shares))
+        for _ in range(calls - done):  # the padding call: every rank makes as many forward calls (collective forwards pair)
+            padded = list(eval_fn(module, engine.to_device(collate([first]))))
+            keys = keys or padded
+    module.train(was_training)
+    sums = torch.tensor([float(count)] + [totals.get(k, 0.0) for k in keys], dtype=torch.float64, device=engine.device)
+    engine.all_reduce(sums, "sum")
+    sums /= copies_per_shard(engine)
+    samples = max(sums[0].item(), 1.0)
+    out = {f"{prefix}_{k}": sums[1 + i].item() / samples for i, k in enumerate(keys)}
+    out[f"{prefix}_samples"] = int(sums[0].item())
+    return out
