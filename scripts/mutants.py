@@ -491,6 +491,15 @@ MUTANTS = [
            "shardwise/strategies/context_parallel/apply.py",
            'all_reduce(mean, "mean", group=state.group', 'all_reduce(mean, "sum", group=state.group',
            ("tests/strategies/context_parallel/test_context_parallel.py::test_the_model_s_own_loss_is_the_loss_of_all_tokens",)),
+    Mutant("streams: every rank keeps the stride of rank 0 (i % W == 0): ranks train the same samples, some never",
+           "shardwise/data/stream.py", "    mine = pairs[spec.rank :: spec.world_size]", "    mine = pairs[0 :: spec.world_size]",
+           ("tests/data/test_stream.py::test_each_step_is_the_next_global_batch_by_stride_at_any_world_size",)),
+    Mutant("streams: the saved position one global batch behind (a resume trains a step twice)",
+           "shardwise/data/stream.py", '            "consumed": self.consumed,', '            "consumed": self.consumed - self.global_batch,',
+           ("tests/trainer/test_stream_fit.py::test_a_stream_resumes_bitwise_replayed_or_from_its_state_and_at_another_world_size",)),
+    Mutant("streams: a source that splits itself over a DataLoader's workers is not read whole in each worker",
+           "shardwise/data/stream.py", "    worker._worker_info = None\n", "    worker._worker_info = saved\n",
+           ("tests/data/test_stream.py::test_two_workers_give_the_batches_of_none_bit_for_bit_resume_included",)),
 ]
 
 
