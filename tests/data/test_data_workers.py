@@ -111,11 +111,12 @@ class Stream(IterableDataset):
         yield from (torch.zeros(8) for _ in range(10))
 
 
-def test_an_iterable_dataset_is_refused_with_the_reason_and_the_ways_out():
-    with pytest.raises(ConfigError, match="IterableDataset.*by index.*map-style Dataset.*engine.rank"):
-        Trainer(loss_fn=loss_fn, max_steps=1).fit(WithDropout(), Stream())
-    with pytest.raises(ConfigError, match="IterableDataset"):
-        Trainer(loss_fn=loss_fn, max_steps=1).fit(WithDropout(), torch.utils.data.DataLoader(Stream(), batch_size=2))
+def test_an_iterable_dataset_without_len_needs_max_steps():
+    # streams train (tests/trainer/test_stream_fit.py); one with no __len__ cannot size a run by epochs
+    with pytest.raises(ConfigError, match=r"stream with no __len__.*--max-steps N"):
+        Trainer(loss_fn=loss_fn, max_epochs=1).fit(WithDropout(), Stream())
+    with pytest.raises(ConfigError, match=r"stream with no __len__.*--max-steps N"):
+        Trainer(loss_fn=loss_fn).fit(WithDropout(), torch.utils.data.DataLoader(Stream(), batch_size=2))
 
 
 class Draws(Dataset):
