@@ -1,6 +1,6 @@
 """Data-loading workers: the same run, bit for bit, with 0 or 2 workers (augmentation drawing
 from the global generators included, resume included), workers started once per run, and an
-IterableDataset refused with the reason."""
+IterableDataset without __len__ refused without max_steps."""
 
 from __future__ import annotations
 
