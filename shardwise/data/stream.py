@@ -23,10 +23,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from shardwise.data import Collate, _own_rng, _seed_all, check_workers, per_rank_batch, pin, sample_seed
+from shardwise.data import Collate, ShardedLoader, _own_rng, _seed_all, check_workers, per_rank_batch, pin, sample_seed
 from shardwise.errors import ConfigError
 
-__all__ = ["RESUMES", "StreamLoader", "check_source", "first_samples", "is_stream", "stateful", "stream_length"]
+__all__ = ["RESUMES", "StreamLoader", "check_source", "first_samples", "is_stream", "loader_for", "stateful", "stream_length"]
 
 RESUMES = ("auto", "replay")
 """How a resume finds its place in a stream: 'auto' loads the source's own state where it has
@@ -425,3 +425,11 @@ class StreamLoader:
         self.epoch, self.step_in_epoch, self.consumed = int(state["epoch"]), int(state["step_in_epoch"]), int(state["consumed"])
         self.seed = int(state["seed"])
         self._source_state = state.get("source") if self.uses_state else None
+
+
+def loader_for(dataset: Any, *, resume: str = "auto", shuffle: bool = True, **options: Any) -> ShardedLoader | StreamLoader:
+    """The loader over ``dataset``: a `StreamLoader` for a stream (``resume``: 'auto' or 'replay'; a stream
+    keeps its own order, ``shuffle`` is not used), else a `ShardedLoader`; ``options`` are the loaders' own."""
+    if is_stream(dataset):
+        return StreamLoader(dataset, resume=resume, **options)
+    return ShardedLoader(dataset, shuffle=shuffle, **options)

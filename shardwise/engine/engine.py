@@ -19,6 +19,8 @@ from torch import nn
 from shardwise import checkpoint as ckpt
 from shardwise.comm import WORLD, Group, Recorder, all_reduce
 from shardwise.comm.mesh import Mesh
+from shardwise.data import ShardedLoader, pinning, unpack_data
+from shardwise.data.stream import StreamLoader, loader_for
 from shardwise.engine import checkpoints
 from shardwise.engine.collectives import Collectives
 from shardwise.engine.plan import plan_strategy
@@ -311,6 +313,43 @@ class Engine(Collectives):
         yield
         if self.is_rank_zero:
             self.barrier()
+
+    def loader(
+        self,
+        data: Any,
+        *,
+        global_batch: int,
+        accumulate: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        drop_last: bool = True,
+        limit: int | float | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        resume: str = "auto",
+    ) -> ShardedLoader | StreamLoader:
+        """This rank's loader of ``data`` over the engine's data mesh (call after ``setup``): a `ShardedLoader` for a
+        map-style Dataset, a `StreamLoader` for a stream (an IterableDataset; ``resume`` 'auto' or 'replay', no
+        ``shuffle``), a DataLoader's own collate_fn and workers taken. Iterate it for each step's ``accumulate``
+        micro-batches; put it in what `save` and `load` get (``{"loader": loader, ...}``): its position resumes."""
+        dataset, collate, workers, _ = unpack_data(data)
+        return loader_for(
+            dataset,
+            resume=resume,
+            shuffle=shuffle,
+            global_batch=global_batch,
+            world_size=self.data_mesh.size("dp"),
+            rank=self.data_mesh.coordinate("dp"),
+            accumulate=accumulate,
+            seed=seed,
+            collate_fn=collate,
+            num_workers=max(workers, num_workers),
+            limit=limit,
+            drop_last=drop_last,
+            pin_memory=pinning(pin_memory, self.device)[0],
+            prefetch_factor=prefetch_factor,
+        )
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on rank 0 only."""

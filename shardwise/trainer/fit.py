@@ -21,14 +21,14 @@ from shardwise.checkpoint.rundir import describe_outputs, new_run_id
 from shardwise.comm import monitored_barrier
 from shardwise.data import ShardedLoader, StreamLoader, loader_options, pinning, unpack_data
 from shardwise.data.batches import call_model, loss_from_output
-from shardwise.data.stream import first_samples, is_stream
+from shardwise.data.stream import first_samples, is_stream, loader_for
 from shardwise.engine import Engine, call_through, seed_everything
 from shardwise.engine.loggers import Loggers, RunInfo
 from shardwise.errors import CommError
 from shardwise.launcher.memory import snapshot
 from shardwise.strategies import StepFn
 from shardwise.strategies.cost.peak import tensors_of
-from shardwise.trainer import callbacks, evaluate, nonfinite, resume, streams
+from shardwise.trainer import callbacks, evaluate, nonfinite, resume
 from shardwise.trainer.logging import Progress, RunFiles, batch_seq, format_memory, memory_section, write_rank_comm
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
@@ -171,7 +171,7 @@ class FitRun:
         if cfg.overfit_batches:  # a stream's first batches are taken into memory
             many = cfg.overfit_batches * global_batch
             dataset = first_samples(dataset, many, cfg.seed) if is_stream(dataset) else evaluate.head(dataset, min(len(dataset), many))
-        return streams.loader_for(
+        return loader_for(
             dataset,
             resume=cfg.stream_resume,
             global_batch=global_batch,

@@ -1,5 +1,4 @@
 """The Trainer's side of streams (docs/data.md, "Streams"): the parent's checks of a stream before launch,
-the loader a fit trains from (`shardwise.data.stream.StreamLoader` for a stream, `ShardedLoader` otherwise),
 what the run's first lines say about a resume, and evaluation over a stream.
 
 Evaluation over a stream: data-parallel rank ``r`` evaluates the samples ``i % dp == r`` of the stream
@@ -17,7 +16,6 @@ import torch
 from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
-from shardwise.data import ShardedLoader
 from shardwise.data.stream import StreamLoader, first_samples, is_stream, stateful, stream_length
 from shardwise.engine import Engine
 from shardwise.errors import ConfigError
@@ -26,15 +24,7 @@ from shardwise.trainer.evaluate import EvalFn, batch_size_of, copies_per_shard, 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import Trainer
 
-__all__ = ["check_fit", "check_val", "evaluate_stream", "loader_for", "notes"]
-
-
-def loader_for(dataset: Any, *, resume: str = "auto", shuffle: bool = True, **options: Any) -> ShardedLoader | StreamLoader:
-    """The loader over ``dataset``: a `StreamLoader` for a stream (``resume``: 'auto' or 'replay'; a stream
-    keeps its own order, ``shuffle`` is not used), else a `ShardedLoader`; ``options`` are the loaders' own."""
-    if is_stream(dataset):
-        return StreamLoader(dataset, resume=resume, **options)
-    return ShardedLoader(dataset, shuffle=shuffle, **options)
+__all__ = ["check_fit", "check_val", "evaluate_stream", "notes"]
 
 
 def check_fit(trainer: Trainer, dataset: Any, collate: Any, global_batch: int) -> Any:
