@@ -89,7 +89,8 @@ class TokenFile:
         _convert(self.tmp, wider, self._start, self.dtype, dtype)
         os.replace(wider, self.tmp)
         self.dtype = dtype
-        self.file = open(self.tmp, "ab")  # noqa: SIM115
+        self.file = open(self.tmp, "r+b")  # noqa: SIM115 (not "ab": the header is written at the start last)
+        self.file.seek(0, os.SEEK_END)
 
     def finish(self) -> None:
         if self.fmt == "npy":
@@ -288,6 +289,8 @@ class TokenShards(Dataset[Any]):
     ``attention_mask`` (bool, ``(1, seq_len, seq_len)``, True = may attend; a batch collates to
     ``(B, 1, seq, seq)``, which transformers takes as given): the shifted sample becomes
     ``(x, attention_mask, position_ids, y)``, the order of a causal LM's positional arguments.
+    transformers' sdpa and flex attention read a bool mask; eager attention adds the mask to the
+    scores, so give it `additive_mask` (in the model's dtype) in a collate function.
     """
 
     def __init__(
@@ -433,3 +436,10 @@ def document_mask(x: torch.Tensor, sep: int) -> tuple[torch.Tensor, torch.Tensor
     starts = torch.zeros(int(doc[-1]) + 1, dtype=torch.long).scatter_reduce(0, doc, t, reduce="amin", include_self=False)
     mask = (doc[:, None] == doc[None, :]) & (t[:, None] >= t[None, :])
     return mask[None], t - starts[doc]
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool attention mask as the additive one eager attention expects: 0 where True, the dtype's
+    lowest value where False (transformers' own convention). Use the model's dtype: sdpa reads an
+    additive mask of another float dtype wrongly."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
