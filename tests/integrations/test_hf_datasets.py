@@ -93,15 +93,44 @@ def map_style(files: list[str]) -> dict[str, Any]:
     return out
 
 
-def _in_workers(root: str, files: list[str]) -> dict[str, Any]:
-    return {"map": map_style(files)}
+def stream(files: list[str], shuffle: bool = False) -> Any:
+    """The JSON lines files as an HF stream of torch tensors (a buffer shuffle seeded 3 when ``shuffle``)."""
+    ds = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    return (ds.shuffle(seed=3, buffer_size=16) if shuffle else ds).with_format("torch")
+
+
+def stop_and_resume(root: Path, files: list[str], shuffle: bool, resume: str) -> dict[str, Any]:
+    """6 steps in one go; 3 steps, a checkpoint, a resume to 6: the weights and the ids this rank trained on."""
+    whole = Classifier()
+    trainer(max_steps=6, stream_resume=resume).fit(whole, stream(files, shuffle))
+    out = str(root / f"resumed-{shuffle}-{resume}")
+    first = Classifier()
+    trainer(max_steps=3, checkpoint_every=3, out=out, stream_resume=resume).fit(first, stream(files, shuffle))
+    second = Classifier()
+    trainer(max_steps=6, resume="auto", out=out, stream_resume=resume).fit(second, stream(files, shuffle))
+    return {"whole": (weights(whole), whole.seen), "resumed": (weights(second), first.seen + second.seen)}
+
+
+def _in_workers(root: str, three: list[str], four: list[str]) -> dict[str, Any]:
+    rank = torch.distributed.get_rank()
+    out: dict[str, Any] = {"map": map_style(three)}
+    for shuffle, resume in ((False, "auto"), (True, "replay"), (True, "auto")):
+        out[f"stream-{shuffle}-{resume}"] = stop_and_resume(Path(root), three, shuffle, resume)
+    by_shard = Classifier()
+    trainer(max_steps=2).fit(by_shard, stream(four))
+    out["four"] = by_shard.seen
+    from datasets.distributed import split_dataset_by_node as hf
+
+    out["split"] = {n: [int(r["id"]) for r in hf(stream(f), rank, 2)] for n, f in (("three", three), ("four", four))}
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("hf")
-    files = write_jsonl(root / "three", shards=3, per_shard=N // 3)
-    return root, launch(_in_workers, str(root), files, nproc=2, threads_per_proc=1)
+    three = write_jsonl(root / "three", shards=3, per_shard=N // 3)
+    four = write_jsonl(root / "four", shards=4, per_shard=N // 4)
+    return root, launch(_in_workers, str(root), three, four, nproc=2, threads_per_proc=1)
 
 
 def test_a_map_style_hf_dataset_trains_as_the_same_tensors(runs: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -111,3 +140,31 @@ def test_a_map_style_hf_dataset_trains_as_the_same_tensors(runs: tuple[Path, lis
         assert hf_steps == steps == 12
         for k in tensors:
             assert torch.equal(hf[k], tensors[k]), k
+
+
+@pytest.mark.parametrize("cell", ["stream-False-auto", "stream-True-replay"])
+def test_a_stream_stopped_and_resumed_equals_the_run_never_stopped(runs: tuple[Path, list[dict[str, Any]]], cell: str) -> None:
+    """Plain: the source's own state (HF's state_dict) is exact. Shuffled with a buffer: the replay is exact."""
+    _, results = runs
+    for rank in range(2):
+        (whole, whole_ids), (resumed, resumed_ids) = results[rank][cell]["whole"], results[rank][cell]["resumed"]
+        assert resumed_ids == whole_ids and len(whole_ids) == 6 * GLOBAL_BATCH // 2
+        for k in whole:
+            assert torch.equal(whole[k], resumed[k]), (rank, k)
+
+
+def test_each_rank_reads_what_split_dataset_by_node_gives_it_where_hf_strides(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, results = runs
+    seen = [results[r]["stream-False-auto"]["whole"][1] for r in range(2)]
+    for rank in range(2):  # 3 shards on 2 ranks: HF keeps example i on rank i % 2, and so does shardwise
+        assert seen[rank] == results[rank]["split"]["three"][: len(seen[rank])] == list(range(rank, 6 * GLOBAL_BATCH, 2))
+
+
+def test_where_hf_would_split_by_shard_shardwise_strides(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    """4 shards on 2 ranks: ``split_dataset_by_node`` gives each rank whole shards (rank 0 never sees row 1), so a
+    global batch would depend on the world size; shardwise strides, and step s trains rows [s*8, (s+1)*8) at any size."""
+    _, results = runs
+    for rank in range(2):
+        assert results[rank]["four"] == list(range(rank, 2 * GLOBAL_BATCH, 2))
+        # HF's split here: whole shards (15 rows each), rank r shards r and r + 2
+        assert results[rank]["split"]["four"] == [i for s in (rank, rank + 2) for i in range(s * N // 4, (s + 1) * N // 4)]
