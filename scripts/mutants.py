@@ -500,6 +500,21 @@ MUTANTS = [
     Mutant("streams: a source that splits itself over a DataLoader's workers is not read whole in each worker",
            "shardwise/data/stream.py", "    worker._worker_info = None\n", "    worker._worker_info = saved\n",
            ("tests/data/test_stream.py::test_two_workers_give_the_batches_of_none_bit_for_bit_resume_included",)),
+    Mutant("streams: a Hugging Face stream read in a loader worker as HF hands it out there (some shards per worker), not whole",
+           "shardwise/data/stream.py", "    worker._worker_info = None\n", "    worker._worker_info = saved\n",
+           ("tests/integrations/test_hf_datasets.py::test_a_parquet_stream_or_two_loader_workers_train_as_the_json_lines_stream_without",)),
+    Mutant("token shards: the shuffle window's seed ignores the epoch (every epoch permutes a window alike)",
+           "shardwise/data/order.py", "_rng(self.seed, self.epoch, w, 1)", "_rng(self.seed, 0, w, 1)",
+           ("tests/data/test_files.py::test_each_epoch_visits_every_block_once_and_seed_and_epoch_change_the_order",)),
+    Mutant("token shards: a block read one token late (off by one in the block's byte offset)",
+           "shardwise/data/files.py", "at = self._offsets[k] + start * dt.itemsize", "at = self._offsets[k] + (start + 1) * dt.itemsize",
+           ("tests/data/test_files.py::test_a_small_corpus_packs_into_the_blocks_written_out_by_hand",)),
+    Mutant("token shards: the loader ignores the dataset's epoch_order (a full randperm instead)",
+           "shardwise/data/__init__.py", '    own = getattr(dataset, "epoch_order", None)', "    own = None",
+           ("tests/data/test_files.py::test_the_loader_trains_the_datasets_own_order_at_any_world_size",)),
+    Mutant("token shards: the document mask lets a token see the earlier documents of its block",
+           "shardwise/data/files.py", "mask = (doc[:, None] == doc[None, :]) & (t[:, None] >= t[None, :])", "mask = t[:, None] >= t[None, :]",
+           ("tests/data/test_files_docmask.py",)),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,17 @@ def write_jsonl(directory: Path, shards: int, per_shard: int) -> list[str]:
     for s in range(shards):
         path = directory / f"part-{s:03d}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in _rows(s * per_shard, per_shard)))
+        files.append(str(path))
+    return files
+
+
+def write_parquet(directory: Path, jsonl: list[str]) -> list[str]:
+    """The same rows as Parquet files, one per JSON lines file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for f in jsonl:
+        path = directory / (Path(f).stem + ".parquet")
+        datasets.Dataset.from_list([json.loads(x) for x in Path(f).read_text().splitlines()]).to_parquet(str(path))
         files.append(str(path))
     return files
 
@@ -94,8 +106,8 @@ def map_style(files: list[str]) -> dict[str, Any]:
 
 
 def stream(files: list[str], shuffle: bool = False) -> Any:
-    """The JSON lines files as an HF stream of torch tensors (a buffer shuffle seeded 3 when ``shuffle``)."""
-    ds = datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+    """The JSON lines (or Parquet) files as an HF stream of torch tensors (a buffer shuffle seeded 3 when ``shuffle``)."""
+    ds = datasets.load_dataset("parquet" if files[0].endswith(".parquet") else "json", data_files=files, split="train", streaming=True)
     return (ds.shuffle(seed=3, buffer_size=16) if shuffle else ds).with_format("torch")
 
 
@@ -116,6 +128,12 @@ def _in_workers(root: str, three: list[str], four: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {"map": map_style(three)}
     for shuffle, resume in ((False, "auto"), (True, "replay"), (True, "auto")):
         out[f"stream-{shuffle}-{resume}"] = stop_and_resume(Path(root), three, shuffle, resume)
+    with_workers = Classifier()  # each loader worker reads the whole stream (HF alone would hand each worker some shards)
+    trainer(max_steps=6, num_workers=2).fit(with_workers, stream(three))
+    out["workers"] = (weights(with_workers), with_workers.seen)
+    from_parquet = Classifier()
+    trainer(max_steps=6).fit(from_parquet, stream(write_parquet(Path(root) / f"parquet-{rank}", three)))
+    out["parquet"] = (weights(from_parquet), from_parquet.seen)
     by_shard = Classifier()
     trainer(max_steps=2).fit(by_shard, stream(four))
     out["four"] = by_shard.seen
@@ -168,3 +186,24 @@ def test_where_hf_would_split_by_shard_shardwise_strides(runs: tuple[Path, list[
         assert results[rank]["four"] == list(range(rank, 2 * GLOBAL_BATCH, 2))
         # HF's split here: whole shards (15 rows each), rank r shards r and r + 2
         assert results[rank]["split"]["four"] == [i for s in (rank, rank + 2) for i in range(s * N // 4, (s + 1) * N // 4)]
+
+
+@pytest.mark.parametrize("cell", ["parquet", "workers"])
+def test_a_parquet_stream_or_two_loader_workers_train_as_the_json_lines_stream_without(runs: tuple[Path, list[dict[str, Any]]], cell: str) -> None:
+    _, results = runs
+    for rank in range(2):
+        (json_weights, json_ids), (other, other_ids) = results[rank]["stream-False-auto"]["whole"], results[rank][cell]
+        assert other_ids == json_ids
+        for k in json_weights:
+            assert torch.equal(other[k], json_weights[k]), k
+
+
+def test_without_pyarrow_parquet_text_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardwise.data.text import TextShards
+    from shardwise.errors import ConfigError
+
+    (parquet,) = write_parquet(tmp_path / "pq", write_jsonl(tmp_path / "rows", shards=1, per_shard=4))
+    for name in ("pyarrow", "pyarrow.parquet"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an environment without the datasets extra imports
+    with pytest.raises(ConfigError, match=r"part-000.parquet \(Parquet\) needs pyarrow.*pip install 'shardwise\[datasets\]'"):
+        TextShards(parquet, lambda t: [1, 2, 3], 4, sep=0, text_key="x", cache_dir=tmp_path / "cache")
