@@ -114,6 +114,8 @@ def test_each_epoch_visits_every_block_once_and_seed_and_epoch_change_the_order(
     for order in orders.values():
         assert sorted(order) == list(range(31))
     assert len({tuple(o) for o in orders.values()}) == 4
+    one = [list(BlockOrder([30], 0, e, 30)) for e in (0, 1)]  # one shard: only the window can change it
+    assert sorted(one[0]) == sorted(one[1]) and one[0] != one[1]
 
 
 def test_a_window_shuffles_only_inside_a_run_of_the_concatenated_shards():
