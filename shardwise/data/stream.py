@@ -44,7 +44,7 @@ def check_source(source: Any) -> None:
         raise ConfigError(
             f"the training data is a {type(source).__name__}, an iterator: it can be read once, so it has no second epoch and "
             "cannot be replayed on a resume. Give an iterable whose __iter__ starts the stream anew (a torch IterableDataset "
-            "whose __iter__ is your generator function)"
+            "whose __iter__ is your generator function), or a map-style Dataset"
         )
 
 
