@@ -515,6 +515,9 @@ MUTANTS = [
     Mutant("token shards: the document mask lets a token see the earlier documents of its block",
            "shardwise/data/files.py", "mask = (doc[:, None] == doc[None, :]) & (t[:, None] >= t[None, :])", "mask = t[:, None] >= t[None, :]",
            ("tests/data/test_files_docmask.py",)),
+    Mutant("token shards: a subclass that augments inherits the skip of per-sample seeding (its draws then depend on the worker)",
+           "shardwise/data/__init__.py", 'return vars(klass).get("draws_no_randomness") is True', 'return getattr(dataset, "draws_no_randomness", False) is True',
+           ("tests/data/test_files.py::test_only_the_class_that_reads_the_blocks_skips_the_per_sample_seeding",)),
 ]
 
 

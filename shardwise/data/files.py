@@ -27,7 +27,7 @@ import struct
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ class TokenFile:
         self.path, self.fmt, self.auto = path, fmt, dtype is None
         self.dtype = np.dtype(np.uint16) if dtype is None else dtype
         self.tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # several writers (ranks, hosts) may race: each its own
-        self.file = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish)
+        self.file: BinaryIO = open(self.tmp, "wb")  # noqa: SIM115 (closed in finish)
         self.file.write(b"\0" * self._start)
         self.tokens = 0
 
@@ -383,6 +383,8 @@ class TokenShards(Dataset[Any]):
             chunks.append(data)
             want, at = want - len(data), at + len(data)
         return np.frombuffer(b"".join(chunks) if len(chunks) > 1 else chunks[0], dt).astype(np.int64)
+
+    draws_no_randomness = True  # a block is a function of its index: the loader skips per-sample seeding
 
     def __getitem__(self, i: int) -> Any:
         block = torch.from_numpy(self.block(i))

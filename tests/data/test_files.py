@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.data import ShardedLoader, TokenShards, write_token_shards
+from shardwise.data import ShardedLoader, TokenShards, draws_no_randomness, seeded_fetch, write_token_shards
 from shardwise.data.files import document_mask
 from shardwise.data.order import BlockOrder
 from shardwise.errors import ConfigError
@@ -101,6 +101,22 @@ def test_the_dataset_pickles_without_open_files_and_reads_the_same(tmp_path):
     assert data._fds  # opened on first read
     copy = pickle.loads(pickle.dumps(data))
     assert copy._fds == {} and all(torch.equal(a, b) for a, b in zip(copy[5], first, strict=True))
+
+
+class Noisy(TokenShards):
+    """An augmentation over the blocks: draws from torch's global generator."""
+
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        return x + torch.randint(0, 2, x.shape), y
+
+
+def test_only_the_class_that_reads_the_blocks_skips_the_per_sample_seeding(tmp_path):
+    write_token_shards(_docs(), tmp_path, sep=0)
+    assert draws_no_randomness(TokenShards(tmp_path, 4)) and not draws_no_randomness(Noisy(tmp_path, 4))
+    noisy = Noisy(tmp_path, 4)
+    a, b, c = (seeded_fetch(noisy, [3, 5, 7], None, 0, e)[0] for e in (0, 0, 1))
+    assert torch.equal(a, b) and not torch.equal(a, c)  # a function of (seed, epoch, index), as any dataset's
 
 
 # -- the epoch order ------------------------------------------------------------------------------
