@@ -518,6 +518,9 @@ MUTANTS = [
     Mutant("token shards: a subclass that augments inherits the skip of per-sample seeding (its draws then depend on the worker)",
            "shardwise/data/__init__.py", 'return vars(klass).get("draws_no_randomness") is True', 'return getattr(dataset, "draws_no_randomness", False) is True',
            ("tests/data/test_files.py::test_only_the_class_that_reads_the_blocks_skips_the_per_sample_seeding",)),
+    Mutant("streams: validation over a stream skips the padding forward (zero3's gathers unpaired: the ranks hang)",
+           "shardwise/trainer/streams.py", "        for _ in range(calls - done):", "        for _ in range(0):",
+           ("tests/trainer/test_stream_fit.py::test_validating_a_stream_under_zero3_pads_the_uneven_rank_and_counts_each_sample_once",)),
 ]
 
 

@@ -137,6 +137,19 @@ def test_a_stream_resumes_bitwise_replayed_or_from_its_state_and_at_another_worl
     assert steps_of(rec, 2) == expected[3:]
 
 
+def test_validating_a_stream_under_zero3_pads_the_uneven_rank_and_counts_each_sample_once():
+    # 9 samples in batches of 2 over 2 ranks: rank 0 holds 5 (3 batches), rank 1 holds 4 (2 batches and the padding
+    # forward: zero3's forward gathers the weights, a collective both ranks must make as often)
+    model = Net()
+    with torch.no_grad():
+        losses = [float((model(x) - y) ** 2) for _, x, y in Ids(9)]
+    settings = dict(strategy="zero3", nproc=2, precision="64", val_batch_size=2, progress_bar=False, timeout_s=60)
+    got = Trainer(**settings).validate(Net(), Ids(9))
+    assert got["val_samples"] == 9 and abs(got["val_loss"] - sum(losses) / 9) < 1e-12
+    limited = Trainer(precision="64", val_batch_size=2, limit_val_batches=2, progress_bar=False).validate(Net(), Ids(9))
+    assert limited["val_samples"] == 4 and abs(limited["val_loss"] - sum(losses[:4]) / 4) < 1e-12  # 2 batches of 2: the first 4
+
+
 def test_a_stream_is_checked_before_launch():
     def refused(data, match, **settings):
         with pytest.raises(ConfigError, match=match):
