@@ -185,6 +185,18 @@ def test_limit_epochs_and_the_callers_generators():
     assert first == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]] and loader.epoch == 1
     assert [ids(s) for s in loader][0] == [[0, 1, 2, 3]]
     assert StreamLoader(Sized(40), global_batch=4, limit=0.5).steps_per_epoch == 5
+    cut = StreamLoader(Cut(), global_batch=4)
+    assert [[ids(s) for s in cut] for _ in range(2)] == [[[[0, 1, 2, 3]], [[4, 5, 6, 7]]]] * 2
+
+
+class Cut(Ids):
+    """A stream of 12 whose __len__ says 8: the epoch ends at the length it gives."""
+
+    def __init__(self) -> None:
+        super().__init__(12)
+
+    def __len__(self) -> int:
+        return 8
 
 
 def test_refusals_say_what_and_how():
