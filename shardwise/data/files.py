@@ -323,7 +323,9 @@ class TokenShards(Dataset[Any]):
             raise ConfigError(
                 "document_mask=True splits blocks into documents at the separator, and no sep is known: pass sep= (the id that ends each document)"
             )
-        layouts = [_layout(f, None if f.suffix == ".npy" else given) for f in files]
+        if not files:
+            raise ConfigError(f"{path}'s {INDEX} lists no shards (the documents written were all empty); write some tokens first")
+        layouts = [_layout(f, given) for f in files]
         self.files = [str(f) for f in files]
         self.seq_len, self.shuffle_window, self.labels, self.document_mask = seq_len, shuffle_window, labels, bool(document_mask)
         self._offsets = [o for o, _, _ in layouts]

@@ -74,6 +74,12 @@ def test_dtype_widens_every_shard_when_an_id_needs_it_and_refusals_say_why(tmp_p
         TokenShards(raw, 4, dtype="uint32", document_mask=True)
     with pytest.raises(ConfigError, match="no shard has a block"):
         TokenShards(raw, 40, dtype="uint32")
+    assert list((tmp_path / "fixed").iterdir()) == []  # the refused write left nothing half-written
+    with pytest.raises(ConfigError, match="holds uint32 tokens and dtype=uint16 was given"):
+        TokenShards(tmp_path / "auto", 2, dtype="uint16")
+    write_token_shards([[], []], tmp_path / "empty", sep=0)
+    with pytest.raises(ConfigError, match="lists no shards"):
+        TokenShards(tmp_path / "empty", 2)
 
 
 def test_the_document_mask_is_block_diagonal_causal_with_positions_restarting():
