@@ -521,6 +521,9 @@ MUTANTS = [
     Mutant("streams: validation over a stream skips the padding forward (zero3's gathers unpaired: the ranks hang)",
            "shardwise/trainer/streams.py", "        for _ in range(calls - done):", "        for _ in range(0):",
            ("tests/trainer/test_stream_fit.py::test_validating_a_stream_under_zero3_pads_the_uneven_rank_and_counts_each_sample_once",)),
+    Mutant("streams: the last smaller global batch's micro-batches all weighted 1 (the step is not the mean over its samples)",
+           "shardwise/data/stream.py", "    return out, [size * parts / len(pairs) for size in sizes]", "    return out, [1.0 for size in sizes]",
+           ("tests/trainer/test_stream_fit.py::test_the_last_smaller_batch_of_a_stream_trains_as_a_hand_loop",)),
 ]
 
 

@@ -150,6 +150,30 @@ def test_validating_a_stream_under_zero3_pads_the_uneven_rank_and_counts_each_sa
     assert limited["val_samples"] == 4 and abs(limited["val_loss"] - sum(losses[:4]) / 4) < 1e-12  # 2 batches of 2: the first 4
 
 
+class Sized(Ids):
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_the_last_smaller_batch_of_a_stream_trains_as_a_hand_loop(tmp_path):
+    # 21 samples, global batch 8 in 2 micro-batches, drop_last=False: steps of 8, 8 and 5 (micro-batches of 3 and 2,
+    # weighted 6/5 and 4/5) each epoch, two epochs
+    summary, got = fit(Sized(21), nproc=1, steps=6, out=tmp_path / "run", drop_last=False, accumulate=2)
+    assert summary["samples"] == 42 and summary["samples_left_out_per_epoch"] == 0
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = list(Sized(21))
+    for _ in range(2):
+        for start in (0, 8, 16):
+            batch = data[start : start + 8]
+            x, y = torch.stack([b[1] for b in batch]), torch.stack([b[2] for b in batch])
+            ((model(x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for k, v in model.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=0, atol=1e-12), k
+
+
 def test_a_stream_is_checked_before_launch():
     def refused(data, match, **settings):
         with pytest.raises(ConfigError, match=match):
