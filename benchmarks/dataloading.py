@@ -130,7 +130,9 @@ class MemmapBlocks(Dataset):  # type: ignore[type-arg]
 
 
 class BlockStream(IterableDataset):  # type: ignore[type-arg]
-    """The same blocks as a stream: every block of the shards, in file order."""
+    """The same blocks as a stream: every block of the shards, in file order (drawing nothing random)."""
+
+    draws_no_randomness = True
 
     def __init__(self, blocks: Dataset) -> None:  # type: ignore[type-arg]
         self.blocks = blocks
