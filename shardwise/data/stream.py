@@ -312,7 +312,7 @@ class StreamLoader:
         return self._last[1] if self.step_in_epoch else self.global_batch
 
     def _spec(self) -> _Spec:
-        limit = self.steps_per_epoch if self.n is not None else self.limit  # a known length ends the epoch (a longer stream is cut there)
+        limit = self.steps_per_epoch if self.n is not None else self.limit if isinstance(self.limit, int) else None  # a known length ends the epoch
         return _Spec(
             self.source,
             self.collate_fn,
