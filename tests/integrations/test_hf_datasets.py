@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,10 @@ def write_parquet(directory: Path, jsonl: list[str]) -> list[str]:
         datasets.Dataset.from_list([json.loads(x) for x in Path(f).read_text().splitlines()]).to_parquet(str(path))
         files.append(str(path))
     return files
+
+
+def _files(directory: Path) -> list[str]:
+    return [str(p) for p in sorted(directory.iterdir())]
 
 
 class Classifier(nn.Module):
@@ -120,6 +125,8 @@ def stop_and_resume(root: Path, files: list[str], shuffle: bool, resume: str) ->
     out = str(root / f"resumed-{shuffle}-{resume}")
     first = Classifier()
     trainer(max_steps=3, checkpoint_every=3, out=out, stream_resume=resume).fit(first, stream(files, shuffle))
+    if torch.distributed.get_rank() == 0:  # the step-3 checkpoint, for a resume on one process
+        shutil.copytree(out, out + "-copy")
     second = Classifier()
     trainer(max_steps=6, resume="auto", out=out, stream_resume=resume).fit(second, stream(files, shuffle))
     return {"whole": (weights(whole), whole.seen), "resumed": (weights(second), first.seen + second.seen)}
@@ -188,6 +195,17 @@ def test_where_hf_would_split_by_shard_shardwise_strides(runs: tuple[Path, list[
         assert results[rank]["four"] == list(range(rank, 2 * GLOBAL_BATCH, 2))
         # HF's split here: whole shards (15 rows each), rank r shards r and r + 2
         assert results[rank]["split"]["four"] == [i for s in (rank, rank + 2) for i in range(s * N // 4, (s + 1) * N // 4)]
+
+
+def test_a_stream_stopped_on_two_processes_resumes_on_one_with_the_same_samples(runs: tuple[Path, list[dict[str, Any]]]) -> None:
+    """HF's state is the stream's, the same on every rank: loaded on one process it reads on at row 24."""
+    root, results = runs
+    model = Classifier()
+    summary = trainer(strategy="single", max_steps=6, resume="auto", out=str(root / "resumed-False-auto-copy")).fit(model, stream(_files(root / "three")))
+    assert summary["resumed_from"] and model.seen == list(range(3 * GLOBAL_BATCH, 6 * GLOBAL_BATCH))
+    whole = results[0]["stream-False-auto"]["whole"][0]
+    for k in whole:  # the same samples each step; one process adds each step's 8 losses in another order than two
+        torch.testing.assert_close(weights(model)[k], whole[k], rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("cell", ["parquet", "workers"])
