@@ -276,7 +276,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1 << 25, help="corpus size of the files part, in tokens")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--file-steps", type=int, default=400, help="global batches the loader alone hands out per run")
-    parser.add_argument("--train-steps", type=int, default=100, help="training steps per run of the files part")
+    parser.add_argument("--train-steps", type=int, default=40, help="training steps per run of the files part")
     args = parser.parse_args()
     torch.set_num_threads(1)
     parts = args.parts.split(",")
