@@ -524,6 +524,11 @@ MUTANTS = [
     Mutant("streams: the last smaller global batch's micro-batches all weighted 1 (the step is not the mean over its samples)",
            "shardwise/data/stream.py", "    return out, [size * parts / len(pairs) for size in sizes]", "    return out, [1.0 for size in sizes]",
            ("tests/trainer/test_stream_fit.py::test_the_last_smaller_batch_of_a_stream_trains_as_a_hand_loop",)),
+    Mutant("streams: a Hugging Face stream shuffled with a buffer resumed by its own state (which lacks the buffer)",
+           "shardwise/data/stream.py",
+           'return self.resume == "auto" and stateful(self.source) and not state_loses_samples(self.source)',
+           'return self.resume == "auto" and stateful(self.source)',
+           ("tests/integrations/test_hf_shuffle_resume.py",)),
 ]
 
 

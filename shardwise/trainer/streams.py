@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data._utils.collate import default_collate
 
-from shardwise.data.stream import StreamLoader, first_samples, is_stream, stateful, stream_length
+from shardwise.data.stream import StreamLoader, first_samples, is_stream, state_loses_samples, stateful, stream_length
 from shardwise.engine import Engine
 from shardwise.errors import ConfigError
 from shardwise.trainer.evaluate import EvalFn, batch_size_of, copies_per_shard, limited_size
@@ -74,7 +74,13 @@ def notes(loader: Any) -> list[str]:
     if loader.uses_state:
         how = f"a resume loads {name}'s own state (state_dict/load_state_dict, saved with each checkpoint)"
     else:
-        why = "stream_resume='replay'" if stateful(loader.source) else f"{name} has no state_dict/load_state_dict"
+        why = (
+            f"{name} has no state_dict/load_state_dict"
+            if not stateful(loader.source)
+            else "its shuffle buffer is not in its state_dict: a resume by it would lose the buffered samples"
+            if state_loses_samples(loader.source)
+            else "stream_resume='replay'"
+        )
         how = f"a resume replays the stream up to its position ({why}): it reads the samples already trained on again"
     length = "no __len__: an epoch ends where the stream does" if loader.n is None else f"{loader.n} samples"
     return [f"training data: a stream ({name}, {length}), each rank keeping samples i % {loader.world_size} == rank; {how}"]
