@@ -109,3 +109,18 @@ def test_the_range_test_under_ddp_leaves_the_model_bitwise_and_suggests_a_fast_f
     fast, _ = fastest_falling(parts, GRID)  # single-process runs at fixed rates: the same global batch
     print(f"ddp suggestion {result.suggestion:.3g}; fastest-falling fixed rates {fast}")
     assert fast[0] <= result.suggestion <= fast[-1]
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """``data()``'s samples as a stream without ``__len__``."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield from data()
+
+
+def test_the_finder_takes_a_stream_and_asks_for_max_batch_when_it_has_no_length():
+    trainer = Trainer(optimizer=sgd, loss_fn=ce, global_batch_size=4, max_steps=2)
+    with pytest.raises(ConfigError, match=r"stream without __len__ \(Stream\).*max_batch=N"):
+        find_batch_size(trainer, HoldsActivation(), Stream(), memory_budget="1TB", steps=2, verbose=False)
+    result = find_batch_size(trainer, HoldsActivation(), Stream(), memory_budget="1TB", max_batch=2, steps=2, verbose=False)
+    assert result.micro_batch == 2

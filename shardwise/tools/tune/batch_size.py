@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from shardwise.data import unpack_data
+from shardwise.data.stream import is_stream, stream_length
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import launch
@@ -210,11 +211,18 @@ def find_batch_size(
     dataset, _, _, _ = unpack_data(train_data)
     layout = get_strategy(cfg.strategy, **cfg.strategy_options).plan(cfg.nproc, model=model, mesh=cfg.mesh)
     per_micro = layout.data_parallel * cfg.accumulate  # samples in a global batch per sample of a micro-batch
-    cap = len(dataset) // per_micro
+    size = stream_length(dataset) if is_stream(dataset) else len(dataset)
+    if size is None and max_batch is None:
+        raise ConfigError(
+            f"the training data is a stream without __len__ ({type(dataset).__name__}): the finder cannot cap the micro-batch by the "
+            "data's size; give max_batch=N (the largest micro-batch per rank to try)"
+        )
+    cap = size // per_micro if size is not None else max_batch
+    assert cap is not None
     if max_batch is not None:
         cap = min(cap, max_batch)
     if cap < 1:
-        raise ConfigError(f"the training set has {len(dataset)} samples, fewer than one micro-batch per rank ({per_micro} ranks x accumulate); use more data")
+        raise ConfigError(f"the training set has {size} samples, fewer than one micro-batch per rank ({per_micro} ranks x accumulate); use more data")
     trials: dict[int, Trial] = {}
     errors = Path(tempfile.mkdtemp(prefix="shardwise-batch-size-"))
 
@@ -263,6 +271,6 @@ def find_batch_size(
         global_batch=lo * per_micro,
         device="cuda" if on_gpu else "cpu",
         budget_bytes=budget,
-        capped_by_data=hi is None and lo == len(dataset) // per_micro,
+        capped_by_data=hi is None and size is not None and lo == size // per_micro,
         trials=[trials[k] for k in trials],
     )
