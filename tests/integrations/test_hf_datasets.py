@@ -4,7 +4,7 @@ A map-style ``datasets.Dataset`` (``with_format("torch")``) trains under ddp at 
 the same data as a TensorDataset (bitwise: the same global batches, the same float64 arithmetic). A streaming
 one (``load_dataset("json", data_files=..., streaming=True)``, 3 shards) trains under ddp at world size 2:
 stopped at step 3 and resumed to 6, bitwise equal to 6 steps uninterrupted (its own state; with a shuffle
-buffer, replayed); what each rank read is ``split_dataset_by_node(ds, rank, 2)`` (3 shards on 2 ranks: HF
+buffer, replayed, also under "auto"); what each rank read is ``split_dataset_by_node(ds, rank, 2)`` (3 shards on 2 ranks: HF
 strides, as shardwise does). Where HF would split by shard (4 shards on 2 ranks) shardwise still strides,
 which keeps every global batch the same set of samples at any world size. The same rows from Parquet, and
 read by 2 loader workers, train alike. The runs share one launch of two processes. Without pyarrow, Parquet
@@ -135,7 +135,7 @@ def stop_and_resume(root: Path, files: list[str], shuffle: bool, resume: str) ->
 def _in_workers(root: str, three: list[str], four: list[str]) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     out: dict[str, Any] = {"map": map_style(three)}
-    for shuffle, resume in ((False, "auto"), (True, "replay")):  # shuffled + "auto": HF's state lacks the buffer (docs/data.md)
+    for shuffle, resume in ((False, "auto"), (True, "replay"), (True, "auto")):  # shuffled + auto: replayed (HF's state lacks the buffer)
         out[f"stream-{shuffle}-{resume}"] = stop_and_resume(Path(root), three, shuffle, resume)
     with_workers = Classifier()  # each loader worker reads the whole stream (HF alone would hand each worker some shards)
     trainer(max_steps=6, num_workers=2).fit(with_workers, stream(three))
@@ -169,9 +169,10 @@ def test_a_map_style_hf_dataset_trains_as_the_same_tensors(runs: tuple[Path, lis
             assert torch.equal(hf[k], tensors[k]), k
 
 
-@pytest.mark.parametrize("cell", ["stream-False-auto", "stream-True-replay"])
+@pytest.mark.parametrize("cell", ["stream-False-auto", "stream-True-replay", "stream-True-auto"])
 def test_a_stream_stopped_and_resumed_equals_the_run_never_stopped(runs: tuple[Path, list[dict[str, Any]]], cell: str) -> None:
-    """Plain: the source's own state (HF's state_dict) is exact. Shuffled with a buffer: the replay is exact."""
+    """Plain: the source's own state (HF's state_dict) is exact. Shuffled with a buffer: the replay is exact, and
+    ``stream_resume="auto"`` takes it (HF's state would lose the buffered rows)."""
     _, results = runs
     for rank in range(2):
         (whole, whole_ids), (resumed, resumed_ids) = results[rank][cell]["whole"], results[rank][cell]["resumed"]
