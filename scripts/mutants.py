@@ -529,6 +529,9 @@ MUTANTS = [
            'return self.resume == "auto" and stateful(self.source) and not state_loses_samples(self.source)',
            'return self.resume == "auto" and stateful(self.source)',
            ("tests/integrations/test_hf_shuffle_resume.py",)),
+    Mutant("data: a bool document mask given to eager attention (adds it: masks nothing) not refused",
+           "shardwise/data/batches.py", "    check_mask_kind(model, batch)\n", "    pass\n",
+           ("tests/data/test_files_mask_kind.py",)),
 ]
 
 

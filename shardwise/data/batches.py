@@ -106,6 +106,22 @@ def check_batch_fits(model: nn.Module, batch: Any) -> None:
             f"it fails with: {exc}. Make the data set's samples match the forward (a dict whose keys are the "
             "forward's parameter names, or an (inputs..., target) tuple), or define training_step(batch) on the model"
         ) from None
+    check_mask_kind(model, batch)
+
+
+def check_mask_kind(model: nn.Module, batch: Any) -> None:
+    """A bool attention mask of one row per query (``TokenShards(document_mask=True)``'s block-diagonal one)
+    given to a transformers model whose attention is ``eager``: eager adds the mask to its scores, so True
+    and False would add 1 and 0 and mask nothing (sdpa reads a bool mask as "may attend"). A ConfigError."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() >= 4 and attn == "eager":
+        raise ConfigError(
+            f"{type(model).__name__} runs eager attention, which adds attention_mask to its scores, and the batch's "
+            f"attention_mask is a bool {tuple(mask.shape)} mask (a document mask): added, it would mask nothing. Load the "
+            "model with attn_implementation='sdpa', or turn the mask additive in a collate_fn "
+            "(shardwise.data.files.additive_mask(mask, dtype))"
+        )
 
 
 class _Called(Exception):
