@@ -11,7 +11,7 @@ log=${OUT:-/tmp}/gpu-check.log
 {
   nvidia-smi -L || true
   "$PYTHON" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
-  "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -ra --timeout 600 tests/gpu tests/strategies/data_parallel/test_dp.py
+  "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -ra --timeout 600 tests/gpu tests/strategies/data_parallel/test_dp.py tests/data/test_stream_pinned.py
   tests=$?
   bench=0
   for size in "--d-model 192 --layers 4 --batch 32 --block 64" "--d-model 768 --layers 8 --batch 64 --block 256"; do
