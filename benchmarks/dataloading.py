@@ -24,6 +24,8 @@ training step of a tiny language model (the Trainer against a plain loop). Then 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import statistics
 import tempfile
 import time
@@ -59,7 +61,7 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 def trainer_run(data: Dataset, steps: int, workers: int) -> float:
     torch.manual_seed(0)
-    summary = shardwise.Trainer(
+    summary = _quiet_fit(
         optimizer=_optimizer,
         loss_fn=lambda out, b: F.cross_entropy(out, b[1]),
         global_batch_size=BATCH,
@@ -67,8 +69,16 @@ def trainer_run(data: Dataset, steps: int, workers: int) -> float:
         num_workers=workers,
         progress_bar=False,
         log_every=50,
-    ).fit(DigitsMLP(), data)
+        model=DigitsMLP(),
+        data=data,
+    )
     return float(summary["samples_per_s"])
+
+
+def _quiet_fit(model: torch.nn.Module, data: Any, **settings: Any) -> dict[str, Any]:
+    """``Trainer(**settings).fit(model, data)`` with its printed lines (settings, memory table) dropped: they would bury the table."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return shardwise.Trainer(**settings).fit(model, data)
 
 
 def plain_run(data: Dataset, steps: int, workers: int) -> float:
@@ -189,7 +199,7 @@ def shardwise_loader(data: Any, steps: int, workers: int, train: bool) -> float:
     from shardwise.data import ShardedLoader
 
     if train:
-        summary = shardwise.Trainer(
+        summary = _quiet_fit(
             optimizer=_optimizer,
             loss_fn=lm_loss,
             global_batch_size=TOKEN_BATCH,
@@ -198,7 +208,9 @@ def shardwise_loader(data: Any, steps: int, workers: int, train: bool) -> float:
             progress_bar=False,
             log_every=50,
             model_summary=False,
-        ).fit(TinyLM(), data)
+            model=TinyLM(),
+            data=data,
+        )
         return float(summary["samples_per_s"])
     if isinstance(data, IterableDataset):
         from shardwise.data.stream import StreamLoader
