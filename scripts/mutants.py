@@ -532,6 +532,10 @@ MUTANTS = [
     Mutant("data: a bool document mask given to eager attention (adds it: masks nothing) not refused",
            "shardwise/data/batches.py", "    check_mask_kind(model, batch)\n", "    pass\n",
            ("tests/data/test_files_mask_kind.py",)),
+    Mutant("streams: draws_no_randomness read from any class of the source, so an augmenting subclass is not seeded",
+           "shardwise/data/stream.py", 'seeded = not draws_no_randomness(spec.source, "__iter__")',
+           'seeded = not getattr(spec.source, "draws_no_randomness", False)',
+           ("tests/data/test_stream.py::test_a_stream_that_says_it_draws_no_randomness_is_not_seeded_a_subclass_that_augments_is",)),
 ]
 
 

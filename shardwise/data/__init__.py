@@ -122,13 +122,13 @@ def seeded_fetch(dataset: Any, indices: Sequence[int], collate: Collate | None, 
         return (collate or default_collate)(samples)
 
 
-def draws_no_randomness(dataset: Any) -> bool:
+def draws_no_randomness(dataset: Any, method: str = "__getitem__") -> bool:
     """Whether ``dataset``'s samples draw nothing from the global generators: the class that defines
-    its ``__getitem__`` sets ``draws_no_randomness = True`` (`TokenShards` does). Declared by that
-    class itself, so a subclass that overrides ``__getitem__`` (an augmentation) is seeded again
-    unless it says so too."""
+    its ``method`` (``__getitem__``; a stream's ``__iter__``) sets ``draws_no_randomness = True``
+    (`TokenShards` does). Declared by that class itself, so a subclass that overrides the method (an
+    augmentation) is seeded again unless it says so too."""
     for klass in type(dataset).__mro__:
-        if "__getitem__" in vars(klass):
+        if method in vars(klass):
             return vars(klass).get("draws_no_randomness") is True
     return False
 

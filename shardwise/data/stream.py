@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from shardwise.data import Collate, ShardedLoader, _own_rng, _seed_all, check_workers, per_rank_batch, pin, sample_seed
+from shardwise.data import Collate, ShardedLoader, _own_rng, _seed_all, check_workers, draws_no_randomness, per_rank_batch, pin, sample_seed
 from shardwise.errors import ConfigError
 
 __all__ = ["RESUMES", "StreamLoader", "check_source", "first_samples", "is_stream", "loader_for", "state_loses_samples", "stateful", "stream_length"]
@@ -94,14 +94,16 @@ def _whole_stream() -> Iterator[None]:
         worker._worker_info = saved
 
 
-def _read(it: Iterator[Any], seed: int, epoch: int, start: int, count: int, keep: bool = True) -> tuple[list[tuple[int, Any]], int]:
+def _read(it: Iterator[Any], seed: int, epoch: int, start: int, count: int, keep: bool = True, seeded: bool = True) -> tuple[list[tuple[int, Any]], int]:
     """Up to ``count`` next samples as (index, sample), sample ``start + t`` read with the global generators seeded
-    from (seed, epoch, start + t); and how many were read (``keep=False`` reads and drops them: a replay)."""
+    from (seed, epoch, start + t); and how many were read (``keep=False`` reads and drops them: a replay).
+    ``seeded=False`` (a source whose ``__iter__``'s class says ``draws_no_randomness``) skips the seeding."""
     out: list[tuple[int, Any]] = []
     got = 0
     with _own_rng(), _whole_stream():
         for t in range(count):
-            _seed_all(sample_seed(seed, epoch, start + t))
+            if seeded:
+                _seed_all(sample_seed(seed, epoch, start + t))
             try:
                 sample = next(it)
             except StopIteration:
@@ -127,7 +129,7 @@ def first_samples(source: Any, count: int, seed: int = 0) -> list[Any]:
     position is put back afterwards (the parent's checks and ``overfit_batches`` read them)."""
     saved = copy.deepcopy(source.state_dict()) if stateful(source) else None
     try:
-        pairs, _ = _read(_open(source, 0, None), seed, 0, 0, count)
+        pairs, _ = _read(_open(source, 0, None), seed, 0, 0, count, seeded=not draws_no_randomness(source, "__iter__"))
     finally:
         if saved is not None:
             source.load_state_dict(saved)
@@ -186,8 +188,9 @@ def _collate(spec: _Spec, epoch: int, pairs: list[tuple[int, Any]]) -> Any:
 def _epoch(spec: _Spec, epoch: int, consumed: int, step: int, state: Any) -> Iterator[tuple[list[list[tuple[int, Any]]], list[float] | None, int]]:
     """The steps of ``epoch`` from a position: (this rank's micro-batches, their weights, the step's samples)."""
     it = _open(spec.source, epoch, state)
+    seeded = not draws_no_randomness(spec.source, "__iter__")
     if state is None and consumed:
-        _, got = _read(it, spec.seed, epoch, 0, consumed, keep=False)  # replay: read and drop what was trained on
+        _, got = _read(it, spec.seed, epoch, 0, consumed, keep=False, seeded=seeded)  # replay: read and drop what was trained on
         if got < consumed:
             raise ConfigError(
                 f"the stream ended after {got} samples of epoch {epoch}, before the checkpoint's position ({consumed} samples): "
@@ -195,7 +198,7 @@ def _epoch(spec: _Spec, epoch: int, consumed: int, step: int, state: Any) -> Ite
             )
     i = consumed
     while spec.limit is None or step < spec.limit:
-        pairs, got = _read(it, spec.seed, epoch, i, spec.global_batch)
+        pairs, got = _read(it, spec.seed, epoch, i, spec.global_batch, seeded=seeded)
         if not got or (got < spec.global_batch and spec.drop_last):
             return
         micro, weights = _split(spec, pairs)

@@ -220,3 +220,39 @@ def test_refusals_say_what_and_how():
     replayed.load_state_dict({**loader.state_dict(), "global_batch": 2, "consumed": 8})
     with pytest.raises(ConfigError, match="ended after 4 samples of epoch 0, before the checkpoint's position"):
         next(iter(replayed))
+
+
+class Plain(IterableDataset):
+    """A stream that draws no random numbers and says so: the loader skips seeding each sample."""
+
+    draws_no_randomness = True
+
+    def __iter__(self):
+        for i in range(22):
+            yield torch.tensor(i), torch.tensor([float(i)], dtype=torch.float64)
+
+
+class PlainAugmented(Plain):
+    """Overrides ``__iter__`` with noise and does not say it draws none: seeded again."""
+
+    def __iter__(self):
+        for i, x in super().__iter__():
+            yield i, x + torch.rand(())
+
+
+def test_a_stream_that_says_it_draws_no_randomness_is_not_seeded_a_subclass_that_augments_is(monkeypatch):
+    import shardwise.data.stream as stream
+
+    calls = []
+    monkeypatch.setattr(stream, "_seed_all", lambda value: calls.append(value))
+    steps(StreamLoader(Plain(), global_batch=8), 2)
+    assert len(calls) == 2, "a source that declares draws_no_randomness is seeded per sample (the collate's one seed a micro-batch stays)"
+    steps(StreamLoader(PlainAugmented(), global_batch=8), 2)
+    assert len(calls) >= 2 + 16, "a subclass that overrides __iter__ without the declaration must be seeded per sample"
+    monkeypatch.undo()
+    # still the same samples at any world size and on a resume: the augmented subclass is seeded
+    whole = steps(StreamLoader(PlainAugmented(), global_batch=8, seed=3), 2)
+    halves = [steps(StreamLoader(PlainAugmented(), global_batch=8, seed=3, world_size=2, rank=r), 2) for r in range(2)]
+    for s in range(2):
+        got = sorted((int(i), float(x)) for h in halves for i, x in zip(h[s][0][0], h[s][0][1], strict=True))
+        assert got == sorted((int(i), float(x)) for i, x in zip(whole[s][0][0], whole[s][0][1], strict=True))
