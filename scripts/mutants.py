@@ -536,6 +536,9 @@ MUTANTS = [
            "shardwise/data/stream.py", 'seeded = not draws_no_randomness(spec.source, "__iter__")',
            'seeded = not getattr(spec.source, "draws_no_randomness", False)',
            ("tests/data/test_stream.py::test_a_stream_that_says_it_draws_no_randomness_is_not_seeded_a_subclass_that_augments_is",)),
+    Mutant("streams: every sample of a step read with the step's first seed (a Hugging Face .map drawing random numbers gives a step's rows one draw)",
+           "shardwise/data/stream.py", "_seed_all(sample_seed(seed, epoch, start + t))", "_seed_all(sample_seed(seed, epoch, start))",
+           ("tests/integrations/test_hf_datasets.py::test_an_augmenting_map_draws_the_same_at_any_world_size_and_on_a_replay",)),
 ]
 
 
