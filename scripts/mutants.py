@@ -539,6 +539,10 @@ MUTANTS = [
     Mutant("streams: every sample of a step read with the step's first seed (a Hugging Face .map drawing random numbers gives a step's rows one draw)",
            "shardwise/data/stream.py", "_seed_all(sample_seed(seed, epoch, start + t))", "_seed_all(sample_seed(seed, epoch, start))",
            ("tests/integrations/test_hf_datasets.py::test_an_augmenting_map_draws_the_same_at_any_world_size_and_on_a_replay",)),
+    Mutant("handoff: the model's fingerprint leaves out plain settings (a sweep's second fit trains the first model)",
+           "shardwise/trainer/handoff.py",
+           '        h.update(f"{name}:{type(module).__qualname__}:{_settings(module)}".encode())', "        pass",
+           ("tests/trainer/test_handoff.py",)),
 ]
 
 

@@ -37,6 +37,8 @@ def fingerprint(model: nn.Module) -> str:
     h = hashlib.blake2b(digest_size=16)
     # the class: same weights in another class (its own training_step) differ; not its module (a script is __mp_main__ in a worker)
     h.update(type(model).__qualname__.encode())
+    for name, module in model.named_modules():  # plain settings too: Dropout(p), a scale, a config's flags
+        h.update(f"{name}:{type(module).__qualname__}:{_settings(module)}".encode())
     for name, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             continue
@@ -49,6 +51,42 @@ def fingerprint(model: nn.Module) -> str:
             for i in range(0, flat.numel(), 1 << 24):  # 16 MB at a time: no second copy of a large model
                 h.update(flat[i : i + (1 << 24)].numpy().tobytes())
     return h.hexdigest()
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain data when it is (numbers, strings, None, and tuples, lists, dicts of them), else None."""
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return value
+    if depth < 3 and isinstance(value, (tuple, list)):
+        items = [_plain(v, depth + 1) for v in value]
+        return items if all(i is not None or v is None for i, v in zip(items, value, strict=True)) else None
+    if depth < 3 and isinstance(value, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    return None
+
+
+def _as_dict(value: Any) -> dict[str, Any] | None:
+    to_dict = getattr(value, "to_dict", None)
+    if isinstance(value, (nn.Module, torch.Tensor)) or not callable(to_dict):
+        return None
+    try:
+        out = to_dict()
+    except Exception:  # noqa: BLE001 - an object whose to_dict needs arguments: not a config
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _settings(module: nn.Module) -> str:
+    """A module's own plain attributes (``Dropout.p``, ``eps``, a user's ``scale``) and a config's values
+    (``to_dict()``, as transformers' configs have): a model that differs only in them is another model."""
+    out = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or key == "training":
+            continue
+        plain = _plain(_as_dict(value)) if _as_dict(value) is not None else _plain(value)
+        if plain is not None or value is None:
+            out.append(f"{key}={plain!r}")
+    return ",".join(out)
 
 
 def model_bytes(model: nn.Module) -> int:

@@ -27,3 +27,46 @@ def test_a_second_fit_of_a_trained_model_continues_from_its_weights(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, second = (float(v) for v in proc.stdout.split("LOSSES")[1].split())
     assert second < first, f"the second fit started again from the script's fresh model: losses {first} then {second}"
+
+
+SWEEP = """
+import torch, shardwise, torch.nn.functional as F
+data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)), torch.arange(64) % 2)
+kw = dict(strategy="ddp", nproc=2, global_batch_size=8, max_steps=4, progress_bar=False, loss_fn=lambda o, b: F.cross_entropy(o, b[1]))
+for p in (0.0, 0.5):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(p), torch.nn.Linear(32, 2))
+    print("LOSS", p, shardwise.Trainer(**kw).fit(model, data)["train_loss"])
+"""
+
+
+def test_a_sweep_of_equally_seeded_models_that_differ_in_a_setting_trains_each_setting(tmp_path: Path) -> None:
+    """A dropout sweep: the second model's weights equal the first's, only ``Dropout.p`` differs. Each worker's run
+    of the script stops at the first fit, with p=0.0; the fingerprint holds the modules' plain settings, so the
+    second fit's workers train the p=0.5 model the parent was given (before: the first one again, silently)."""
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("LOSS")]
+    assert len(losses) == 2 and losses[0] != losses[1], f"dropout 0.5 trained as dropout 0.0: losses {losses}"
+
+
+def test_the_fingerprint_holds_plain_settings_and_configs() -> None:
+    import torch
+
+    from shardwise.trainer.handoff import fingerprint
+
+    def seeded(p: float) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p))
+
+    assert fingerprint(seeded(0.1)) == fingerprint(seeded(0.1))
+    assert fingerprint(seeded(0.1)) != fingerprint(seeded(0.2))
+    transformers = __import__("pytest").importorskip("transformers")
+    cfg = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    models = []
+    for dropout in (0.0, 0.1):
+        torch.manual_seed(0)
+        models.append(transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, attention_dropout=dropout)))
+    assert fingerprint(models[0]) != fingerprint(models[1]), "a config flag that changes training must change the fingerprint"
