@@ -543,6 +543,11 @@ MUTANTS = [
            "shardwise/trainer/handoff.py",
            '        h.update(f"{name}:{type(module).__qualname__}:{_settings(module)}".encode())', "        pass",
            ("tests/trainer/test_handoff.py",)),
+    Mutant("streams: a stream that reads differently per process (sharded by rank, unseeded filter) trains on",
+           "shardwise/trainer/fit.py",
+           "        streams.agree_on_first_batch(engine, self.loader)  # a stream that reads differently per process: refused, not trained",
+           "        pass",
+           ("tests/trainer/test_stream_fit.py::test_a_stream_that_reads_differently_per_process_is_refused_at_the_start",)),
 ]
 
 

@@ -124,10 +124,11 @@ def _open(source: Any, epoch: int, state: Any) -> Iterator[Any]:
         return iter(source)
 
 
-def first_samples(source: Any, count: int, seed: int = 0) -> list[Any]:
+def first_samples(source: Any, count: int, seed: int = 0, restore: bool = True) -> list[Any]:
     """The stream's first ``count`` samples of epoch 0, seeded as training reads them; a stateful source's
-    position is put back afterwards (the parent's checks and ``overfit_batches`` read them)."""
-    saved = copy.deepcopy(source.state_dict()) if stateful(source) else None
+    position is put back afterwards unless ``restore`` is False (the parent's checks and ``overfit_batches``
+    read them; the ranks' agreement check reads a copy)."""
+    saved = copy.deepcopy(source.state_dict()) if restore and stateful(source) else None
     try:
         pairs, _ = _read(_open(source, 0, None), seed, 0, 0, count, seeded=not draws_no_randomness(source, "__iter__"))
     finally:

@@ -28,7 +28,7 @@ from shardwise.errors import CommError
 from shardwise.launcher.memory import snapshot
 from shardwise.strategies import StepFn
 from shardwise.strategies.cost.peak import tensors_of
-from shardwise.trainer import callbacks, evaluate, nonfinite, resume
+from shardwise.trainer import callbacks, evaluate, nonfinite, resume, streams
 from shardwise.trainer.logging import Progress, RunFiles, batch_seq, format_memory, memory_section, write_rank_comm
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
@@ -149,6 +149,7 @@ class FitRun:
             scheduler = adapter.make_schedule(optimizer)
         self.scheduler = scheduler
         self.loader = self._loader()
+        streams.agree_on_first_batch(engine, self.loader)  # a stream that reads differently per process: refused, not trained
         self.total = cfg.max_steps or (cfg.max_epochs or 1) * (self.loader.steps_per_epoch or 0)  # a stream without __len__ needs max_steps
         if cfg.fast_dev_run:
             self.total = cfg.fast_dev_run

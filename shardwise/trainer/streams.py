@@ -10,6 +10,7 @@ one more forward on the stream's first sample and drops its result, as the map-s
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,64 @@ from shardwise.trainer.evaluate import EvalFn, batch_size_of, copies_per_shard, 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import Trainer
 
-__all__ = ["check_fit", "check_val", "evaluate_stream", "notes"]
+__all__ = ["agree_on_first_batch", "check_fit", "check_val", "evaluate_stream", "notes"]
+
+
+def digest(value: Any) -> int:
+    """A 63-bit hash of a sample or a batch: tensors and arrays by their bytes, mappings by sorted keys, the rest by repr."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.blake2b(digest_size=8)
+
+    def feed(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"T{tuple(t.shape)}{t.dtype}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(v, np.ndarray):
+            h.update(f"A{v.shape}{v.dtype}".encode() + np.ascontiguousarray(v).tobytes())
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                h.update(f"K{k!s}".encode())
+                feed(v[k])
+        elif isinstance(v, (list, tuple)):
+            h.update(f"L{len(v)}".encode())
+            for item in v:
+                feed(item)
+        else:
+            h.update(repr(v).encode())
+
+    feed(value)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def agree_on_first_batch(engine: Engine, loader: Any) -> None:
+    """Every loop rank hashes the stream's first global batch (epoch 0) and the ranks compare: a stream that reads
+    differently in different processes (a set's order, an unseeded random filter, a stream that shards itself by
+    rank) would train duplicated and missing samples silently, since every rank keeps its share by position.
+    One all-reduce of two numbers at the start of a fit; a `ConfigError` on every rank where they differ."""
+    if not isinstance(loader, StreamLoader) or engine.data_mesh.size("dp") == 1:
+        return
+    source = loader.source
+    if stateful(source):  # read a copy: putting a stateful source's position back is not exact for every source
+        try:
+            source = copy.deepcopy(source)
+        except Exception:  # noqa: BLE001 - a source that cannot be copied (an open connection): not checked
+            return
+    mine = digest(first_samples(source, loader.global_batch, loader.seed, restore=source is loader.source))
+    both = torch.tensor([mine, -mine], dtype=torch.int64)
+    engine.all_reduce(both, "max")
+    if int(both[0]) != mine or -int(both[1]) != mine:
+        raise ConfigError(
+            f"the stream {type(loader.source).__name__} reads differently in different processes: its first global batch "
+            f"({loader.global_batch} samples of epoch 0) is not the same on every rank. Every rank reads the whole stream and "
+            "keeps its share by position (i % world == rank), so the stream must yield the same samples in the same order "
+            "in every process: no iteration over a set (its order differs between processes), no unseeded random choice (seed from the "
+            "arguments, or draw from torch/random/numpy's global generators, which shardwise seeds per sample), and no "
+            "splitting by rank or world size inside the stream (shardwise splits it)"
+        )
 
 
 def check_fit(trainer: Trainer, dataset: Any, collate: Any, global_batch: int) -> Any:

@@ -237,3 +237,28 @@ def test_shardwise_train_takes_a_stream_from_data(tmp_path, monkeypatch):
         assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
     finally:
         sys.modules.pop("streammod", None)
+
+
+class ShardsItselfByRank(Ids):
+    """The hand-written DDP idiom inside a stream: each process keeps ``range(rank, n, world)`` (shardwise splits
+    the stream itself: done twice, half the samples would never train)."""
+
+    def __iter__(self):
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        yield from (sample(i) for i in range(rank, self.n, world))
+
+
+class UnseededFilter(Ids):
+    """Drops samples with a generator of its own, seeded differently in every process."""
+
+    def __iter__(self):
+        import os
+
+        keep = torch.Generator().manual_seed(os.getpid())
+        yield from (sample(i) for i in range(self.n) if torch.rand((), generator=keep) < 0.7)
+
+
+@pytest.mark.parametrize("stream", [ShardsItselfByRank, UnseededFilter])
+def test_a_stream_that_reads_differently_per_process_is_refused_at_the_start(tmp_path, stream):
+    with pytest.raises(ConfigError, match=rf"the stream {stream.__name__} reads differently in different processes.*same samples in the same order"):
+        fit(stream(), nproc=2, steps=2, out=tmp_path / "run")
