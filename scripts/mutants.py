@@ -548,6 +548,10 @@ MUTANTS = [
            "        streams.agree_on_first_batch(engine, self.loader)  # a stream that reads differently per process: refused, not trained",
            "        pass",
            ("tests/trainer/test_stream_fit.py::test_a_stream_that_reads_differently_per_process_is_refused_at_the_start",)),
+    Mutant("token shards: a resume with another shuffle window (another order) accepted",
+           "shardwise/data/__init__.py",
+           '        if "order_key" in state and isinstance(key, str) and state["order_key"] != key:', "        if False:",
+           ("tests/data/test_files.py::test_a_resume_whose_order_would_differ_is_refused",)),
 ]
 
 

@@ -360,19 +360,34 @@ class ShardedLoader:
         if stream is not None and hasattr(stream, "_shutdown_workers"):
             stream._shutdown_workers()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed, "n": self.n, "global_batch": self.global_batch}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed, "n": self.n, "global_batch": self.global_batch}
+        key = getattr(self.dataset, "order_key", None) if self.shuffle else None
+        if isinstance(key, str):
+            state["order_key"] = key  # a dataset's own order (`TokenShards`: shards and shuffle window)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("n") != self.n or state.get("global_batch") != self.global_batch:
             raise ConfigError(
                 f"the checkpoint's data position was saved for {state.get('n')} samples in global batches of "
                 f"{state.get('global_batch')}; this run has {self.n} samples in batches of {self.global_batch}. "
                 "Resume with the same data set and global batch size"
             )
+        key = getattr(self.dataset, "order_key", None) if self.shuffle else None
+        if "order_key" in state and isinstance(key, str) and state["order_key"] != key:
+            raise ConfigError(
+                f"the checkpoint's data position is a place in an order of {type(self.dataset).__name__} built from "
+                f"{_short(state['order_key'])}; this run's would be {_short(key)}, another order, so the rest of the epoch "
+                "would train some samples twice and skip others. Resume with the same shards and shuffle_window (or start a new run)"
+            )
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.seed = int(state["seed"])
+
+
+def _short(key: str, keep: int = 120) -> str:
+    return key if len(key) <= keep else key[:keep] + "..."
 
 
 def check_workers(num_workers: Any, prefetch_factor: Any) -> None:

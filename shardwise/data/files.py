@@ -360,6 +360,13 @@ class TokenShards(Dataset[Any]):
             f"document_mask={self.document_mask}, shuffle_window={self.shuffle_window})"
         )
 
+    @property
+    def order_key(self) -> str:
+        """What the epoch's order depends on besides (seed, epoch): the shards' names and block counts and the
+        shuffle window. Saved with the loader's position; a resume whose order would differ is refused."""
+        shards = ",".join(f"{Path(f).name}:{b}" for f, b in zip(self.files, self.blocks_per_shard, strict=True))
+        return f"window={self.shuffle_window};seq_len={self.seq_len};{shards}"
+
     def epoch_order(self, seed: int, epoch: int) -> BlockOrder:
         """Epoch ``epoch``'s order of the blocks: what `ShardedLoader` shuffles with (O(window + shards) memory)."""
         return BlockOrder(self.blocks_per_shard, seed, epoch, self.shuffle_window)

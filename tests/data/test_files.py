@@ -198,3 +198,20 @@ def test_zero_and_two_workers_hand_out_the_same_batches_bitwise(tmp_path):
     for rank in (0, 1):
         plain, pooled = _batches(data, 0, rank), _batches(data, 2, rank)
         assert len(plain) == len(pooled) > 8 and all(torch.equal(a, b) for a, b in zip(plain, pooled, strict=True))
+
+
+def test_a_resume_whose_order_would_differ_is_refused(tmp_path):
+    """The position is a place in one order: resumed with another shuffle window (or other shards) the rest of the
+    epoch would train some blocks twice and skip others; refused, naming what to keep. The same order resumes."""
+    write_token_shards(_docs(), tmp_path, sep=1, shard_tokens=200)
+    first = ShardedLoader(TokenShards(tmp_path, 8, shuffle_window=32), global_batch=4)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    assert "window=32" in state["order_key"]
+    same = ShardedLoader(TokenShards(tmp_path, 8, shuffle_window=32), global_batch=4)
+    same.load_state_dict(state)
+    assert same.step_in_epoch == 2
+    other = ShardedLoader(TokenShards(tmp_path, 8, shuffle_window=16), global_batch=4)
+    with pytest.raises(ConfigError, match=r"another order.*twice.*same shards and shuffle_window"):
+        other.load_state_dict(state)
