@@ -552,6 +552,9 @@ MUTANTS = [
            "shardwise/data/__init__.py",
            '        if "order_key" in state and isinstance(key, str) and state["order_key"] != key:', "        if False:",
            ("tests/data/test_files.py::test_a_resume_whose_order_would_differ_is_refused",)),
+    Mutant("streams: a stream whose __len__ is wrong trains epochs cut by it, nothing said",
+           "shardwise/data/stream.py", "    if spec.length is not None and read != spec.length:", "    if False:",
+           ("tests/data/test_stream.py::test_limit_epochs_and_the_callers_generators",)),
 ]
 
 

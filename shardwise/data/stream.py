@@ -151,6 +151,7 @@ class _Spec(NamedTuple):
     drop_last: bool
     limit: int | None
     capture: bool
+    length: int | None = None  # the stream's __len__ where the epoch is cut by it alone: checked against where it ends
 
 
 class _Item(NamedTuple):
@@ -200,6 +201,8 @@ def _epoch(spec: _Spec, epoch: int, consumed: int, step: int, state: Any) -> Ite
     i = consumed
     while spec.limit is None or step < spec.limit:
         pairs, got = _read(it, spec.seed, epoch, i, spec.global_batch, seeded=seeded)
+        if got < spec.global_batch:
+            _check_length(spec, epoch, i + got)
         if not got or (got < spec.global_batch and spec.drop_last):
             return
         micro, weights = _split(spec, pairs)
@@ -207,6 +210,21 @@ def _epoch(spec: _Spec, epoch: int, consumed: int, step: int, state: Any) -> Ite
         step, i = step + 1, i + got
         if got < spec.global_batch:
             return
+    if spec.length is not None:  # the epoch was cut by __len__: the stream must end there too
+        _, got = _read(it, spec.seed, epoch, i, spec.length - i + 1, keep=False, seeded=seeded)
+        _check_length(spec, epoch, i + got)
+
+
+def _check_length(spec: _Spec, epoch: int, read: int) -> None:
+    """A stream whose ``__len__`` says another number of samples than it yields: a `ConfigError` (every rank reads
+    the whole stream, so every rank raises it at the same step)."""
+    if spec.length is not None and read != spec.length:
+        more = "at least " if read > spec.length else ""
+        raise ConfigError(
+            f"{type(spec.source).__name__}.__len__ says {spec.length} samples, and epoch {epoch} of the stream yielded {more}{read}: "
+            "the epochs would follow __len__, leaving samples out or reading some twice. Make __len__ return the number of "
+            "samples __iter__ yields, or remove __len__ (then set max_steps)"
+        )
 
 
 def _items(spec: _Spec, epoch: int, consumed: int, step: int, state: Any, worker: int = 0, workers: int = 1) -> Iterator[_Item]:
@@ -347,6 +365,7 @@ class StreamLoader:
             self.drop_last,
             limit,
             self.uses_state,
+            self.n if self.limit is None else None,
         )
 
     def _position(self) -> tuple[int, int, int]:

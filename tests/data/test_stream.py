@@ -185,15 +185,21 @@ def test_limit_epochs_and_the_callers_generators():
     assert first == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]] and loader.epoch == 1
     assert [ids(s) for s in loader][0] == [[0, 1, 2, 3]]
     assert StreamLoader(Sized(40), global_batch=4, limit=0.5).steps_per_epoch == 5
-    cut = StreamLoader(Cut(), global_batch=4)
-    assert [[ids(s) for s in cut] for _ in range(2)] == [[[[0, 1, 2, 3]], [[4, 5, 6, 7]]]] * 2
+    with pytest.raises(ConfigError, match=r"Cut.__len__ says 8 samples, and epoch 0 of the stream yielded at least 9.*remove __len__"):
+        longer = StreamLoader(Cut(12), global_batch=4)
+        [[ids(s) for s in longer] for _ in range(2)]  # an epoch cut by __len__ finds the stream's end as the next one starts
+    with pytest.raises(ConfigError, match=r"Cut.__len__ says 8 samples, and epoch 0 of the stream yielded 6\b"):
+        [ids(s) for s in StreamLoader(Cut(6), global_batch=4)]
+    exact = StreamLoader(Cut(8), global_batch=4)
+    assert [[ids(s) for s in exact] for _ in range(2)] == [[[[0, 1, 2, 3]], [[4, 5, 6, 7]]]] * 2
+    assert [ids(s) for s in StreamLoader(Cut(12), global_batch=4, limit=1)] == [[[0, 1, 2, 3]]]  # a limit cuts on purpose
 
 
 class Cut(Ids):
-    """A stream of 12 whose __len__ says 8: the epoch ends at the length it gives."""
+    """A stream of ``n`` whose __len__ says 8 (wrong unless n is 8): refused where the stream ends elsewhere."""
 
-    def __init__(self) -> None:
-        super().__init__(12)
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
 
     def __len__(self) -> int:
         return 8
