@@ -190,6 +190,19 @@ def _check_settings(accelerator: str, memory_budget: str | int | None, steps: in
     return on_gpu, budget
 
 
+def _data_cap(dataset: Any, per_micro: int, max_batch: int | None) -> tuple[int | None, int]:
+    """(the data's size or None for a stream without ``__len__``, the largest micro-batch the data allows)."""
+    size = stream_length(dataset) if is_stream(dataset) else len(dataset)
+    if size is None and max_batch is None:
+        raise ConfigError(
+            f"the training data is a stream without __len__ ({type(dataset).__name__}): the finder cannot cap the micro-batch by the "
+            "data's size; give max_batch=N (the largest micro-batch per rank to try)"
+        )
+    cap = size // per_micro if size is not None else max_batch
+    assert cap is not None
+    return size, cap
+
+
 def find_batch_size(
     trainer: Trainer,
     model: nn.Module,
@@ -211,14 +224,7 @@ def find_batch_size(
     dataset, _, _, _ = unpack_data(train_data)
     layout = get_strategy(cfg.strategy, **cfg.strategy_options).plan(cfg.nproc, model=model, mesh=cfg.mesh)
     per_micro = layout.data_parallel * cfg.accumulate  # samples in a global batch per sample of a micro-batch
-    size = stream_length(dataset) if is_stream(dataset) else len(dataset)
-    if size is None and max_batch is None:
-        raise ConfigError(
-            f"the training data is a stream without __len__ ({type(dataset).__name__}): the finder cannot cap the micro-batch by the "
-            "data's size; give max_batch=N (the largest micro-batch per rank to try)"
-        )
-    cap = size // per_micro if size is not None else max_batch
-    assert cap is not None
+    size, cap = _data_cap(dataset, per_micro, max_batch)
     if max_batch is not None:
         cap = min(cap, max_batch)
     if cap < 1:
