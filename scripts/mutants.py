@@ -555,6 +555,9 @@ MUTANTS = [
     Mutant("streams: a stream whose __len__ is wrong trains epochs cut by it, nothing said",
            "shardwise/data/stream.py", "    if spec.length is not None and read != spec.length:", "    if False:",
            ("tests/data/test_stream.py::test_limit_epochs_and_the_callers_generators",)),
+    Mutant("TextShards: the cache key leaves out the first document's ids (a truncating tokenizer served a stale cache)",
+           "shardwise/data/text.py", "str(dtype), probe, first, tokenizer_id]", "str(dtype), probe, tokenizer_id]",
+           ("tests/data/test_files_text.py",)),
 ]
 
 

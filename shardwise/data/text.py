@@ -20,7 +20,7 @@ import hashlib
 import importlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +104,35 @@ def texts(path: Path, key: str = "text") -> Iterator[str]:
     return _parquet(path, key) if path.name.endswith(".parquet") else _jsonl(path, key)
 
 
-def cache_key(source: Path, probe: list[int], text_key: str, sep: int, dtype: np.dtype | None) -> str:
+def cache_key(
+    source: Path, probe: list[int], text_key: str, sep: int, dtype: np.dtype | None, first: list[int] | None = None, tokenizer_id: str | None = None
+) -> str:
+    """The cache file's key: the source (path, size, modification time), the settings, and the tokenizer as far as it
+    can be told apart: its ids for a fixed probe text and for the file's first document, and ``tokenizer_id``."""
     st = source.stat()
-    what = [VERSION, str(source.resolve()), st.st_size, st.st_mtime_ns, text_key, int(sep), str(dtype), probe]
+    what = [VERSION, str(source.resolve()), st.st_size, st.st_mtime_ns, text_key, int(sep), str(dtype), probe, first, tokenizer_id]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()
+
+
+def token_ids(tokenize: Callable[[str], Any], text: str, where: str) -> np.ndarray:
+    """``tokenize(text)`` as token ids, or a `ConfigError` saying what the tokenizer returned and how to fix it."""
+    out = tokenize(text)
+    if isinstance(out, Mapping) or hasattr(out, "keys"):
+        keys = sorted(str(k) for k in out.keys())
+        hint = ' (lambda t: tok(t)["input_ids"])' if "input_ids" in keys else ""
+        raise ConfigError(f"tokenize returned a mapping with keys {keys} for {where}; it must return the token ids{hint}")
+    if isinstance(out, str) or (isinstance(out, (list, tuple)) and out and isinstance(out[0], str)):
+        raise ConfigError(
+            f"tokenize returned text ({out[:3]!r}...) for {where}, not token ids: return the ids (for a Hugging Face "
+            'tokenizer, tok(t)["input_ids"] or tok.convert_tokens_to_ids(tokens))'
+        )
+    try:
+        ids = as_tokens(out)
+    except ConfigError as exc:
+        raise ConfigError(f"tokenize's output for {where} is not token ids: {exc}") from None
+    if ids.size and int(ids.min()) < 0:
+        raise ConfigError(f"tokenize returned a negative id ({int(ids.min())}) for {where}: token ids are >= 0")
+    return ids
 
 
 def tokenize_file(source: Path, target: Path, tokenize: Callable[[str], Any], text_key: str, sep: int, dtype: np.dtype | None) -> int:
@@ -115,8 +140,8 @@ def tokenize_file(source: Path, target: Path, tokenize: Callable[[str], Any], te
     out = TokenFile(target, "npy", dtype)
     sep_arr = np.asarray([sep], dtype=np.int64)
     try:
-        for text in texts(source, text_key):
-            tokens = as_tokens(tokenize(text))
+        for k, text in enumerate(texts(source, text_key)):
+            tokens = token_ids(tokenize, text, f"document {k} of {source}")
             if len(tokens):
                 out.write(tokens)
                 out.write(sep_arr)
@@ -133,7 +158,10 @@ class TextShards(TokenShards):
     ``sources``: files, a directory, or a glob. ``tokenize``: a document's text -> its token ids
     (a list, an array or a tensor; e.g. ``lambda t: tok(t)["input_ids"]``). ``sep``: the id that
     ends each document (the tokenizer's EOS). ``text_key``: the JSON field or Parquet column.
-    ``cache_dir``: where the token files go (default ``.shardwise-cache/tokens``). The rest is
+    ``cache_dir``: where the token files go (default ``.shardwise-cache/tokens``). ``tokenizer_id``: a
+    name for the tokenizer and its settings (``"gpt2, max_length=512"``), part of the cache key: the key
+    also holds the tokenizer's ids for a probe text and each file's first document, which a change that
+    only shows on other text (a truncation of long documents) does not alter. The rest is
     `TokenShards`'. ``tokenized``: how many source files this construction tokenized (0 when
     the cache held them all).
 
@@ -153,17 +181,20 @@ class TextShards(TokenShards):
         shuffle_window: int = 8192,
         labels: str = "shifted",
         document_mask: bool = False,
+        tokenizer_id: str | None = None,
     ) -> None:
         if not callable(tokenize):
             raise ConfigError(f"tokenize must be a function from a document's text to its token ids; got {type(tokenize).__name__}")
         files = text_sources(sources)
         fixed = None if dtype is None else _integer_dtype(dtype)
-        probe = [int(i) for i in as_tokens(tokenize(PROBE))]
+        probe = [int(i) for i in token_ids(tokenize, PROBE, "a probe text")]
         cache = Path(cache_dir) if cache_dir is not None else Path(DEFAULT_CACHE_DIR) / "tokens"
         cache.mkdir(parents=True, exist_ok=True)
         targets, self.tokenized = [], 0
         for f in files:
-            target = cache / f"{f.name.split('.')[0]}-{cache_key(f, probe, text_key, sep, fixed)[:20]}.npy"
+            head = next(iter(texts(f, text_key)), None)  # the file's first document: a tokenizer the probe misses shows here
+            first = None if head is None else [int(i) for i in token_ids(tokenize, head, f"document 0 of {f}")]
+            target = cache / f"{f.name.split('.')[0]}-{cache_key(f, probe, text_key, sep, fixed, first, tokenizer_id)[:20]}.npy"
             if not target.exists():
                 tokenize_file(f, target, tokenize, text_key, sep, fixed)
                 self.tokenized += 1

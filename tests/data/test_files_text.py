@@ -62,7 +62,7 @@ def test_jsonl_and_parquet_equal_tokenizing_by_hand_and_the_cache_is_reused(tmp_
 
     again = Counting()
     cached = TextShards(src, again, 5, sep=SEP, cache_dir=tmp_path / "cache")
-    assert cached.tokenized == 0 and again.calls == 1 and cached.files == data.files  # the probe alone
+    assert cached.tokenized == 0 and again.calls == 1 + 3 and cached.files == data.files  # the probe and each file's first document alone
     with open(src / "a.jsonl", "a") as f:
         f.write(json.dumps({"text": "one more"}) + "\n")
     edited = TextShards(src, tok, 5, sep=SEP, cache_dir=tmp_path / "cache")
@@ -86,3 +86,22 @@ def test_a_glob_picks_files_and_refusals_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"needs pyarrow.*pip install 'shardwise\[datasets\]'"):
         TextShards(src / "d.parquet", tok, 4, sep=SEP, cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob(".*tmp"))  # the failed files left nothing half-written
+
+
+def test_a_tokenizer_that_changes_only_long_documents_gets_a_new_cache_and_bad_outputs_are_named(tmp_path):
+    """A truncating tokenizer agrees with the plain one on the short probe text; the key also holds each file's
+    first document's ids (and ``tokenizer_id``), so it is tokenized anew, not served the plain one's cache."""
+    long_doc = "word " * 80
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": long_doc}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    cache = tmp_path / "cache"
+    plain = TextShards(tmp_path / "a.jsonl", tok, 8, sep=0, cache_dir=cache)
+    cut = TextShards(tmp_path / "a.jsonl", lambda t: tok(t)[:40], 8, sep=0, cache_dir=cache)
+    assert cut.tokenized == 1 and cut.tokens < plain.tokens
+    named = TextShards(tmp_path / "a.jsonl", tok, 8, sep=0, cache_dir=cache, tokenizer_id="plain v2")
+    assert named.tokenized == 1 and named.tokens == plain.tokens
+    with pytest.raises(ConfigError, match=r"tokenize returned a mapping with keys \['attention_mask', 'input_ids'\].*tok\(t\)\[\"input_ids\"\]"):
+        TextShards(tmp_path / "a.jsonl", lambda t: {"input_ids": tok(t), "attention_mask": [1]}, 8, sep=0, cache_dir=cache)
+    with pytest.raises(ConfigError, match=r"tokenize returned text .* not token ids"):
+        TextShards(tmp_path / "a.jsonl", lambda t: t.split(), 8, sep=0, cache_dir=cache)
+    with pytest.raises(ConfigError, match=r"negative id \(-1\)"):
+        TextShards(tmp_path / "a.jsonl", lambda t: [-1, *tok(t)], 8, sep=0, cache_dir=cache)
