@@ -91,11 +91,11 @@ def test_a_glob_picks_files_and_refusals_name_the_fix(tmp_path, monkeypatch):
 def test_a_tokenizer_that_changes_only_long_documents_gets_a_new_cache_and_bad_outputs_are_named(tmp_path):
     """A truncating tokenizer agrees with the plain one on the short probe text; the key also holds each file's
     first document's ids (and ``tokenizer_id``), so it is tokenized anew, not served the plain one's cache."""
-    long_doc = "word " * 80
+    long_doc = "word " * 80  # 400 characters
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": long_doc}) + "\n" + json.dumps({"text": "short"}) + "\n")
     cache = tmp_path / "cache"
     plain = TextShards(tmp_path / "a.jsonl", tok, 8, sep=0, cache_dir=cache)
-    cut = TextShards(tmp_path / "a.jsonl", lambda t: tok(t)[:40], 8, sep=0, cache_dir=cache)
+    cut = TextShards(tmp_path / "a.jsonl", lambda t: tok(t)[:200], 8, sep=0, cache_dir=cache)  # the probe is shorter: same ids
     assert cut.tokenized == 1 and cut.tokens < plain.tokens
     named = TextShards(tmp_path / "a.jsonl", tok, 8, sep=0, cache_dir=cache, tokenizer_id="plain v2")
     assert named.tokenized == 1 and named.tokens == plain.tokens
