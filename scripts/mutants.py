@@ -558,6 +558,9 @@ MUTANTS = [
     Mutant("TextShards: the cache key leaves out the first document's ids (a truncating tokenizer served a stale cache)",
            "shardwise/data/text.py", "str(dtype), probe, first, tokenizer_id]", "str(dtype), probe, tokenizer_id]",
            ("tests/data/test_files_text.py",)),
+    Mutant("resume: another global batch refused only in the workers, not before launch",
+           "shardwise/trainer/plan.py", "    check_resume_batch(cfg, trainer._global_batch(dl_batch))\n", "    pass\n",
+           ("tests/trainer/test_stream_fit.py::test_a_resume_with_another_global_batch_is_refused_before_launch",)),
 ]
 
 

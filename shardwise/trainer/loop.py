@@ -400,6 +400,9 @@ class Trainer:
         loss = float(last.double().mean()) if isinstance(last, torch.Tensor) else None
         loss = loss if loss is not None and math.isfinite(loss) else None
         meta = {"step": self.step, "run_id": run_id, "finite": bool(counters.get("weights_finite", True)), "loss": loss}
+        loader = state.get("loader")
+        if loader is not None:
+            meta["global_batch"] = int(loader.global_batch)  # read before launch by a resume (`plan.check_resume_batch`)
         saved = engine.save(Path(path), state, meta=meta)
         self._callback("on_save_checkpoint", engine, saved)
         return saved

@@ -81,6 +81,7 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         check_drop_last(strategy, layout)
     check_tools(trainer, val_data, model)
     streams.check_val(trainer, val_data)
+    check_resume_batch(cfg, trainer._global_batch(dl_batch))
     if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
         check_out(cfg.out, cfg.resume, cfg.overwrite)
     own_cp = has_step and layout.degrees.get("cp", 1) > 1  # cp checks a training_step model on its self(...) call's arguments
@@ -89,6 +90,29 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         if not has_step:
             check_batch_fits(model, sample)
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
+
+
+def check_resume_batch(cfg: Any, global_batch: int) -> None:
+    """A resume onto a checkpoint saved with another global batch is a ConfigError here, before launch: the data
+    position is a place in global batches of that size (the newest checkpoint's manifest says it; the workers' load
+    refuses it too, for a checkpoint written before the manifest said)."""
+    if cfg.resume is None or (cfg.resume == "auto" and cfg.out is None):
+        return
+    from shardwise.checkpoint.files import list_checkpoints, read_manifest
+
+    candidates = list_checkpoints(Path(cfg.out) / "checkpoints") if cfg.resume == "auto" else [Path(cfg.resume)]
+    if not candidates or not (candidates[-1] / "manifest.json").exists():
+        return
+    try:
+        saved = read_manifest(candidates[-1]).get("global_batch")
+    except Exception:  # noqa: BLE001 - a damaged checkpoint: the workers' resume skips or names it
+        return
+    if saved is not None and int(saved) != global_batch:
+        raise ConfigError(
+            f"the checkpoint to resume, {candidates[-1]}, was trained with a global batch of {saved} samples, and this run "
+            f"takes {global_batch}: its data position is a place in batches of {saved}. Resume with global_batch_size={saved} "
+            "(--global-batch-size), or start a new run (another out directory)"
+        )
 
 
 def check_evaluate(trainer: Trainer, kind: str, model: nn.Module, data: Any, ckpt_path: str | None) -> None:

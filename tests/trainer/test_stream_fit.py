@@ -262,3 +262,11 @@ class UnseededFilter(Ids):
 def test_a_stream_that_reads_differently_per_process_is_refused_at_the_start(tmp_path, stream):
     with pytest.raises(ConfigError, match=rf"the stream {stream.__name__} reads differently in different processes.*same samples in the same order"):
         fit(stream(), nproc=2, steps=2, out=tmp_path / "run")
+
+
+def test_a_resume_with_another_global_batch_is_refused_before_launch(tmp_path):
+    fit(Ids(), nproc=1, steps=3, out=tmp_path / "run", checkpoint_every=3)
+    trainer = Trainer(strategy="ddp", nproc=2, precision="64", global_batch_size=16, max_steps=6, progress_bar=False, out=str(tmp_path / "run"), resume="auto")
+    with pytest.raises(ConfigError, match=r"trained with a global batch of 8 samples, and this run takes 16.*global_batch_size=8"):
+        trainer.fit(Net(), Ids())
+    assert not (tmp_path / "run" / "errors").exists(), "refused in the workers, not before launch"
