@@ -561,6 +561,10 @@ MUTANTS = [
     Mutant("resume: another global batch refused only in the workers, not before launch",
            "shardwise/trainer/plan.py", "    check_resume_batch(cfg, trainer._global_batch(dl_batch))\n", "    pass\n",
            ("tests/trainer/test_stream_fit.py::test_a_resume_with_another_global_batch_is_refused_before_launch",)),
+    Mutant("handoff: a later fit takes the model the worker's run of the script built at the first fit",
+           "shardwise/trainer/handoff.py",
+           '        own = built_by_script("model") if self.first else None', '        own = built_by_script("model")',
+           ("tests/trainer/test_handoff.py::test_a_sweep_of_equally_seeded_models_that_differ_in_a_setting_trains_each_setting",)),
 ]
 
 

@@ -55,16 +55,27 @@ class StopImport(BaseException):
 
 
 _built: dict[str, Any] = {}  # what the script built above its call, in a worker (Trainer.fit's model)
+_model_calls = 0  # calls with a model (fit, validate, test, predict) this process made: a worker's run stops at the first
 
 
 def stop_if_bootstrapping(**built: Any) -> None:
     """Called first by ``launch`` and ``Trainer.fit``: in a worker that is importing the
     user's script (an unguarded top-level call), stop the import here, keeping ``built`` (the
-    model the script made: the worker trains its own, and the parent sends no model bytes)."""
+    model the script made: the worker trains its own, and the parent sends no model bytes).
+    In the parent, counts the calls that carry a model (`model_calls`)."""
+    global _model_calls
     if _bootstrapping:
         _built.clear()
         _built.update(built)
         raise StopImport
+    if "model" in built:
+        _model_calls += 1
+
+
+def model_calls() -> int:
+    """How many fit/validate/test/predict calls this process has made: a worker's run of the script stops at
+    the first, so only for that one can the model it built be the one the call was given."""
+    return _model_calls
 
 
 def built_by_script(name: str) -> Any:

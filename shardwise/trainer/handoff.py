@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError, LaunchError
-from shardwise.launcher.spawn import built_by_script, reruns_script
+from shardwise.launcher.spawn import built_by_script, model_calls, reruns_script
 from shardwise.strategies import materialize
 
 RETURN_LIMIT_BYTES = 1 << 30  # 'auto' brings back at most this much when the run writes checkpoints
@@ -100,9 +100,10 @@ class WorkerModel:
     fingerprint: str
     module_file: str  # the parent's model, pickled, for a worker whose own model differs or that built none
     kind: str  # the parent's model class, for messages
+    first: bool = True  # the script's first call with a model: the one a worker's run of the script stops at
 
     def resolve(self) -> nn.Module:
-        own = built_by_script("model")
+        own = built_by_script("model") if self.first else None  # a later call: the worker's run stopped at an earlier one
         if isinstance(own, nn.Module) and fingerprint(own) == self.fingerprint:
             return own
         del own  # the script's model is not the one fit was given (trained or loaded since), or it stopped elsewhere
@@ -133,7 +134,7 @@ def for_workers(model: nn.Module, lightning: bool) -> tuple[Any, tempfile.Tempor
     except Exception:  # noqa: BLE001 - a module plain pickle refuses (a lambda inside): the launcher's payload carries it
         folder.cleanup()
         return model, None
-    return WorkerModel(fingerprint(model), str(path), type(model).__name__), folder
+    return WorkerModel(fingerprint(model), str(path), type(model).__name__, first=model_calls() == 1), folder
 
 
 def called_under_main_guard() -> bool:

@@ -33,23 +33,30 @@ SWEEP = """
 import torch, shardwise, torch.nn.functional as F
 data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)), torch.arange(64) % 2)
 kw = dict(strategy="ddp", nproc=2, global_batch_size=8, max_steps=4, progress_bar=False, loss_fn=lambda o, b: F.cross_entropy(o, b[1]))
-for p in (0.0, 0.5):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(p), torch.nn.Linear(32, 2))
-    print("LOSS", p, shardwise.Trainer(**kw).fit(model, data)["train_loss"])
+class Net(torch.nn.Module):
+    def __init__(self, p, act):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(p), torch.nn.Linear(32, 2))
+        self.act = act  # a function: no fingerprint of values can see it
+    def forward(self, x):
+        return self.act(self.net(x))
+for p, act in ((0.0, torch.tanh), (0.5, torch.tanh), (0.0, torch.sigmoid)):
+    print("LOSS", p, shardwise.Trainer(**kw).fit(Net(p, act), data)["train_loss"])
 """
 
 
 def test_a_sweep_of_equally_seeded_models_that_differ_in_a_setting_trains_each_setting(tmp_path: Path) -> None:
-    """A dropout sweep: the second model's weights equal the first's, only ``Dropout.p`` differs. Each worker's run
-    of the script stops at the first fit, with p=0.0; the fingerprint holds the modules' plain settings, so the
-    second fit's workers train the p=0.5 model the parent was given (before: the first one again, silently)."""
+    """A sweep of equally seeded models: the second differs from the first only in ``Dropout.p``, the third only in
+    its activation function. Each worker's run of the script stops at the first fit and builds that model; only
+    the first fit may train it, later ones load the model the parent was given (before: the first one again,
+    silently, wherever the weights' fingerprint matched)."""
     script = tmp_path / "sweep.py"
     script.write_text(SWEEP)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(line.split()[2]) for line in proc.stdout.splitlines() if line.startswith("LOSS")]
-    assert len(losses) == 2 and losses[0] != losses[1], f"dropout 0.5 trained as dropout 0.0: losses {losses}"
+    assert len(losses) == 3 and len(set(losses)) == 3, f"a later fit trained the first fit's model: losses {losses}"
 
 
 def test_the_fingerprint_holds_plain_settings_and_configs() -> None:
