@@ -376,18 +376,27 @@ class ShardedLoader:
             )
         key = getattr(self.dataset, "order_key", None) if self.shuffle else None
         if "order_key" in state and isinstance(key, str) and state["order_key"] != key:
-            raise ConfigError(
-                f"the checkpoint's data position is a place in an order of {type(self.dataset).__name__} built from "
-                f"{_short(state['order_key'])}; this run's would be {_short(key)}, another order, so the rest of the epoch "
-                "would train some samples twice and skip others. Resume with the same shards and shuffle_window (or start a new run)"
-            )
+            raise ConfigError(order_changed(self.dataset, state["order_key"], key))
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.seed = int(state["seed"])
 
 
-def _short(key: str, keep: int = 120) -> str:
-    return key if len(key) <= keep else key[:keep] + "..."
+def order_changed(dataset: Any, saved: str, now: str) -> str:
+    """The message for a resume whose order (a dataset's ``order_key``: ``name=value`` parts and ``file:blocks``
+    shards, ';'-separated) differs from the checkpoint's: what changed, then the fix."""
+    old_parts, new_parts = saved.split(";"), now.split(";")
+    pairs = zip(old_parts, new_parts, strict=False)
+    settings = [f"{a.split('=')[0]} {a.split('=')[1]} -> {b.split('=')[1]}" for a, b in pairs if "=" in a and "=" in b and a != b]
+    old_shards, new_shards = (set(p.split(",")) for p in (old_parts[-1], new_parts[-1]))
+    if old_shards != new_shards:
+        gone, added = sorted(old_shards - new_shards), sorted(new_shards - old_shards)
+        settings.append(f"shards: {len(gone)} gone or changed ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}), {len(added)} new or changed")
+    return (
+        f"the checkpoint's data position is a place in an order of {type(dataset).__name__} that this run's would not follow "
+        f"({'; '.join(settings) or 'its order key differs'}): the rest of the epoch would train some samples twice and skip "
+        "others. Resume with the same shards and shuffle_window (or start a new run in another out directory)"
+    )
 
 
 def check_workers(num_workers: Any, prefetch_factor: Any) -> None:

@@ -403,6 +403,9 @@ class Trainer:
         loader = state.get("loader")
         if loader is not None:
             meta["global_batch"] = int(loader.global_batch)  # read before launch by a resume (`plan.check_resume_batch`)
+            order = loader.state_dict().get("order_key")
+            if order is not None:
+                meta["order_key"] = order
         saved = engine.save(Path(path), state, meta=meta)
         self._callback("on_save_checkpoint", engine, saved)
         return saved

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from shardwise.checkpoint.rundir import check_out
-from shardwise.data import fetch, unpack_data
+from shardwise.data import fetch, order_changed, unpack_data
 from shardwise.data.batches import check_batch_fits, returns_own_loss
 from shardwise.data.stream import is_stream, stream_length
 from shardwise.engine.loggers import check_names
@@ -81,7 +81,7 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         check_drop_last(strategy, layout)
     check_tools(trainer, val_data, model)
     streams.check_val(trainer, val_data)
-    check_resume_batch(cfg, trainer._global_batch(dl_batch))
+    check_resume_batch(cfg, trainer._global_batch(dl_batch), dataset)
     if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
         check_out(cfg.out, cfg.resume, cfg.overwrite)
     own_cp = has_step and layout.degrees.get("cp", 1) > 1  # cp checks a training_step model on its self(...) call's arguments
@@ -92,7 +92,7 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
 
 
-def check_resume_batch(cfg: Any, global_batch: int) -> None:
+def check_resume_batch(cfg: Any, global_batch: int, dataset: Any = None) -> None:
     """A resume onto a checkpoint saved with another global batch is a ConfigError here, before launch: the data
     position is a place in global batches of that size (the newest checkpoint's manifest says it; the workers' load
     refuses it too, for a checkpoint written before the manifest said)."""
@@ -104,9 +104,13 @@ def check_resume_batch(cfg: Any, global_batch: int) -> None:
     if not candidates or not (candidates[-1] / "manifest.json").exists():
         return
     try:
-        saved = read_manifest(candidates[-1]).get("global_batch")
+        manifest = read_manifest(candidates[-1])
     except Exception:  # noqa: BLE001 - a damaged checkpoint: the workers' resume skips or names it
         return
+    saved, order = manifest.get("global_batch"), manifest.get("order_key")
+    key = getattr(dataset, "order_key", None)
+    if isinstance(order, str) and isinstance(key, str) and order != key:
+        raise ConfigError(f"{candidates[-1]}: " + order_changed(dataset, order, key))
     if saved is not None and int(saved) != global_batch:
         raise ConfigError(
             f"the checkpoint to resume, {candidates[-1]}, was trained with a global batch of {saved} samples, and this run "

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardwise import Trainer
 from shardwise.data import TokenShards, write_token_shards
+from shardwise.errors import ConfigError
 
 pytestmark = pytest.mark.dist
 
@@ -105,3 +106,12 @@ def test_ddp_on_token_shards_resumes_bitwise_and_at_another_world_size_trains_th
     _fit(shards, tmp_path / "to-two", tmp_path / "log-to-two-a", 1, 3)  # 1 -> 2
     _fit(shards, tmp_path / "to-two", tmp_path / "log-to-two-b", 2, 6, "auto")
     assert _steps(tmp_path / "log-to-two-a") + _steps(tmp_path / "log-to-two-b") == want
+
+
+def test_a_resume_with_another_shuffle_window_is_refused_before_launch(tmp_path: Path) -> None:
+    write_token_shards([list(range(2, 60))] * 6, tmp_path / "data", sep=1, shard_tokens=100)
+    _fit(tmp_path / "data", tmp_path / "run", tmp_path / "log", nproc=1, max_steps=3)
+    trainer = Trainer(strategy="ddp", nproc=2, global_batch_size=BATCH, max_steps=6, loss_fn=_loss, out=str(tmp_path / "run"), resume="auto")
+    with pytest.raises(ConfigError, match=r"step-00000003: .*would not follow \(window 4 -> 8\).*same shards and shuffle_window"):
+        trainer.fit(Recording(str(tmp_path / "log")), Labelled(tmp_path / "data", SEQ, shuffle_window=8))
+    assert not (tmp_path / "run" / "errors").exists(), "refused in the workers, not before launch"
