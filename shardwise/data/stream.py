@@ -100,7 +100,7 @@ def _read(it: Iterator[Any], seed: int, epoch: int, start: int, count: int, keep
     ``seeded=False`` (a source whose ``__iter__``'s class says ``draws_no_randomness``) skips the seeding."""
     out: list[tuple[int, Any]] = []
     got = 0
-    with _own_rng(), _whole_stream():
+    with _own_rng() if seeded else contextlib.nullcontext(), _whole_stream():  # nothing seeded: nothing to put back
         for t in range(count):
             if seeded:
                 _seed_all(sample_seed(seed, epoch, start + t))
@@ -182,9 +182,11 @@ def _split(spec: _Spec, pairs: list[tuple[int, Any]]) -> tuple[list[list[tuple[i
 
 
 def _collate(spec: _Spec, epoch: int, pairs: list[tuple[int, Any]]) -> Any:
+    if spec.collate is None:  # torch's default_collate draws nothing
+        return default_collate([s for _, s in pairs])
     with _own_rng():
         _seed_all(sample_seed(spec.seed, epoch, -1 - pairs[0][0]))  # a random collate draws as `seeded_fetch`'s does
-        return (spec.collate or default_collate)([s for _, s in pairs])
+        return spec.collate([s for _, s in pairs])
 
 
 def _epoch(spec: _Spec, epoch: int, consumed: int, step: int, state: Any) -> Iterator[tuple[list[list[tuple[int, Any]]], list[float] | None, int]]:

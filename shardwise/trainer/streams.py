@@ -141,7 +141,14 @@ def notes(loader: Any) -> list[str]:
         )
         how = f"a resume replays the stream up to its position ({why}): it reads the samples already trained on again"
     length = "no __len__: an epoch ends where the stream does" if loader.n is None else f"{loader.n} samples"
-    return [f"training data: a stream ({name}, {length}), each rank keeping samples i % {loader.world_size} == rank; {how}"]
+    lines = [f"training data: a stream ({name}, {length}), each rank keeping samples i % {loader.world_size} == rank; {how}"]
+    if loader.num_workers > 0:
+        lines.append(
+            f"each of the {loader.num_workers} data-loading workers reads the whole stream and collates its share of the "
+            "micro-batches: workers spread collation, not reading (a stream whose cost is in __iter__ is read "
+            f"{loader.num_workers} times over; num_workers=0 reads it once)"
+        )
+    return lines
 
 
 def _cap(dataset: Any, limit: int | float | None, batch_size: int, dp: int) -> int | None:

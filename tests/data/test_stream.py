@@ -252,9 +252,9 @@ def test_a_stream_that_says_it_draws_no_randomness_is_not_seeded_a_subclass_that
     calls = []
     monkeypatch.setattr(stream, "_seed_all", lambda value: calls.append(value))
     steps(StreamLoader(Plain(), global_batch=8), 2)
-    assert len(calls) == 2, "a source that declares draws_no_randomness is seeded per sample (the collate's one seed a micro-batch stays)"
+    assert calls == [], "a source that declares draws_no_randomness is seeded per sample (torch's default collate draws nothing either)"
     steps(StreamLoader(PlainAugmented(), global_batch=8), 2)
-    assert len(calls) >= 2 + 16, "a subclass that overrides __iter__ without the declaration must be seeded per sample"
+    assert len(calls) >= 16, "a subclass that overrides __iter__ without the declaration must be seeded per sample"
     monkeypatch.undo()
     # still the same samples at any world size and on a resume: the augmented subclass is seeded
     whole = steps(StreamLoader(PlainAugmented(), global_batch=8, seed=3), 2)
