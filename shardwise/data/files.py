@@ -21,6 +21,7 @@ memory. Design notes: docs/data.md, "Files on disk".
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
@@ -332,7 +333,7 @@ class TokenShards(Dataset[Any]):
         self._dtypes = [d for _, d, _ in layouts]
         self.shard_tokens = [n for _, _, n in layouts]
         self.blocks_per_shard = [max(0, n - 1) // seq_len for n in self.shard_tokens]
-        self._ends = np.cumsum(self.blocks_per_shard)
+        self._ends = [int(e) for e in np.cumsum(self.blocks_per_shard)]  # a list: bisect per sample beats np.searchsorted
         if not len(self):
             raise ConfigError(
                 f"the shards hold {sum(self.shard_tokens)} tokens: no shard has a block of seq_len + 1 = {seq_len + 1}; lower seq_len or add data"
@@ -341,7 +342,7 @@ class TokenShards(Dataset[Any]):
         self._pid = os.getpid()
 
     def __len__(self) -> int:
-        return int(self._ends[-1])
+        return self._ends[-1] if self._ends else 0
 
     @property
     def tokens(self) -> int:
@@ -375,8 +376,8 @@ class TokenShards(Dataset[Any]):
         """(shard, first token) of block ``i``."""
         if not 0 <= i < len(self):
             raise IndexError(f"block {i} of {len(self)}")
-        k = int(np.searchsorted(self._ends, i, side="right"))
-        return k, (i - (int(self._ends[k - 1]) if k else 0)) * self.seq_len
+        k = bisect.bisect_right(self._ends, i)
+        return k, (i - (self._ends[k - 1] if k else 0)) * self.seq_len
 
     def block(self, i: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of block ``i`` (int64), read with one pread."""
