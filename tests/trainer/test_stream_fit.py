@@ -197,8 +197,10 @@ def test_overfit_and_the_first_lines(capsys, tmp_path):
     assert "a resume replays the stream up to its position (Ids has no state_dict/load_state_dict)" in said
     fit(Stateful(), nproc=1, steps=1, out=tmp_path / "c", val=Ids(3))
     assert "a resume loads Stateful's own state" in capsys.readouterr().out
-    fit(Stateful(), nproc=1, steps=1, out=tmp_path / "d", stream_resume="replay")
-    assert "a resume replays the stream up to its position (stream_resume='replay')" in capsys.readouterr().out
+    fit(Stateful(), nproc=1, steps=1, out=tmp_path / "d", stream_resume="replay", num_workers=1)
+    said = capsys.readouterr().out
+    assert "a resume replays the stream up to its position (stream_resume='replay')" in said
+    assert "each of the 1 data-loading workers reads the whole stream" in said
 
 
 MODULE = """
