@@ -50,32 +50,27 @@ _bootstrapping = False  # set by shardwise.launcher.worker while it imports the 
 
 
 class StopImport(BaseException):
-    """Raised by ``launch``/``Trainer.fit`` while a worker imports the user's script: the
-    worker has what it needs (everything defined above the call) and stops there."""
+    """Raised by ``launch``/``Trainer.fit`` while a worker imports the user's script: it has what it needs (above the call)."""
 
 
 _built: dict[str, Any] = {}  # what the script built above its call, in a worker (Trainer.fit's model)
-_model_calls = 0  # calls with a model (fit, validate, test, predict) this process made: a worker's run stops at the first
+_model_calls = [0]  # fit/validate/test/predict calls this process made: a worker's run of the script stops at the first
 
 
 def stop_if_bootstrapping(**built: Any) -> None:
-    """Called first by ``launch`` and ``Trainer.fit``: in a worker that is importing the
-    user's script (an unguarded top-level call), stop the import here, keeping ``built`` (the
-    model the script made: the worker trains its own, and the parent sends no model bytes).
-    In the parent, counts the calls that carry a model (`model_calls`)."""
-    global _model_calls
+    """Called first by ``launch`` and ``Trainer.fit``: in a worker importing the user's script (an unguarded
+    top-level call), stop the import here, keeping ``built`` (the model the script made: the worker trains its
+    own, and the parent sends no model bytes). In the parent, counts the calls that carry a model (`model_calls`)."""
     if _bootstrapping:
         _built.clear()
         _built.update(built)
         raise StopImport
-    if "model" in built:
-        _model_calls += 1
+    _model_calls[0] += "model" in built
 
 
 def model_calls() -> int:
-    """How many fit/validate/test/predict calls this process has made: a worker's run of the script stops at
-    the first, so only for that one can the model it built be the one the call was given."""
-    return _model_calls
+    """Calls with a model so far: only the first can train the model a worker's run of the script built."""
+    return _model_calls[0]
 
 
 def built_by_script(name: str) -> Any:
@@ -95,8 +90,7 @@ class _WorkerFailed(Exception):
 
 
 class RemoteTraceback(Exception):
-    """What went wrong in a worker process: the short report (rank, exception, the user's
-    frame, where the full traceback was written)."""
+    """What went wrong in a worker: the short report (rank, exception, the user's frame, where the full traceback is)."""
 
     def __init__(self, tb: str) -> None:
         super().__init__(tb)
@@ -458,8 +452,7 @@ def _supervise(procs: list[_Process], boot: Path, timeout: float | None, expenda
 
 
 def _whereabouts(procs: list[_Process], boot: Path, failed: int, dead: Collection[int] = ()) -> list[str]:
-    """Every rank's position in its collectives (`shardwise.comm.ledger`) when ``failed`` failed, and
-    a stack dump of each rank still running (SIGUSR2: the worker's faulthandler writes it)."""
+    """Every rank's place in its collectives (`comm.ledger`) when ``failed`` failed; a stack dump of each still running (SIGUSR2)."""
     from shardwise.comm import ledger
 
     positions = {r: ledger.read(boot / "ledger" / f"rank-{r}") for r in range(len(procs))}
@@ -480,17 +473,14 @@ def _raise_failure(procs: list[_Process], boot: Path, rank: int, failure: Any, e
     from shardwise.launcher import report
 
     where = _whereabouts(procs, boot, rank)  # before stopping them: their ledgers and stacks as they stand
-    # Peers blocked in a collective with the failed rank would wait for its timeout; a Trainer's rank
-    # takes SIGTERM as a preemption notice and stays blocked, so the grace is short.
-    _stop(procs, grace_s=1.0)
+    _stop(procs, grace_s=1.0)  # peers blocked in a collective with it wait (a Trainer's rank takes SIGTERM as preemption)
     found = {rank: (failure, exc_bytes)}
     for other in range(len(procs)):
         path = boot / f"error-{other}.pkl"
         if other != rank and path.exists():
             found[other] = pickle.loads(path.read_bytes())
-    # The earliest failure is the cause; a peer that noticed it in a collective fails later.
     first = rank
-    rank = min(found, key=lambda r: found[r][0].at)
+    rank = min(found, key=lambda r: found[r][0].at)  # the earliest failure is the cause; a peer that noticed it fails later
     failure, exc_bytes = found[rank]
     failures = [f for f, _ in found.values()]
     directory = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="shardwise-errors-"))
