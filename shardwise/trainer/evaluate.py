@@ -120,7 +120,13 @@ def evaluate(engine: Engine, module: nn.Module, dataset: Any, collate: Any, batc
             padded = list(eval_fn(module, engine.to_device(fetch(dataset, [0], collate))))
             keys = keys or padded
     module.train(was_training)
-    # Every rank ran at least one call, so every rank knows the keys (the same code returns them).
+    return reduced_means(engine, prefix, count, totals, keys)
+
+
+def reduced_means(engine: Engine, prefix: str, count: int, totals: dict[str, float], keys: list[str]) -> dict[str, float]:
+    """Every rank's sums (of each key's value times its batch size, and of samples) reduced once and divided:
+    ``{prefix_key: mean over every sample, prefix_samples: count}``. Every rank ran at least one call, so every
+    rank knows the keys (the same code returns them)."""
     sums = torch.tensor([float(count)] + [totals.get(k, 0.0) for k in keys], dtype=torch.float64, device=engine.device)
     engine.all_reduce(sums, "sum")
     sums /= copies_per_shard(engine)

@@ -20,7 +20,7 @@ from torch.utils.data._utils.collate import default_collate
 from shardwise.data.stream import StreamLoader, first_samples, is_stream, state_loses_samples, stateful, stream_length
 from shardwise.engine import Engine
 from shardwise.errors import ConfigError
-from shardwise.trainer.evaluate import EvalFn, batch_size_of, copies_per_shard, limited_size
+from shardwise.trainer.evaluate import EvalFn, batch_size_of, limited_size, reduced_means
 
 if TYPE_CHECKING:
     from shardwise.trainer.loop import Trainer
@@ -207,10 +207,4 @@ def evaluate_stream(
             padded = list(eval_fn(module, engine.to_device(collate([first]))))
             keys = keys or padded
     module.train(was_training)
-    sums = torch.tensor([float(count)] + [totals.get(k, 0.0) for k in keys], dtype=torch.float64, device=engine.device)
-    engine.all_reduce(sums, "sum")
-    sums /= copies_per_shard(engine)
-    samples = max(sums[0].item(), 1.0)
-    out = {f"{prefix}_{k}": sums[1 + i].item() / samples for i, k in enumerate(keys)}
-    out[f"{prefix}_samples"] = int(sums[0].item())
-    return out
+    return reduced_means(engine, prefix, count, totals, keys)
