@@ -565,6 +565,9 @@ MUTANTS = [
            "shardwise/trainer/handoff.py",
            '        own = built_by_script("model") if self.first else None', '        own = built_by_script("model")',
            ("tests/trainer/test_handoff.py::test_a_sweep_of_equally_seeded_models_that_differ_in_a_setting_trains_each_setting",)),
+    Mutant("token shards: every shuffle window permuted alike (the window left out of its seed)",
+           "shardwise/data/order.py", "_rng(self.seed, self.epoch, w, 1)", "_rng(self.seed, self.epoch, 0, 1)",
+           ("tests/data/test_order_windows.py",)),
 ]
 
 
