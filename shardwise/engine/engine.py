@@ -27,7 +27,7 @@ from shardwise.engine.plan import plan_strategy
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import DEFAULT_TIMEOUT_S, DistEnv, choose_device, connect, detect_env
 from shardwise.launcher.memory import return_large_frees
-from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, checkpointing, materialize
+from shardwise.strategies import Layout, OptimizerFactory, Parallel, StepFn, Strategy, checkpointing, compiling, materialize
 from shardwise.strategies.batchnorm import UNSYNCED_REPLICAS, convert_sync_batchnorm, unsynced_batchnorm_warning
 from shardwise.strategies.precision import Precision
 
@@ -60,6 +60,7 @@ class Engine(Collectives):
         loggers: Sequence[Any] | str | None = None,
         callbacks: Sequence[Any] = (),
         activation_checkpointing: str = "off",
+        compile: str | bool = "off",
     ) -> None:
         self.out = Path(out) if out is not None else None
         """Where the loggers write (``loggers=`` by name need it)."""
@@ -79,6 +80,10 @@ class Engine(Collectives):
         """BatchNorm layers become SyncBatchNorm over the data-parallel group in ``setup``."""
         self.activation_checkpointing = checkpointing.parse(activation_checkpointing)
         """Which blocks ``setup`` makes recompute their forward in backward (`shardwise.strategies.checkpointing`)."""
+        self.compile = compiling.parse(compile)
+        """What ``setup`` compiles with ``torch.compile`` (`shardwise.strategies.compiling`): nothing, the model or its blocks."""
+        self.compiled: compiling.Tracker | None = None
+        """What this process compiled (`compiling.Tracker`: seconds, graphs, recompilations), once ``setup`` compiled."""
         self.device = choose_device(accelerator, self.env)
         return_large_frees()  # freed tensors go back to the system, so each rank's peak is what its tensors hold
         self._owns_group = connect(self.env, self.device, DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
@@ -179,7 +184,14 @@ class Engine(Collectives):
         model = self.precision.convert_module(model)
         self._batchnorm(model)
         checkpointing.apply(model, self.activation_checkpointing)
+        where = self.compile.resolved(self.strategy.compile_unit) if self.compile.enabled else "off"
+        if where != "off":
+            self.compiled = compiling.Tracker(self.compile, self.strategy.compile_unit)
+        if where == "blocks":  # before the strategy: FSDP2 shards compiled units, tp splits them, stages keep them
+            self.compiled.compiled = compiling.compile_blocks(model, self.compile)
         self.parallel = self.strategy.apply(model, make_optimizer, self.world_mesh, self.recorder)
+        if where == "model":  # after: the module the strategy runs (DDP's wrapper, so its buckets split the graph)
+            self.compiled.compiled = compiling.compile_module(self.parallel.model, self.compile)
         self._runs.append(self.parallel)
         self.writes_checkpoints = self.group.contains(0)
         return self.parallel.model, self.parallel.optimizer
@@ -270,6 +282,8 @@ class Engine(Collectives):
         run = self._run()
         run.finish()
         self._finished = run.summary()
+        if self.compiled is not None:
+            self._finished["compile"] = self.compiled.report()
         return self._finished
 
     # -- loggers and callbacks (rank 0 logs; every rank calls) ----------------------

@@ -168,6 +168,8 @@ class Strategy(ABC):
     shards_meta: ClassVar[bool] = False  # apply takes a meta-built model and fills this rank's share (materialize.fill_share)
     needs_process_group: ClassVar[bool] = True  # runs in a process group even alone: the Trainer starts one worker for it at nproc=1
     whole_model: ClassVar[bool] = True  # every training rank holds the whole model (what rewrites weights in place, such as pruning, needs)
+    compile_unit: ClassVar[str] = "model"  # what compile='on' compiles: "model" (after apply), "blocks" (before), "stages" (blocks only), "none"
+    compile_refusal: ClassVar[str] = ""  # why, where compile_unit is "none"
 
     @abstractmethod
     def plan(self, world_size: int, model: nn.Module | None = None, batch: Batch | None = None, mesh: Mapping[str, int] | None = None) -> Layout:

@@ -78,6 +78,13 @@ def collective_counter_mode() -> type:
             self.phase: str | None = None
             """Set by the strategy (forward inside step_fn, backward after); None: inside an autograd node or not."""
 
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            """Under torch.compile the mode is off while Dynamo traces and on while the compiled code runs: the
+            graph compiles as without it, and the mode sees only what compiled code dispatches (its collectives,
+            extern kernels), not each fused operator: counts stay exact and the per-operator Python call goes."""
+            return True
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
             ns = getattr(func, "namespace", "")

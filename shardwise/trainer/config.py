@@ -148,6 +148,11 @@ class TrainerConfig:
     of the model's block list keeps only its inputs: about one more forward a step), 'blocks:K' (every K-th block),
     'ops' (every block keeps its matrix products' outputs, recomputes norms, activations and element-wise work) or
     'ops:K'. Gradients equal the run without it; parameter names do not change (`shardwise.strategies.checkpointing`)."""
+    compile: str = flag("off", nargs="?", const="on", action=_TrainerSetting, metavar="off|on|model|blocks[:BACKEND]")
+    """torch.compile the model under any strategy: 'off' (the default), 'on' (the strategy chooses: the model whole where it
+    runs whole, each block where it is sharded, split or staged), 'model' or 'blocks'; ':BACKEND' picks torch's backend
+    ('on:aot_eager'; Inductor by default). Python's True is 'on'. Compile seconds and recompilations are reported apart from
+    the step time, in summary.json's 'compile' (`shardwise.strategies.compiling`)."""
     loggers: tuple[str, ...] = flag((), names=("--logger",), metavar="NAMES")
     """Experiment loggers on rank 0 besides metrics.jsonl: 'csv', 'tensorboard', 'mlflow', 'wandb' (a list, or one comma-separated string)."""
     experiment_name: str = "shardwise"
@@ -194,6 +199,9 @@ class TrainerConfig:
 
             check_name(self.strategy)
         object.__setattr__(self, "precision", normalize(self.precision))
+        from shardwise.strategies.compiling import parse as parse_compile
+
+        object.__setattr__(self, "compile", str(parse_compile(self.compile)))  # True -> 'on'; a bad value refused here
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0 (or None to disable); got {self.clip_grad_norm}")
         if self.return_weights not in ("auto", "always", "never"):

@@ -301,6 +301,7 @@ class Trainer:
             sync_batchnorm=cfg.sync_batchnorm,
             layout=layout,
             activation_checkpointing=cfg.activation_checkpointing,
+            compile=cfg.compile,
         )
 
     def _fit(self, model: nn.Module, train_data: Any, val_data: Any, *, return_state: bool) -> tuple[dict[str, Any], Any]:

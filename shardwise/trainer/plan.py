@@ -18,7 +18,7 @@ from shardwise.engine.plan import plan_strategy
 from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size
-from shardwise.strategies import Batch, Layout, Strategy, available, checkpointing, get_strategy, materialize
+from shardwise.strategies import Batch, Layout, Strategy, available, checkpointing, compiling, get_strategy, materialize
 from shardwise.trainer import callbacks, streams
 from shardwise.trainer.adapters import adapter_for
 
@@ -75,6 +75,7 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
     strategy, layout = trainer._strategy, trainer._layout
     assert strategy is not None and layout is not None
     checkpointing.check(model, cfg.activation_checkpointing)  # a bad value, or a model with no block list to checkpoint
+    compiling.check(cfg.compile, model, strategy, _device(cfg))  # a strategy, model or machine compile cannot work on
     if materialize.has_meta(model):
         materialize.plan_init(model).check()  # a meta tensor no initializer sets: refused here, not in every worker
     if not cfg.drop_last:
@@ -90,6 +91,13 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         if not has_step:
             check_batch_fits(model, sample)
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
+
+
+def _device(cfg: Any) -> str:
+    """The device type the workers will train on (what compile's backend needs on the machine)."""
+    import torch
+
+    return "cuda" if cfg.accelerator == "cuda" or (cfg.accelerator == "auto" and torch.cuda.is_available()) else "cpu"
 
 
 def check_resume_batch(cfg: Any, global_batch: int, dataset: Any = None) -> None:

@@ -62,6 +62,8 @@ class DataParallel(Strategy):
     """Single-process, multi-GPU data parallelism."""
 
     name: ClassVar[str] = "dp"
+    compile_unit: ClassVar[str] = "none"
+    compile_refusal: ClassVar[str] = "torch.compile does not trace nn.DataParallel's threads, one per device"
     smaller_last_batch: ClassVar[bool] = True
 
     device_ids: tuple[int, ...] | None = None

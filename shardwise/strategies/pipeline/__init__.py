@@ -64,6 +64,7 @@ class Pipeline(Strategy):
     """
 
     name: ClassVar[str] = "pipeline"
+    compile_unit: ClassVar[str] = "stages"  # each stage runs its blocks compiled; the model is never called whole
     shards_meta: ClassVar[bool] = True  # split on the meta model, then each rank fills its own stages
     whole_model: ClassVar[bool] = False
 

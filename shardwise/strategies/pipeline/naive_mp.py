@@ -118,6 +118,7 @@ class NaiveModelParallel(Strategy):
     """Layers placed across the visible CUDA devices of one process (or the ``devices`` given)."""
 
     name: ClassVar[str] = "naive-mp"
+    compile_unit: ClassVar[str] = "blocks"  # each block on one device
 
     devices: tuple[str, ...] | None = None
     """Devices the stages go to, one stage each, in order (default: every visible CUDA device)."""

@@ -228,6 +228,7 @@ class ShardedDataParallel(Strategy):
     """What zero2, zero3 and hsdp share: the options of FSDP2 and the plan over data-parallel ranks."""
 
     name: ClassVar[str] = "zero3"
+    compile_unit: ClassVar[str] = "blocks"  # FSDP2 wants each unit compiled before fully_shard
     smaller_last_batch: ClassVar[bool] = True
     shards_meta: ClassVar[bool] = True  # fully_shard on the meta model, then each rank fills its shards
     whole_model: ClassVar[bool] = False

@@ -128,6 +128,7 @@ class TensorParallel(Strategy):
     """
 
     name: ClassVar[str] = "tp"
+    compile_unit: ClassVar[str] = "blocks"  # DTensor blocks, as torchtitan compiles them
     shards_meta: ClassVar[bool] = True  # split on the meta model, then each rank fills its shards
     whole_model: ClassVar[bool] = False
     smaller_last_batch: ClassVar[bool] = True
