@@ -185,13 +185,13 @@ class Engine(Collectives):
         self._batchnorm(model)
         checkpointing.apply(model, self.activation_checkpointing)
         where = self.compile.resolved(self.strategy.compile_unit) if self.compile.enabled else "off"
-        if where != "off":
-            self.compiled = compiling.Tracker(self.compile, self.strategy.compile_unit)
-        if where == "blocks":  # before the strategy: FSDP2 shards compiled units, tp splits them, stages keep them
-            self.compiled.compiled = compiling.compile_blocks(model, self.compile)
+        tracker = compiling.Tracker(self.compile, self.strategy.compile_unit) if where != "off" else None
+        self.compiled = tracker
+        if tracker is not None and where == "blocks":  # before the strategy: FSDP2 shards compiled units, tp splits them, stages keep them
+            tracker.compiled = compiling.compile_blocks(model, self.compile)
         self.parallel = self.strategy.apply(model, make_optimizer, self.world_mesh, self.recorder)
-        if where == "model":  # after: the module the strategy runs (DDP's wrapper, so its buckets split the graph)
-            self.compiled.compiled = compiling.compile_module(self.parallel.model, self.compile)
+        if tracker is not None and where == "model":  # after: the module the strategy runs (DDP's wrapper, so its buckets split the graph)
+            tracker.compiled = compiling.compile_module(self.parallel.model, self.compile)
         self._runs.append(self.parallel)
         self.writes_checkpoints = self.group.contains(0)
         return self.parallel.model, self.parallel.optimizer

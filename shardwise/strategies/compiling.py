@@ -133,7 +133,7 @@ def check_backend(backend: str, device: str) -> None:
         return
     if device.startswith("cuda"):
         try:
-            import triton  # noqa: F401
+            import triton  # type: ignore[import-not-found]  # noqa: F401
         except ImportError:
             raise ConfigError(
                 "compile: Inductor generates Triton kernels on CUDA and triton is not installed: pip install triton "
@@ -156,6 +156,7 @@ def compile_blocks(model: nn.Module, setting: Compile) -> list[str]:
     if path is None:
         raise ConfigError(f"compile='blocks': {type(model).__name__} has no list of repeated blocks (see compiling.check)")
     blocks = model.get_submodule(path)
+    assert isinstance(blocks, nn.ModuleList)
     for block in blocks:
         block.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
         block.compile(backend=setting.backend)
