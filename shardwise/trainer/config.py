@@ -37,7 +37,8 @@ class _TrainerSetting(argparse.Action):
     command's own flag table, and a later ``--set`` of the same key wins as flags in order do)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
-        value = values if self.const is None else self.const
+        given = values is not None and values != []  # nargs=0 flags get []; nargs="?" without a value gets None
+        value = values if self.const is None or (given and self.nargs == "?") else self.const
         text = str(value).lower() if isinstance(value, bool) else str(value)
         namespace.set = [*(getattr(namespace, "set", None) or []), f"trainer.{self.dest}={text}"]
 
@@ -153,6 +154,9 @@ class TrainerConfig:
     runs whole, each block where it is sharded, split or staged), 'model' or 'blocks'; ':BACKEND' picks torch's backend
     ('on:aot_eager'; Inductor by default). Python's True is 'on'. Compile seconds and recompilations are reported apart from
     the step time, in summary.json's 'compile' (`shardwise.strategies.compiling`)."""
+    peak_tflops: float | None = flag(None, metavar="TFLOPS")
+    """The device's peak TFLOP/s for MFU where the built-in table has none (a GPU it does not list), or to replace its
+    figure: summary.json's 'mfu' is the model's FLOP/s over this x the processes (`shardwise.trainer.throughput`)."""
     loggers: tuple[str, ...] = flag((), names=("--logger",), metavar="NAMES")
     """Experiment loggers on rank 0 besides metrics.jsonl: 'csv', 'tensorboard', 'mlflow', 'wandb' (a list, or one comma-separated string)."""
     experiment_name: str = "shardwise"
@@ -202,6 +206,8 @@ class TrainerConfig:
         from shardwise.strategies.compiling import parse as parse_compile
 
         object.__setattr__(self, "compile", str(parse_compile(self.compile)))  # True -> 'on'; a bad value refused here
+        if self.peak_tflops is not None and not (isinstance(self.peak_tflops, (int, float)) and 0 < self.peak_tflops < float("inf")):
+            raise ConfigError(f"peak_tflops must be a positive number of TFLOP/s per device (e.g. 989 for an H100 in bf16); got {self.peak_tflops!r}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"clip_grad_norm must be > 0 (or None to disable); got {self.clip_grad_norm}")
         if self.return_weights not in ("auto", "always", "never"):

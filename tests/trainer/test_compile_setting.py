@@ -1,0 +1,51 @@
+"""The ``compile`` setting as Python, flag and TOML key: what each spelling becomes, and a bad one refused
+where it is written (the strategies' compiled runs are in tests/strategies/test_compile*.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise import Trainer
+from shardwise.errors import ConfigError
+from shardwise.strategies.compiling import Compile, parse
+
+
+def _flags(*argv: str) -> str:
+    from shardwise.cli import train_parser
+    from shardwise.trainer.config import apply_overrides, from_mapping
+
+    args = train_parser().parse_args(["--recipe", "digits", *argv])
+    return from_mapping(apply_overrides({}, args.set or []).get("trainer", {})).compile
+
+
+def test_python_values_become_one_spelling():
+    assert Trainer(compile=True).config.compile == "on"
+    assert Trainer(compile=False).config.compile == "off"
+    assert Trainer().config.compile == "off"
+    assert Trainer(compile="blocks:aot_eager").config.compile == "blocks:aot_eager"
+    assert Trainer(compile="model:inductor").config.compile == "model"  # Inductor is the default backend
+
+
+def test_the_flag_alone_is_on_and_with_a_value_is_that_value():
+    assert _flags("--compile") == "on"
+    assert _flags("--compile", "blocks:aot_eager") == "blocks:aot_eager"  # a flag with a default value keeps what was given
+    assert _flags() == "off"
+    assert _flags("--compile", "--set", "trainer.compile=off") == "off"  # in order: the later wins
+
+
+def test_the_other_optional_value_flags_still_take_their_constant():
+    from shardwise.cli import train_parser
+    from shardwise.trainer.config import apply_overrides, from_mapping
+
+    args = train_parser().parse_args(["--recipe", "digits", "--keep-last-batch", "--compile"])
+    config = from_mapping(apply_overrides({}, args.set)["trainer"])
+    assert (config.drop_last, config.compile) == (False, "on")
+
+
+@pytest.mark.parametrize("bad", ["fast", "on:", "off:inductor", "blocks:2:3x"])
+def test_a_bad_value_is_refused_naming_the_values(bad):
+    if bad == "blocks:2:3x":  # parses (the backend is checked against torch's list before launch, with the model)
+        assert parse(bad) == Compile("blocks", "2:3x")
+        return
+    with pytest.raises(ConfigError, match="not one of off, on, model, blocks"):
+        Trainer(compile=bad)
