@@ -568,6 +568,22 @@ MUTANTS = [
     Mutant("token shards: every shuffle window permuted alike (the window left out of its seed)",
            "shardwise/data/order.py", "_rng(self.seed, self.epoch, w, 1)", "_rng(self.seed, self.epoch, 0, 1)",
            ("tests/data/test_order_windows.py",)),
+    Mutant("bench compile: the speed-up compiled over eager (upside down)", "benchmarks/compile_speedup.py",
+           '        "speedup": eager / comp,', '        "speedup": comp / eager,',
+           ("tests/tools/test_bench_compile.py::test_a_row_is_medians_over_the_repeats_and_eager_over_compiled",)),
+    Mutant("bench compile: the compiled side never compiled", "benchmarks/compile_speedup.py",
+           '    setting = ("on" if args.backend == "inductor" else f"on:{args.backend}") if compiled else "off"',
+           '    setting = "off"',
+           ("tests/tools/test_bench_compile.py::test_the_readme_block_runs_compiled_and_eager_side_by_side",)),
+    Mutant("bench compile: the warm-up (compile) steps timed", "benchmarks/compile_speedup.py",
+           "        if step > self.warmup:\n", "        if step > 0:\n",
+           ("tests/tools/test_bench_compile.py::test_the_timer_leaves_the_warm_up_out",)),
+    Mutant("bench compile: eager always first (no alternation)", "benchmarks/compile_speedup.py",
+           "            order = (False, True) if i % 2 == 0 else (True, False)", "            order = (False, True)",
+           ("tests/tools/test_bench_compile.py::test_eager_and_compiled_alternate_and_inductor_first_compiles_cold",)),
+    Mutant("bench compile: the loss difference of the closest repeat, not the farthest", "benchmarks/compile_speedup.py",
+           '        "loss_diff": max(', '        "loss_diff": min(',
+           ("tests/tools/test_bench_compile.py::test_a_row_is_medians_over_the_repeats_and_eager_over_compiled",)),
 ]
 
 
