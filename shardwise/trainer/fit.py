@@ -28,7 +28,7 @@ from shardwise.errors import CommError
 from shardwise.launcher.memory import snapshot
 from shardwise.strategies import StepFn
 from shardwise.strategies.cost.peak import tensors_of
-from shardwise.trainer import callbacks, evaluate, nonfinite, resume, streams
+from shardwise.trainer import callbacks, evaluate, nonfinite, resume, streams, throughput
 from shardwise.trainer.logging import Progress, RunFiles, batch_seq, format_memory, memory_section, write_rank_comm
 from shardwise.trainer.profile import StepProfiler, format_breakdown
 
@@ -261,6 +261,7 @@ class FitRun:
     def train(self) -> None:
         """Epochs of steps until ``max_steps`` (or the epochs) or a callback's stop."""
         trainer, loader, cfg = self.trainer, self.loader, self.cfg
+        self.rates = throughput.Rates.start(trainer, self.engine, self.global_batch)  # the peak before the clock starts (a CPU's may be measured)
         self.t_log, self.steps_at_log = time.perf_counter(), self.start_step
         self.train_start = time.perf_counter()
         self.profiler = StepProfiler(cfg, self.engine, Path(self.out) if self.out else None, self.start_step, self.total) if cfg.profile else None
@@ -277,6 +278,7 @@ class FitRun:
         if self.losses:  # stopped between log steps (a callback set should_stop after this step's log check)
             self.log_train()
         self.train_s = time.perf_counter() - self.train_start
+        self.rates.stop()
         loader.close()  # data-loading workers end with the training (they would outlive the run otherwise)
 
     def _next_batch(self, batches: Any) -> list[Any] | None:
@@ -375,7 +377,7 @@ class FitRun:
             "epoch": self.loader.epoch,
             "train_loss": self.last_train_loss,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "samples_per_s": (trainer.step - self.steps_at_log) * self.global_batch / max(now - self.t_log, 1e-9),
+            **self.rates.window(trainer.step - self.steps_at_log, now - self.t_log, self.seq),  # samples_per_s, tokens_per_s, mfu
         }
         if self.counters["nonfinite_skipped"]:
             record["nonfinite_skipped"] = int(self.counters["nonfinite_skipped"])
@@ -447,7 +449,7 @@ class FitRun:
             "samples": int(self.counters["samples"]),
             "wall_s": self.wall,
             "train_s": self.train_s,
-            "samples_per_s": steps_run * self.global_batch / max(self.train_s, 1e-9),
+            **self.rates.summary(steps_run, self.train_s, self.seq),  # samples_per_s .. mfu, throughput: step time without compile
             "train_loss": self.last_train_loss,
             "on_nonfinite": cfg.on_nonfinite,
             "nonfinite_skipped": int(self.counters["nonfinite_skipped"]),
@@ -476,4 +478,4 @@ class FitRun:
         if profile_section is not None:
             print(format_breakdown(profile_section), flush=True)
         line = "  ".join(f"{k} {summary[k]:.4g}" for k in ("train_loss", "val_loss", "val_accuracy", "samples_per_s") if isinstance(summary.get(k), float))
-        print(f"done: {self.trainer.step} steps in {self.wall:.1f}s  {line}", flush=True)
+        print(f"done: {self.trainer.step} steps in {self.wall:.1f}s  {line}  {throughput.end_line(summary)}".rstrip(), flush=True)

@@ -123,6 +123,7 @@ class Trainer:
         self._state: dict[str, Any] | None = None
         self._strategy: Strategy | None = None
         self._layout: Layout | None = None
+        self._flops: dict[str, Any] | None = None  # the model's FLOPs per sample, counted before launch (`shardwise.trainer.throughput`)
         self._last_loss: torch.Tensor | None = None  # the last step's loss (rank 0's goes into a checkpoint's manifest)
         self._emit: Callable[[dict[str, Any]], None] = _no_record
         """The running fit's record writer (`FitRun.emit`), for adapters that log records of their own."""

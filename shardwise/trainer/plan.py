@@ -19,7 +19,7 @@ from shardwise.errors import ConfigError
 from shardwise.launcher.env import detect_env
 from shardwise.launcher.spawn import check_world_size
 from shardwise.strategies import Batch, Layout, Strategy, available, checkpointing, compiling, get_strategy, materialize
-from shardwise.trainer import callbacks, streams
+from shardwise.trainer import callbacks, streams, throughput
 from shardwise.trainer.adapters import adapter_for
 
 if TYPE_CHECKING:
@@ -91,6 +91,16 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         if not has_step:
             check_batch_fits(model, sample)
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
+    trainer._flops = throughput.count_for_fit(trainer, model, first if first is not None else _first(dataset, collate))  # once, on meta tensors
+
+
+def _first(dataset: Any, collate: Any) -> Any:
+    """A batch of the data set's first sample, for counting FLOPs (None for an empty, unindexable or failing one:
+    the workers' loader says what is wrong with it)."""
+    try:
+        return fetch(dataset, [0], collate) if hasattr(dataset, "__getitem__") and stream_length(dataset) != 0 else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _device(cfg: Any) -> str:

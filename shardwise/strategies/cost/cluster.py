@@ -12,10 +12,15 @@ Built-in profiles (vendor datasheet figures; dense, no sparsity):
 - ``h100-80gb``: NVIDIA H100 SXM5 80GB datasheet (2023): 989 TFLOPS bf16 dense tensor core
   (1979 with sparsity), 67 TFLOPS fp32 (non-tensor), 80 GB HBM3 at 3.35 TB/s; NVLink 4 at
   900 GB/s total bidirectional per GPU, so 450 GB/s each way; one ConnectX-7 NDR InfiniBand port
-  per GPU at 400 Gb/s = 50 GB/s each way (NVIDIA DGX H100 datasheet).
+  per GPU at 400 Gb/s = 50 GB/s each way (NVIDIA DGX H100 datasheet). TF32 tensor core 494 TFLOPS dense
+  (989 with sparsity).
+- ``h200``: NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: 989 TFLOPS bf16 dense tensor core (1979
+  with sparsity), TF32 494 dense, 67 TFLOPS fp32 (non-tensor), 141 GB HBM3e at 4.8 TB/s; NVLink at
+  900 GB/s bidirectional (450 GB/s each way); the network as the H100's (one NDR port per GPU).
 - ``a100-40gb``: NVIDIA A100 Tensor Core GPU datasheet (2021), SXM4 40GB: 312 TFLOPS bf16
   dense, 19.5 TFLOPS fp32, 40 GB HBM2 at 1.555 TB/s; NVLink 3 at 600 GB/s bidirectional (300 GB/s
-  each way); one HDR InfiniBand port per GPU at 200 Gb/s = 25 GB/s each way (DGX A100 datasheet).
+  each way); one HDR InfiniBand port per GPU at 200 Gb/s = 25 GB/s each way (DGX A100 datasheet). TF32
+  tensor core 156 TFLOPS dense.
 - ``cpu``: this machine, measured by ``shardwise plan --calibrate`` (profiles/cpu.json).
 
 The latencies (NVLink 3 us, InfiniBand 6 us per round, including software) and the fraction of
@@ -161,7 +166,7 @@ _GB = 1e9
 H100_80GB = DeviceProfile(
     name="h100-80gb",
     memory_bytes=80 * _GB,
-    flops={"bf16-mixed": 989e12, "16-mixed": 989e12, "32": 67e12, "64": 34e12},
+    flops={"bf16-mixed": 989e12, "16-mixed": 989e12, "32": 67e12, "tf32": 494e12, "64": 34e12},
     efficiency=0.5,
     memory_bandwidth=3.35e12,
     intra=Link(alpha=3e-6, beta=1 / 450e9),
@@ -174,7 +179,7 @@ H100_80GB = DeviceProfile(
 A100_40GB = DeviceProfile(
     name="a100-40gb",
     memory_bytes=40 * _GB,
-    flops={"bf16-mixed": 312e12, "16-mixed": 312e12, "32": 19.5e12, "64": 9.7e12},
+    flops={"bf16-mixed": 312e12, "16-mixed": 312e12, "32": 19.5e12, "tf32": 156e12, "64": 9.7e12},
     efficiency=0.5,
     memory_bandwidth=1.555e12,
     intra=Link(alpha=3e-6, beta=1 / 300e9),
@@ -184,7 +189,20 @@ A100_40GB = DeviceProfile(
     source="NVIDIA A100 and DGX A100 datasheets (bf16 312 TFLOPS dense, 40 GB, NVLink 600 GB/s bidirectional, HDR 200 Gb/s per GPU); "
     "latencies and efficiency 0.5 assumed",
 )
-BUILTIN: dict[str, DeviceProfile] = {"h100-80gb": H100_80GB, "a100-40gb": A100_40GB}
+H200 = DeviceProfile(
+    name="h200",
+    memory_bytes=141 * _GB,
+    flops={"bf16-mixed": 989e12, "16-mixed": 989e12, "32": 67e12, "tf32": 494e12, "64": 34e12},
+    efficiency=0.5,
+    memory_bandwidth=4.8e12,
+    intra=Link(alpha=3e-6, beta=1 / 450e9),
+    inter=Link(alpha=6e-6, beta=1 / 50e9),
+    overlap=1.0,
+    host=Link(alpha=1e-5, beta=1 / 50e9),  # PCIe Gen5 x16, as the H100's
+    source="NVIDIA H200 Tensor Core GPU datasheet, SXM (bf16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional); "
+    "network as DGX H100 (NDR 400 Gb/s per GPU); latencies and efficiency 0.5 assumed",
+)
+BUILTIN: dict[str, DeviceProfile] = {"h100-80gb": H100_80GB, "h200": H200, "a100-40gb": A100_40GB}
 
 
 def _link(raw: Any, where: str) -> Link:
@@ -231,7 +249,7 @@ def profile_from_mapping(raw: Mapping[str, Any], where: str = "device profile") 
 
 
 def load_profile(spec: str) -> DeviceProfile:
-    """A built-in profile by name (``h100-80gb``, ``a100-40gb``, ``cpu``) or a ``.toml`` / ``.json`` file."""
+    """A built-in profile by name (``h100-80gb``, ``h200``, ``a100-40gb``, ``cpu``) or a ``.toml`` / ``.json`` file."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     path = PROFILES_DIR / f"{spec}.json" if spec == "cpu" else Path(spec)
