@@ -577,7 +577,7 @@ MUTANTS = [
            ("tests/tools/test_bench_compile.py::test_the_readme_block_runs_compiled_and_eager_side_by_side",)),
     Mutant("bench compile: the warm-up (compile) steps timed", "benchmarks/compile_speedup.py",
            "        if step > self.warmup:\n", "        if step > 0:\n",
-           ("tests/tools/test_bench_compile.py::test_the_timer_leaves_the_warm_up_out",)),
+           ("tests/tools/test_bench_compile.py::test_the_timer_leaves_the_warm_up_steps_out",)),
     Mutant("bench compile: eager always first (no alternation)", "benchmarks/compile_speedup.py",
            "            order = (False, True) if i % 2 == 0 else (True, False)", "            order = (False, True)",
            ("tests/tools/test_bench_compile.py::test_eager_and_compiled_alternate_and_inductor_first_compiles_cold",)),
