@@ -21,7 +21,17 @@ Mechanism: ``nn.Module.compile`` in place: no module is wrapped or renamed, so p
 checkpoints, tp plans, FSDP units and pipeline cuts are the same with and without compile. Compilation
 happens on a region's first call, inside the first step: `compile_seconds` is the time Dynamo and the
 backend spent, which the Trainer reports apart from the step time, and `report` counts the graphs and
-the recompilations (a new batch shape, evaluation's ``no_grad``) with their reasons.
+the recompilations (a new batch shape, evaluation's ``no_grad``) with their reasons, and the frames
+that failed to compile and run uncompiled (``eager_fallbacks``: past Dynamo's recompile limit, an
+unsupported construct). Dynamo's caches are the process's: a second run in one process reuses the
+first's graphs where their guards pass and recompiles where they do not (another batch size, another
+backend), and its report counts those recompilations as its own.
+
+Under tp (and FSDP's traffic counting) the collective counter's dispatch mode ignores compile internals
+(`shardwise.strategies.counting`): it is off while Dynamo traces, so the graph is the same with and
+without it, and on while the compiled code runs, so it counts the same collectives. It still sees every
+operator the compiled code dispatches: under Inductor the collectives and extern kernels only (the
+fused kernels are C++ or Triton, not operators), under ``aot_eager`` every aten operator, as eager.
 
 Refused before launch (`check`): an unknown mode or backend; a strategy that cannot compile
 (``Strategy.compile_unit == "none"``: ``dp``'s ``nn.DataParallel``); ``model`` where the strategy never
@@ -204,7 +214,7 @@ def _totals() -> dict[str, Any]:
         out["graphs"] = int(counters["stats"].get("unique_graphs", 0))
         out["graph_breaks"] = int(sum(counters["graph_break"].values()))
         out["frames"] = int(counters["frames"].get("ok", 0))
-        out["metrics"] = list(get_compilation_metrics())
+        out["metrics"] = get_compilation_metrics()
     except Exception:  # noqa: BLE001 - a torch without these internals: the counts are unknown, the run is not
         out["metrics"] = []
     return out
@@ -216,6 +226,7 @@ class Tracker:
     def __init__(self, setting: Compile, unit: str) -> None:
         self.setting, self.unit = setting, unit
         self.compiled: list[str] = []
+        _keep_metrics(METRICS_KEPT)
         self._start = _totals()
 
     def seconds(self) -> float:
@@ -226,7 +237,9 @@ class Tracker:
         """The run's ``compile`` section: where, how long, how many graphs, and each recompilation's reason."""
         now, start = _totals(), self._start
         seen = {id(m) for m in start["metrics"]}
-        reasons = [m.recompile_reason for m in now["metrics"] if id(m) not in seen and getattr(m, "recompile_reason", None)]
+        new = [m for m in now["metrics"] if id(m) not in seen]
+        reasons = [m.recompile_reason for m in new if getattr(m, "recompile_reason", None)]
+        failed = [str(m.fail_reason or m.fail_type) for m in new if getattr(m, "fail_type", None) or getattr(m, "fail_reason", None)]
         compiled = self.compiled
         return {
             "mode": self.setting.resolved(self.unit),
@@ -238,4 +251,21 @@ class Tracker:
             "graph_breaks": now["graph_breaks"] - start["graph_breaks"],
             "recompiles": len(reasons),
             "recompile_reasons": [str(r).splitlines()[0][:200] for r in reasons[:8]],
+            "eager_fallbacks": len(failed),
+            "eager_fallback_reasons": [r.splitlines()[0][:200] for r in failed[:8]],
         }
+
+
+METRICS_KEPT = 4096
+"""Dynamo keeps the metrics of its last 64 compilations by default: a run that compiled more (many frames,
+several recompilations) would lose the earliest from its report. A run keeps at least this many."""
+
+
+def _keep_metrics(n: int) -> None:
+    try:
+        from torch._dynamo import utils
+    except ImportError:  # pragma: no cover
+        return
+    current = getattr(getattr(utils, "_compilation_metrics", None), "maxlen", None)
+    if current is not None and current < n and hasattr(utils, "set_compilation_metrics_limit"):
+        utils.set_compilation_metrics_limit(n)
