@@ -169,8 +169,9 @@ class Recompute:
             args = tuple(None if i in self.cache_at else a for i, a in enumerate(args))
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
-        context: Callable[[], Any] = _keep_matmuls if self.ops else _no_context
-        return checkpoint(self._forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+        if self.ops:
+            return checkpoint(self._forward, *args, use_reentrant=False, context_fn=_keep_matmuls, **kwargs)
+        return checkpoint(self._forward, *args, use_reentrant=False, **kwargs)  # no context_fn: torch.compile traces no other
 
     def __repr__(self) -> str:
         return f"Recompute({type(self.module).__name__}, {'ops' if self.ops else 'blocks'})"
@@ -183,12 +184,6 @@ def _cache_positions(forward: Callable[..., Any]) -> tuple[int, ...]:
     except (TypeError, ValueError):
         return ()
     return tuple(i for i, p in enumerate(params) if p.name in _CACHE_KWARGS and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-
-
-def _no_context() -> tuple[Any, Any]:
-    from torch.utils.checkpoint import noop_context_fn
-
-    return noop_context_fn()
 
 
 def _kept_ops() -> frozenset[Any]:
