@@ -101,14 +101,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda, but this torch sees no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine or pass --device cpu")
+        raise ConfigError(
+            "--device cuda, but this torch sees no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine or pass --device cpu"
+        )
     cuda = args.device == "cuda"
     args.precision = args.precision or ("bf16-mixed" if cuda else "32")
     args.steps = args.steps if args.steps is not None else (50 if cuda else 12)
     args.warmup = args.warmup if args.warmup is not None else (10 if cuda else 4)
     args.batch = args.batch if args.batch is not None else SIZES[args.size]["batch"]
     if args.warmup < 1 or args.steps < args.warmup + 2:
-        raise ConfigError(f"--steps must exceed --warmup by at least 2 and --warmup be >= 1 (compile happens in step 1); got --steps {args.steps} --warmup {args.warmup}")
+        raise ConfigError(
+            f"--steps must exceed --warmup by at least 2 and --warmup be >= 1 (compile happens in step 1); got --steps {args.steps} --warmup {args.warmup}"
+        )
     for name in ("pairs", "batch", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -131,7 +135,7 @@ def build_model(shape: dict[str, int], seed: int) -> nn.Module:
     return model
 
 
-def matmul_params(model: nn.Module) -> int:
+def matmul_params(model: Any) -> int:
     """N of ``6 N``: every parameter once, less the position table (a lookup, not a product); the token
     table stays, being the output projection's weight too."""
     total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
@@ -356,7 +360,9 @@ def run_pairs(args: argparse.Namespace, shape: dict[str, int], device: torch.dev
         got = {}
         for side in ("shardwise", "hand") if i % 2 == 0 else ("hand", "shardwise"):
             got[side] = timed(side, args, shape, data, device, cold=i == 0)
-            print(f"  pair {i + 1}/{args.pairs} {side:>9}: {got[side].step_s * 1e3:9.2f} ms/step  compile {got[side].compile_s:.1f}s", file=sys.stderr, flush=True)
+            print(
+                f"  pair {i + 1}/{args.pairs} {side:>9}: {got[side].step_s * 1e3:9.2f} ms/step  compile {got[side].compile_s:.1f}s", file=sys.stderr, flush=True
+            )
         pairs.append(got)
     return first, pairs
 
@@ -372,7 +378,9 @@ def loss_gap(pairs: list[dict[str, Run]]) -> float:
     return gap
 
 
-def rows(args: argparse.Namespace, shape: dict[str, int], model: nn.Module, pairs: list[dict[str, Run]], peak: tuple[float | None, str]) -> list[dict[str, Any]]:
+def rows(
+    args: argparse.Namespace, shape: dict[str, int], model: nn.Module, pairs: list[dict[str, Run]], peak: tuple[float | None, str]
+) -> list[dict[str, Any]]:
     """One row per side: medians over the pairs; the ratio per pair, then its median and range."""
     params = sum(p.numel() for p in model.parameters())
     per_token = flops_per_token(matmul_params(model), shape)
@@ -414,21 +422,35 @@ def rows(args: argparse.Namespace, shape: dict[str, int], model: nn.Module, pair
     return out
 
 
-def table(out: list[dict[str, Any]], gap: float, rtol: float, pairs: int, memory: str) -> str:
-    def pct(v: float | None) -> str:
-        return "-" if v is None else f"{100 * v:.1f}%"
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
 
-    head = f"{'side':<10} {'params':>8} {'tokens/s':>11} {'MFU':>7} {'MFU(summary)':>13} {'step ms':>9} {'ratio (range)':>20} {'compile s':>10} {f'peak MB ({memory})':>20} {'final loss':>11}"
-    lines = [f"device: {out[0]['device']}; {out[0]['size']}, {out[0]['precision']}, compile {out[0]['compile']}, batch {out[0]['batch']} x {out[0]['tokens_per_step'] // out[0]['batch']} tokens", head]
-    for r in out:
-        ratio = f"{r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
-        lines.append(
-            f"{r['side']:<10} {r['params'] / 1e6:>7.1f}M {r['tokens_per_s']:>11,.0f} {pct(r['mfu']):>7} {pct(r['summary_mfu']):>13} {r['step_s'] * 1e3:>9.2f} "
-            f"{ratio:>20} {r['compile_s']:>10.1f} {r['peak_memory_bytes'] / 2**20:>20,.0f} {r['final_loss']:>11.4f}"
-        )
-    agree = "yes" if gap <= rtol else "NO"
-    lines.append(f"MFU: 6N + 12 L d T FLOPs per token (PaLM, appendix B) over the peak ({out[0]['peak_source']}); ratio: shardwise/hand step time, median of {pairs} pairs (range)")
-    lines.append(f"losses agree: {agree} (largest relative difference at a step {gap:.2e}, tolerance {rtol:g})")
+
+COLUMNS: list[tuple[str, int, Any]] = [  # (heading, width, the cell of a row)
+    ("side", -10, lambda r: r["side"]),
+    ("params", 8, lambda r: f"{r['params'] / 1e6:.1f}M"),
+    ("tokens/s", 11, lambda r: f"{r['tokens_per_s']:,.0f}"),
+    ("MFU", 7, lambda r: _pct(r["mfu"])),
+    ("MFU(summary)", 13, lambda r: _pct(r["summary_mfu"])),
+    ("step ms", 9, lambda r: f"{r['step_s'] * 1e3:.2f}"),
+    ("ratio (range)", 20, lambda r: f"{r['ratio']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"),
+    ("compile s", 10, lambda r: f"{r['compile_s']:.1f}"),
+    ("peak MB", 14, lambda r: f"{r['peak_memory_bytes'] / 2**20:,.0f}"),
+    ("final loss", 11, lambda r: f"{r['final_loss']:.4f}"),
+]
+
+
+def table(out: list[dict[str, Any]], gap: float, rtol: float, pairs: int, memory: str) -> str:
+    def line(cells: list[str]) -> str:
+        return " ".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, (_, w, _) in zip(cells, COLUMNS, strict=True))
+
+    first = out[0]
+    shape = f"{first['size']}, {first['precision']}, compile {first['compile']}, batch {first['batch']} x {first['tokens_per_step'] // first['batch']} tokens"
+    lines = [f"device: {first['device']}; {shape}"]
+    lines += [line([h for h, _, _ in COLUMNS]), *(line([cell(r) for _, _, cell in COLUMNS]) for r in out)]
+    lines.append(f"MFU: 6N + 12 L d T FLOPs per token (PaLM, appendix B) over the peak ({first['peak_source']}); peak MB: {memory}")
+    lines.append(f"ratio: shardwise/hand step time, median of {pairs} pairs (range)")
+    lines.append(f"losses agree: {'yes' if gap <= rtol else 'NO'} (largest relative difference at a step {gap:.2e}, tolerance {rtol:g})")
     return "\n".join(lines)
 
 
@@ -437,21 +459,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    shape = SIZES[args.size]
-    peak = peak_flops(args)
+    shape, peak = SIZES[args.size], peak_flops(args)
     model = build_model(shape, args.seed)
-    print(f"gpu_step: {args.size} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) on {device}, {args.pairs} pairs of {args.steps} steps ({args.warmup} left out)", flush=True)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"gpu_step: {args.size} ({params / 1e6:.1f} M parameters) on {device}, {args.pairs} pairs of {args.steps} steps ({args.warmup} left out)")
     first, pairs = run_pairs(args, shape, device)
     out = rows(args, shape, model, pairs, peak)
     gap, rtol = loss_gap(pairs), LOSS_RTOL[args.precision]
-    print(table(out, gap, rtol, args.pairs, "max allocated" if device.type == "cuda" else "VmHWM"), flush=True)
-    print(f"first compile of the model in this process (before the pairs): {first:.1f}s; each side's compile s: Dynamo again, the generated code cached", flush=True)
+    print(table(out, gap, rtol, args.pairs, "torch.cuda.max_memory_allocated" if device.type == "cuda" else "VmHWM"))
+    print(f"first compile of the model in this process (before the pairs): {first:.1f}s; compile s: each side's first run, code generated then cached")
     if args.json:
-        meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:] if argv is None else argv}
-        report = {"rows": out, "first_compile_s": first, "losses_agree": gap <= rtol, "loss_gap": gap, "loss_rtol": rtol, "pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, **meta}
+        report = {"rows": out, "first_compile_s": first, "losses_agree": gap <= rtol, "loss_gap": gap, "loss_rtol": rtol}
+        report |= {"pairs": args.pairs, "steps": args.steps, "warmup": args.warmup, "date": datetime.date.today().isoformat()}
+        report |= {"torch": torch.__version__, "python": platform.python_version(), "argv": sys.argv[1:] if argv is None else argv}
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if gap <= rtol else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardwise.errors import ConfigError
+
+    try:
+        sys.exit(main())
+    except ConfigError as exc:  # a setting this machine cannot run: one line, not a traceback
+        sys.exit(f"gpu_step: {exc}")

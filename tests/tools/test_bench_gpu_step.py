@@ -28,7 +28,21 @@ from shardwise.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 README_COMMAND = "python benchmarks/gpu_step.py --size small "
 README_BLOCK = "python benchmarks/gpu_step.py --size small --device cpu --compile-backend aot_eager --threads 1 --pairs 2 --json gpu_step.json\n"
-COLUMNS = {"side", "device", "params", "tokens_per_s", "mfu", "summary_mfu", "ratio", "ratio_min", "ratio_max", "compile_s", "peak_memory_bytes", "final_loss", "step_s"}
+COLUMNS = {
+    "side",
+    "device",
+    "params",
+    "tokens_per_s",
+    "mfu",
+    "summary_mfu",
+    "ratio",
+    "ratio_min",
+    "ratio_max",
+    "compile_s",
+    "peak_memory_bytes",
+    "final_loss",
+    "step_s",
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +83,19 @@ def test_the_readme_block_runs_the_benchmark_at_the_small_size(tmp_path: Path) -
     ours, hand = rows
     for r in rows:
         assert COLUMNS <= set(r), COLUMNS - set(r)
-        for key in ("tokens_per_s", "step_s", "mfu", "ratio", "ratio_min", "ratio_max", "compile_s", "peak_memory_bytes", "final_loss", "flops_per_token", "peak_flops_per_s"):
+        for key in (
+            "tokens_per_s",
+            "step_s",
+            "mfu",
+            "ratio",
+            "ratio_min",
+            "ratio_max",
+            "compile_s",
+            "peak_memory_bytes",
+            "final_loss",
+            "flops_per_token",
+            "peak_flops_per_s",
+        ):
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]) and r[key] >= 0, (key, r)
         assert 0 < r["mfu"] < 1, r
         # shardwise's own figure (its FLOP count, its step time, its cached peak of this CPU): present and positive
@@ -87,7 +113,20 @@ def test_the_readme_block_runs_the_benchmark_at_the_small_size(tmp_path: Path) -
     assert report["losses_agree"] and report["loss_gap"] <= report["loss_rtol"] == 1e-4
     assert ours["final_loss"] == pytest.approx(hand["final_loss"], rel=1e-4)
     printed = proc.stdout
-    for word in ("side", "params", "tokens/s", "MFU", "MFU(summary)", "step ms", "ratio (range)", "compile s", "peak MB (VmHWM)", "final loss", "losses agree: yes"):
+    for word in (
+        "side",
+        "params",
+        "tokens/s",
+        "MFU",
+        "MFU(summary)",
+        "step ms",
+        "ratio (range)",
+        "compile s",
+        "peak MB",
+        "peak MB: VmHWM",
+        "final loss",
+        "losses agree: yes",
+    ):
         assert word in printed, (word, printed)
     assert f"{hand['tokens_per_s']:,.0f}" in printed and f"{ours['ratio']:.3f}x" in printed
 
