@@ -86,21 +86,25 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
     if detect_env().rank == 0 and not cfg.fast_dev_run:  # rank 0 writes the run directory (others may start after it has)
         check_out(cfg.out, cfg.resume, cfg.overwrite)
     own_cp = has_step and layout.degrees.get("cp", 1) > 1  # cp checks a training_step model on its self(...) call's arguments
-    if (own_cp or not has_step) and (first is not None or (stream_length(dataset) != 0 and hasattr(dataset, "__getitem__"))):
-        sample = first if first is not None else fetch(dataset, [0], collate)  # a stream's: its first sample
+    sample = first if first is not None else _first(dataset, collate, quiet=has_step and not own_cp)  # a stream's: its first sample
+    if (own_cp or not has_step) and sample is not None:
         if not has_step:
             check_batch_fits(model, sample)
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
-    trainer._flops = throughput.count_for_fit(trainer, model, first if first is not None else _first(dataset, collate))  # once, on meta tensors
+    trainer._flops = throughput.count_for_fit(trainer, model, sample)  # the model's FLOPs, once, on meta tensors
 
 
-def _first(dataset: Any, collate: Any) -> Any:
-    """A batch of the data set's first sample, for counting FLOPs (None for an empty, unindexable or failing one:
-    the workers' loader says what is wrong with it)."""
-    try:
-        return fetch(dataset, [0], collate) if hasattr(dataset, "__getitem__") and stream_length(dataset) != 0 else None
-    except Exception:  # noqa: BLE001
+def _first(dataset: Any, collate: Any, quiet: bool) -> Any:
+    """A batch of the data set's first sample (None for an empty or unindexable one); ``quiet``: None too where
+    reading it fails (only the FLOP count wanted it; the workers' loader says what is wrong)."""
+    if not hasattr(dataset, "__getitem__") or stream_length(dataset) == 0:
         return None
+    try:
+        return fetch(dataset, [0], collate)
+    except Exception:  # noqa: BLE001
+        if quiet:
+            return None
+        raise
 
 
 def _device(cfg: Any) -> str:

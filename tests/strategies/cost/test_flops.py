@@ -84,17 +84,29 @@ def test_formula_where_counting_fails_and_none_without_one() -> None:
     assert c.method.startswith("not counted (counting failed: ") and "no formula: the batch has no token ids" in c.method
 
 
+class _Counting(nn.Sequential):
+    """Counts its training forwards in a Python attribute (as the non-finite tests' models pick their bad step)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return super().forward(x)
+
+
 def test_counting_leaves_the_model_and_the_random_stream_alone() -> None:
-    """No .grad, no weight or buffer change (a BatchNorm in training mode updates only meta copies), the mode
-    the model had, and the random stream where it was (dropout draws nothing real)."""
+    """No .grad, no weight or buffer change (a BatchNorm in training mode updates only meta copies), no Python
+    attribute the forward changes, the mode the model had, and the random stream where it was."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 3)).eval()
+    model = _Counting(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 3)).eval()
+    model.calls = 0
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
     rng = torch.get_rng_state()
     c = flops.count(model, batch, _ce)
     assert c.method == "FlopCounterMode" and c.flops_per_sample == 6 * (6 * 8 + 8 * 3) - 2 * 6 * 8
-    assert all(p.grad is None for p in model.parameters()) and not model.training
+    assert all(p.grad is None for p in model.parameters()) and not model.training and model.calls == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())
     # a model built on the meta device counts the same
