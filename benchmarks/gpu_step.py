@@ -7,8 +7,8 @@ its output projection tied to the token embedding as GPT-2's is (``--size``):
 size    d_model layers heads block  vocab  batch   parameters
 ======= ======= ====== ===== ====== ====== ======= ============================================
 small   128     2      4     64     512    8       ~0.5 M: the CPU size a test runs
-125m    768     12     12    1024   50304  16      ~124 M: GPT-2 small
-350m    1024    24     16    1024   50304  8       ~354 M: GPT-2 medium
+125m    768     12     12    1024   50304  32      ~124 M: GPT-2 small
+350m    1024    24     16    1024   50304  16      ~354 M: GPT-2 medium
 ======= ======= ====== ===== ====== ====== ======= ============================================
 
 Both sides train the same model (same seed), the same random tokens (made in memory), the same batch
@@ -61,8 +61,8 @@ from torch import nn
 
 SIZES: dict[str, dict[str, int]] = {
     "small": {"d_model": 128, "layers": 2, "heads": 4, "block": 64, "vocab": 512, "batch": 8},
-    "125m": {"d_model": 768, "layers": 12, "heads": 12, "block": 1024, "vocab": 50304, "batch": 16},
-    "350m": {"d_model": 1024, "layers": 24, "heads": 16, "block": 1024, "vocab": 50304, "batch": 8},
+    "125m": {"d_model": 768, "layers": 12, "heads": 12, "block": 1024, "vocab": 50304, "batch": 32},
+    "350m": {"d_model": 1024, "layers": 24, "heads": 16, "block": 1024, "vocab": 50304, "batch": 16},
 }
 PEAKS: dict[str, dict[str, float]] = {
     # dense tensor-core figures of the datasheets (no sparsity); float32 the non-tensor figure
