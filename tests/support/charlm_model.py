@@ -1,5 +1,6 @@
 """The compile tests' cells: charlm's CharGPT (`shardwise.tools.recipes.charlm`) on Python's own
-documentation text, or a model of tests/support/zoo (the Hugging Face Llama), trained for
+documentation text, a model of tests/support/zoo (the Hugging Face Llama) or of the expert-parallel
+tests' MoE zoo (Mixtral), trained for
 ``harness.STEPS`` clipped SGD steps with and without ``compile=``, many cells in one launch.
 
 A cell is (model name, strategy, strategy options, Trainer settings); the settings carry
@@ -46,6 +47,8 @@ def build(name: str, precision: str = "32", seed: int = 0, meta: bool = False) -
     """The model ``name`` ("charlm" or a zoo name) with weights drawn from ``seed``, in the precision's dtype;
     ``meta``: charlm built under `shardwise.meta_init` (its storage given by the strategy)."""
     dtype = torch.float64 if precision == "64" else torch.float32
+    if name in MOE:
+        return _moe().build(name).to(dtype)
     if name != "charlm":
         return zoo.build(name, seed=seed, dtype=dtype, layers=LAYERS)
     import shardwise
@@ -59,7 +62,19 @@ def build(name: str, precision: str = "32", seed: int = 0, meta: bool = False) -
 
 
 def dataset(name: str, n: int = harness.SAMPLES) -> Any:
+    if name in MOE:
+        return _moe().dataset(n)
     return charlm_data(n) if name == "charlm" else zoo.dataset(name, n)
+
+
+MOE = ("mixtral",)
+"""Mixture-of-experts models of tests/strategies/expert_parallel/moe_zoo.py (for ep)."""
+
+
+def _moe() -> Any:
+    from tests.strategies.expert_parallel import moe_zoo
+
+    return moe_zoo
 
 
 def charlm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
@@ -68,6 +83,8 @@ def charlm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
 
 
 def loss_fn(name: str) -> Any:
+    if name in MOE:
+        return _moe().loss_fn
     return charlm_loss if name == "charlm" else zoo.parity_loss_fn(name)
 
 
