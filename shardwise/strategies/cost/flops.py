@@ -214,7 +214,7 @@ def count(model: nn.Module, batch: Any, step: StepFn | None = None) -> Count:
 # -- peaks ---------------------------------------------------------------------------------------
 
 GPU_NAMES: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("H200", (), "h200"),
+    ("H200", ("NVL",), "h200"),  # the H200 NVL (PCIe) card: 835 TFLOPS bf16 dense, not the SXM's 989
     ("H100", ("PCIE", "NVL"), "h100-80gb"),  # the PCIe and NVL cards have lower peaks than the SXM5 datasheet's
     ("A100", (), "a100-40gb"),  # 40 and 80 GB, SXM4 and PCIe: the same tensor-core peak
 )

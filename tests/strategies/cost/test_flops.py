@@ -124,6 +124,7 @@ def test_counting_leaves_the_model_and_the_random_stream_alone() -> None:
         ("NVIDIA A100 80GB PCIe", "a100-40gb"),
         ("NVIDIA H100 PCIe", None),
         ("NVIDIA H100 NVL", None),
+        ("NVIDIA H200 NVL", None),
         ("Tesla T4", None),
     ],
 )
