@@ -166,9 +166,9 @@ def _shape(model: nn.Module) -> tuple[int, int] | None:
     found = find_blocks(model)
     if found is None:
         return None
-    blocks = model.get_submodule(found)
-    first = next((m for m in blocks[0].modules() if isinstance(m, nn.Linear)), None) if len(blocks) else None  # type: ignore[arg-type]
-    return (len(blocks), first.in_features) if first is not None else None  # type: ignore[arg-type]
+    blocks = list(model.get_submodule(found).children())
+    first = next((m for m in blocks[0].modules() if isinstance(m, nn.Linear)), None) if blocks else None
+    return (len(blocks), first.in_features) if first is not None else None
 
 
 def formula(model: nn.Module, batch: Any) -> tuple[float | None, str]:
