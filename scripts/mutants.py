@@ -649,6 +649,12 @@ MUTANTS = [
     Mutant('throughput: FLOPs per step of one sample, not the global batch', 'shardwise/trainer/throughput.py',
            'counted["flops_per_sample"] * global_batch', 'counted["flops_per_sample"]',
            ('tests/trainer/test_throughput.py::test_fit_summary_records_and_line_of_an_mlp',)),
+    Mutant("compile: torch's own modules compiled with nn.Module.compile (nothing traced)", 'shardwise/strategies/compiling.py',
+           'skipped = bool(trace_rules.check(module.forward))', 'skipped = False',
+           ('tests/trainer/test_compile_setting.py::test_a_model_made_of_torch_layers_only_is_compiled_too',)),
+    Mutant('--compile VALUE: the flag takes its constant whatever follows it', 'shardwise/trainer/config.py',
+           'value = values if self.const is None or (given and self.nargs == "?") else self.const', 'value = values if self.const is None else self.const',
+           ('tests/trainer/test_compile_setting.py::test_the_flag_alone_is_on_and_with_a_value_is_that_value',)),
 ]
 
 

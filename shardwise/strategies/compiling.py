@@ -169,7 +169,7 @@ def compile_blocks(model: nn.Module, setting: Compile) -> list[str]:
     assert isinstance(blocks, nn.ModuleList)
     for block in blocks:
         block.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
-        block.compile(backend=setting.backend)
+        compile_in_place(block, setting.backend)
     return [f"{path}.{i}" for i in range(len(blocks))]
 
 
@@ -190,8 +190,30 @@ def _no_cache_in_training(module: nn.Module, args: Any, kwargs: dict[str, Any]) 
 
 def compile_module(module: nn.Module, setting: Compile) -> list[str]:
     """Compile the module the strategy runs, whole, in place; its class name."""
-    module.compile(backend=setting.backend)
+    compile_in_place(module, setting.backend)
     return [type(module).__name__]
+
+
+def compile_in_place(module: nn.Module, backend: str) -> None:
+    """``module.compile(backend=...)``, except for a module whose forward is torch's own (``nn.Sequential``, a
+    built-in layer): Dynamo skips frames in torch's files, so its ``_call_impl`` and forward would both run
+    uncompiled, silently. Such a module's call is compiled through a frame of this file, which Dynamo traces
+    (what ``torch.compile(module)``'s wrapper does)."""
+    try:
+        from torch._dynamo import trace_rules
+
+        skipped = bool(trace_rules.check(module.forward))
+    except Exception:  # noqa: BLE001 - a torch without this rule table: compile as torch's method does
+        skipped = False
+    if not skipped:
+        module.compile(backend=backend)
+        return
+    call = module._call_impl
+
+    def call_traced(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    module._compiled_call_impl = torch.compile(call_traced, backend=backend)  # what nn.Module.compile sets
 
 
 def compile_seconds() -> float:

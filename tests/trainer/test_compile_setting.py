@@ -49,3 +49,18 @@ def test_a_bad_value_is_refused_naming_the_values(bad):
         return
     with pytest.raises(ConfigError, match="not one of off, on, model, blocks"):
         Trainer(compile=bad)
+
+
+def test_a_model_made_of_torch_layers_only_is_compiled_too(capsys):
+    """Dynamo skips frames in torch's own files: ``nn.Module.compile`` on an ``nn.Sequential`` compiles nothing
+    (its ``_call_impl`` and forward are both torch's). shardwise compiles such a module through a frame of its
+    own, so the run's report shows a traced frame and a graph, and nothing is printed about an uncompiled run."""
+    from tests.support import models
+
+    trainer = Trainer(
+        compile="on:aot_eager", loss_fn=models.ce, optimizer=models.sgd, global_batch_size=16, max_steps=2, precision="64", progress_bar=False
+    )
+    summary = trainer.fit(models.mlp(), models.classification(32))
+    report = summary["compile"]
+    assert report["compiled"] == ["Sequential"] and report["frames"] >= 1 and report["graphs"] >= 1, report
+    assert "compiled nothing" not in capsys.readouterr().out
