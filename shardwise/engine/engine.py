@@ -285,7 +285,8 @@ class Engine(Collectives):
         if self.compiled is not None:
             report = self._finished["compile"] = self.compiled.report()
             if self.is_rank_zero and self.trains and self.steps_taken and not report["frames"]:
-                print(f"shardwise: compile={self.compile} compiled nothing on rank 0 ({', '.join(report['compiled'])} ran uncompiled: Dynamo traced no frame)", flush=True)
+                ran = ", ".join(report["compiled"])
+                print(f"shardwise: compile={self.compile} compiled nothing on rank 0 ({ran} ran uncompiled: Dynamo traced no frame)", flush=True)
         return self._finished
 
     # -- loggers and callbacks (rank 0 logs; every rank calls) ----------------------

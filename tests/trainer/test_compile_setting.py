@@ -57,9 +57,7 @@ def test_a_model_made_of_torch_layers_only_is_compiled_too(capsys):
     own, so the run's report shows a traced frame and a graph, and nothing is printed about an uncompiled run."""
     from tests.support import models
 
-    trainer = Trainer(
-        compile="on:aot_eager", loss_fn=models.ce, optimizer=models.sgd, global_batch_size=16, max_steps=2, precision="64", progress_bar=False
-    )
+    trainer = Trainer(compile="on:aot_eager", loss_fn=models.ce, optimizer=models.sgd, global_batch_size=16, max_steps=2, precision="64", progress_bar=False)
     summary = trainer.fit(models.mlp(), models.classification(32))
     report = summary["compile"]
     assert report["compiled"] == ["Sequential"] and report["frames"] >= 1 and report["graphs"] >= 1, report
