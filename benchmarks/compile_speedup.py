@@ -17,9 +17,10 @@ train_loss eager|`` over the repeats (the mean loss of the last ``--log-every`` 
 batches; fp32 compiled kernels round differently, so it is small, not zero).
 
 Eager and compiled runs alternate (eager first in even repeats, compiled first in odd ones), ``--repeats``
-times: a slow spell on a shared machine weighs on both sides alike; the table shows medians over the
-repeats. On CPU this measures what Inductor's fused C++ kernels save over eager dispatch at this size,
-not a GPU's speed-up.
+times: a slow spell on a shared machine weighs on both sides alike. Each side's step time is its fastest
+repeat (other work on the machine only ever adds time), and ``pairs`` the median and range of the
+per-pair ratios eager / compiled (one pair: the two runs of one repeat, back to back). On CPU this
+measures what Inductor's fused C++ kernels save over eager dispatch at this size, not a GPU's speed-up.
 
     python benchmarks/compile_speedup.py [--d-model 128] [--layers 4] [--steps 40] [--warmup 8] [--repeats 3]
 """
@@ -115,15 +116,17 @@ def _two(names: list[str], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def row(name: str, runs: dict[str, Any]) -> dict[str, Any]:
-    """Medians over the repeats, the speed-up (eager / compiled step time) and the loss difference."""
-    eager = statistics.median(r["step_s"] for r in runs["eager"])
-    comp = statistics.median(r["step_s"] for r in runs["compiled"])
+    """Each side's fastest repeat, the speed-up (eager / compiled step time), the per-pair ratios and the loss difference."""
+    eager = min(r["step_s"] for r in runs["eager"])
+    comp = min(r["step_s"] for r in runs["compiled"])
+    pairs = [e["step_s"] / c["step_s"] for e, c in zip(runs["eager"], runs["compiled"], strict=True)]
     last = runs["compiled"][-1]
     return {
         "strategy": name,
         "eager_ms": eager * 1e3,
         "compiled_ms": comp * 1e3,
         "speedup": eager / comp,
+        "pairs": [statistics.median(pairs), min(pairs), max(pairs)],
         "cold_compile_s": runs["cold"],
         "compile_s": statistics.median(r["compile_s"] for r in runs["compiled"]),
         "recompiles": max(r["recompiles"] for r in runs["compiled"]),
@@ -144,17 +147,18 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     warm = "warm (Inductor's cache filled by a first, cold pass)" if args.backend == "inductor" else f"{args.backend}: no code generated, no cache"
     lines = [
         f"charlm CharGPT d_model {args.d_model}, {args.layers} blocks, 4 heads, block {args.block}, global batch {args.batch}, fp32, CPU, "
-        f"one thread per process; median step of steps {args.warmup + 1}-{args.steps}, median of {args.repeats} interleaved repeats; "
+        f"one thread per process; median step of steps {args.warmup + 1}-{args.steps}, fastest of {args.repeats} interleaved repeats; "
         f"backend {args.backend}; compile s {warm}",
         "",
-        "| strategy | procs | eager ms/step | compiled ms/step | speed-up | compile s (cold) | compile s | graphs | recompiles | loss diff |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| strategy | procs | eager ms/step | compiled ms/step | speed-up | pairs | compile s (cold) | compile s | graphs | recompiles | loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        pair = f"{r['pairs'][0]:.2f}x ({r['pairs'][1]:.2f}-{r['pairs'][2]:.2f})"
         cold = f"{r['cold_compile_s']:.1f}" if r["cold_compile_s"] is not None else "-"
         lines.append(
-            f"| {r['strategy']} | {1 if r['strategy'] == 'single' else 2} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | {r['speedup']:.2f}x | {cold} | "
-            f"{r['compile_s']:.1f} | {r['graphs']} | {r['recompiles']} | {r['loss_diff']:.1e} |"
+            f"| {r['strategy']} | {1 if r['strategy'] == 'single' else 2} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | {r['speedup']:.2f}x | "
+            f"{pair} | {cold} | {r['compile_s']:.1f} | {r['graphs']} | {r['recompiles']} | {r['loss_diff']:.1e} |"
         )
     by = {r["strategy"]: r for r in rows}
     if "tp" in by and "tp-nocount" in by:

@@ -37,7 +37,7 @@ def _run(name: str, step_s: float, loss: float, compile_s: float = 0.0, graphs: 
             "graphs": graphs, "graph_breaks": 0, "reasons": ["x changed"] * recompiles}
 
 
-def test_a_row_is_medians_over_the_repeats_and_eager_over_compiled():
+def test_a_row_is_each_sides_fastest_repeat_and_eager_over_compiled():
     bench = _bench()
     runs = {
         "cold": 31.0,
@@ -45,16 +45,17 @@ def test_a_row_is_medians_over_the_repeats_and_eager_over_compiled():
         "compiled": [_run("c", 0.05, 2.01, 4.0, 1), _run("c", 0.40, 1.97, 6.0, 1, 1), _run("c", 0.08, 2.00, 5.0, 1)],
     }
     r = bench.row("tp", runs)
-    assert r["eager_ms"] == pytest.approx(200.0) and r["compiled_ms"] == pytest.approx(80.0)
-    assert r["speedup"] == pytest.approx(2.5)  # eager / compiled: > 1 is faster compiled
+    assert r["eager_ms"] == pytest.approx(100.0) and r["compiled_ms"] == pytest.approx(50.0)  # other work only adds time
+    assert r["speedup"] == pytest.approx(2.0)  # eager / compiled: > 1 is faster compiled
+    assert r["pairs"] == pytest.approx([2.5, 0.25, 6.0])  # 0.30 / 0.05, 0.10 / 0.40, 0.20 / 0.08: median, least, most
     assert r["compile_s"] == pytest.approx(5.0) and r["cold_compile_s"] == 31.0
     assert r["recompiles"] == 1 and r["recompile_reasons"] == ["x changed"]
     assert r["loss_diff"] == pytest.approx(0.03)  # the largest pairwise difference, repeat by repeat
     assert r["eager_graphs"] == 0 and r["timed_steps"] == 5
     args = argparse.Namespace(d_model=8, layers=1, block=4, batch=2, warmup=1, steps=3, repeats=3, backend="inductor")
-    off = bench.row("tp-nocount", {**runs, "eager": [_run("e", 0.16, 2.0)] * 3, "compiled": [_run("c", 0.08, 2.0, 4.0, 1)] * 3})
+    off = bench.row("tp-nocount", {**runs, "eager": [_run("e", 0.08, 2.0)] * 3, "compiled": [_run("c", 0.05, 2.0, 4.0, 1)] * 3})
     text = bench.table([r, off], args)
-    assert "| tp | 2 | 200.0 | 80.0 | 2.50x | 31.0 | 5.0 | 1 | 1 | 3.0e-02 |" in text
+    assert "| tp | 2 | 100.0 | 50.0 | 2.00x | 2.50x (0.25-6.00) | 31.0 | 5.0 | 1 | 1 | 3.0e-02 |" in text
     assert "(tp / tp-nocount): eager 1.250x, compiled 1.000x" in text
     assert "- tp: x changed" in text
 
@@ -117,12 +118,13 @@ def test_the_readme_block_runs_compiled_and_eager_side_by_side():
     rows = {cells[1].strip(): [c.strip() for c in cells[2:-1]] for line in lines if line.startswith("| ") and (cells := line.split("|"))}
     assert list(rows) == ["strategy", "single", "tp", "tp-nocount", "pipeline"], proc.stdout
     for name in ("single", "tp", "tp-nocount", "pipeline"):
-        procs, eager, comp, speedup, cold, compile_s, graphs, recompiles, loss_diff = rows[name]
+        procs, eager, comp, speedup, pairs, cold, compile_s, graphs, recompiles, loss_diff = rows[name]
         assert procs == ("1" if name == "single" else "2")
         assert float(eager) > 0 and float(comp) > 0
         assert float(speedup[:-1]) == pytest.approx(float(eager) / float(comp), rel=0.02)
+        assert pairs == f"{speedup} ({speedup[:-1]}-{speedup[:-1]})"  # one repeat: one pair
         assert cold == "-"  # aot_eager generates no code: no cache to warm
         assert float(compile_s) > 0 and int(graphs) >= 1 and recompiles == "0"  # the compiled runs compiled, once
         assert float(loss_diff) < 1e-4  # the same model, seed and batches; aot_eager runs the same kernels
     assert any(line.startswith("collective counter's cost under tp (tp / tp-nocount): eager ") for line in lines), proc.stdout
-    assert "backend aot_eager" in lines[0] and "median of 1 interleaved repeats" in lines[0]
+    assert "backend aot_eager" in lines[0] and "fastest of 1 interleaved repeats" in lines[0]
