@@ -79,8 +79,11 @@ def test_a_bad_value_is_refused_naming_the_valid_ones(value: str) -> None:
         compiling.parse(value)
 
 
-@pytest.mark.parametrize("value, mode, backend", [(True, "on", "inductor"), (False, "off", "inductor"), (None, "off", "inductor"),
-                                                  ("ON:aot_eager", "on", "aot_eager"), ("blocks", "blocks", "inductor"), ("yes", "on", "inductor")])  # fmt: skip
+PARSED = [(True, "on", "inductor"), (False, "off", "inductor"), (None, "off", "inductor"), ("ON:aot_eager", "on", "aot_eager"),
+          ("blocks", "blocks", "inductor"), ("yes", "on", "inductor")]  # fmt: skip
+
+
+@pytest.mark.parametrize("value, mode, backend", PARSED)
 def test_values_parse(value: Any, mode: str, backend: str) -> None:
     assert compiling.parse(value) == compiling.Compile(mode, backend)
 

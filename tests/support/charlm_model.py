@@ -180,4 +180,3 @@ def _counting_counter_mode() -> type:
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     return Counted
-
