@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 # Set by pytest itself, and by torch on first use of its compiler stack (optimizers import it).
 # The two KMP_ ones: set on first import by some builds of scikit-learn's OpenMP runtime (seen on a GPU machine's image).
-_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
+_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}
 
 
 def _children() -> set[int]:
