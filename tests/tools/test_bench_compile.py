@@ -33,8 +33,16 @@ def _bench() -> Any:
 
 
 def _run(name: str, step_s: float, loss: float, compile_s: float = 0.0, graphs: int = 0, recompiles: int = 0) -> dict[str, Any]:
-    return {"step_s": step_s, "timed_steps": 5, "train_loss": loss, "compile_s": compile_s, "recompiles": recompiles,
-            "graphs": graphs, "graph_breaks": 0, "reasons": ["x changed"] * recompiles}
+    return {
+        "step_s": step_s,
+        "timed_steps": 5,
+        "train_loss": loss,
+        "compile_s": compile_s,
+        "recompiles": recompiles,
+        "graphs": graphs,
+        "graph_breaks": 0,
+        "reasons": ["x changed"] * recompiles,
+    }
 
 
 def test_a_row_is_each_sides_fastest_repeat_and_eager_over_compiled():
@@ -83,15 +91,26 @@ def test_eager_and_compiled_alternate_and_inductor_first_compiles_cold(monkeypat
     monkeypatch.setattr(bench, "fit", fake_fit)
     out = bench.measure(["a", "b"], argparse.Namespace(repeats=2, backend=backend))
     cold = [("a", True, 2), ("b", True, 2)] if backend == "inductor" else []
-    assert calls == [*cold, ("a", False, None), ("a", True, None), ("b", False, None), ("b", True, None),
-                     ("a", True, None), ("a", False, None), ("b", True, None), ("b", False, None)]
+    assert calls == [
+        *cold,
+        ("a", False, None),
+        ("a", True, None),
+        ("b", False, None),
+        ("b", True, None),
+        ("a", True, None),
+        ("a", False, None),
+        ("b", True, None),
+        ("b", False, None),
+    ]
     assert out["a"]["cold"] == (9.0 if backend == "inductor" else None) and len(out["a"]["eager"]) == len(out["a"]["compiled"]) == 2
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--strategies", "single,tpp"], "--strategies takes rows among single, ddp, zero3, tp, tp-nocount, pipeline; got 'single,tpp'"),
-     (["--steps", "5", "--warmup", "4"], "--steps 5 leaves no timed step after --warmup 4; take --steps of at least 6")],
+    [
+        (["--strategies", "single,tpp"], "--strategies takes rows among single, ddp, zero3, tp, tp-nocount, pipeline; got 'single,tpp'"),
+        (["--steps", "5", "--warmup", "4"], "--steps 5 leaves no timed step after --warmup 4; take --steps of at least 6"),
+    ],
 )
 def test_bad_input_is_refused_before_anything_runs(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
