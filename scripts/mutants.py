@@ -655,6 +655,12 @@ MUTANTS = [
     Mutant('--compile VALUE: the flag takes its constant whatever follows it', 'shardwise/trainer/config.py',
            'value = values if self.const is None or (given and self.nargs == "?") else self.const', 'value = values if self.const is None else self.const',
            ('tests/trainer/test_compile_setting.py::test_the_flag_alone_is_on_and_with_a_value_is_that_value',)),
+    Mutant("compile: DDP's wrapper compiled, not the module it calls (an nn.Sequential inside: nothing traced)", 'shardwise/strategies/compiling.py',
+           'if isinstance(module, DistributedDataParallel):', 'if False:',
+           ('tests/trainer/test_compile_setting.py::test_a_model_made_of_torch_layers_only_is_compiled_too',)),
+    Mutant('compile: zero3 accepts a whole-model compile', 'shardwise/strategies/compiling.py',
+           'if where == "model" and unit == "blocks":', 'if False:',
+           ('tests/strategies/test_compile_refusals.py::test_compile_model_under_a_per_block_strategy_is_refused_naming_blocks',)),
 ]
 
 

@@ -184,6 +184,8 @@ class Engine(Collectives):
         model = self.precision.convert_module(model)
         self._batchnorm(model)
         checkpointing.apply(model, self.activation_checkpointing)
+        if self.compile.enabled:  # the Trainer's parent checked it; an Engine of the user's own loop checks it here
+            compiling.check(self.compile, model, self.strategy, self.device.type)
         where = self.compile.resolved(self.strategy.compile_unit) if self.compile.enabled else "off"
         tracker = compiling.Tracker(self.compile, self.strategy.compile_unit) if where != "off" else None
         self.compiled = tracker
@@ -284,9 +286,13 @@ class Engine(Collectives):
         self._finished = run.summary()
         if self.compiled is not None:
             report = self._finished["compile"] = self.compiled.report()
-            if self.is_rank_zero and self.trains and self.steps_taken and not report["frames"]:
+            if self.is_rank_zero and self.trains and self.steps_taken and not report["graphs"]:
                 ran = ", ".join(report["compiled"])
-                print(f"shardwise: compile={self.compile} compiled nothing on rank 0 ({ran} ran uncompiled: Dynamo traced no frame)", flush=True)
+                print(
+                    f"shardwise: compile={self.compile} made no graph on rank 0: {ran} ran uncompiled (Dynamo traced no frame of it), "
+                    "or ran graphs an earlier run in this process compiled",
+                    flush=True,
+                )
         return self._finished
 
     # -- loggers and callbacks (rank 0 logs; every rank calls) ----------------------

@@ -114,15 +114,22 @@ def check(value: str | bool | Compile | None, model: nn.Module, strategy: Any, d
             f"compile='model': strategy {name!r} never calls the model whole (each rank runs its stage's blocks), so a compiled "
             "model call would never run; use compile='blocks' (or 'on', which picks it): each stage runs its blocks compiled"
         )
+    if where == "model" and unit == "blocks":
+        raise ConfigError(
+            f"compile='model': strategy {name!r} compiles one block at a time (its hooks sit on the blocks: FSDP2's gathers, tp's "
+            "layouts), and a compile of the whole model breaks at them and runs in part uncompiled; use compile='blocks' "
+            "(or 'on', which picks it)"
+        )
     if where == "blocks":
         from shardwise.strategies.pipeline.nested import find_blocks
 
         if find_blocks(model) is None:
             lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+            other = "compile='model' (the model compiled whole)" if unit == "model" else "a strategy that compiles the model whole (single, ddp)"
             raise ConfigError(
-                f"compile='blocks' (strategy {name!r} compiles one block at a time): {type(model).__name__} has no list of repeated "
-                f"blocks (an nn.ModuleList of two or more modules of one class; its module lists: {lists or 'none'}); keep the layers "
-                "in an nn.ModuleList, or compile='model' where the strategy calls the model whole"
+                f"compile={str(setting)!r} compiles one block at a time under strategy {name!r}, and {type(model).__name__} has no list "
+                f"of repeated blocks (an nn.ModuleList of two or more modules of one class; its module lists: {lists or 'none'}); keep "
+                f"the layers in an nn.ModuleList, or use {other}"
             )
     check_backend(setting.backend, device)
     return setting
@@ -138,7 +145,8 @@ def check_backend(backend: str, device: str) -> None:
         raise ConfigError(f"compile: torch.compile does not support this Python ({sys.version.split()[0]}) with torch {torch.__version__}; use compile='off'")
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
-        raise ConfigError(f"compile backend {backend!r} is not one of torch's: {', '.join(sorted(known))}")
+        usable = sorted(k for k in known if "TESTING" not in k.upper())
+        raise ConfigError(f"compile backend {backend!r} is not one of torch's: {', '.join(usable)} (e.g. compile='on:aot_eager')")
     if backend != "inductor":
         return
     if device.startswith("cuda"):
@@ -150,11 +158,16 @@ def check_backend(backend: str, device: str) -> None:
                 "(it comes with torch's CUDA wheels), or compile='on:aot_eager' (no code generation)"
             ) from None
     else:
-        cxx = os.environ.get("CXX") or next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
-        if cxx is None or shutil.which(cxx) is None:
+        # Inductor's own search (torch._inductor.config.cpp.cxx): $CXX, else g++ (clang++ on macOS); nothing else
+        import sys
+
+        cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+        if shutil.which(cxx) is None:
+            others = [c for c in ("g++", "c++", "clang++") if c != cxx and shutil.which(c)]
+            hint = f"CXX={others[0]} (found on PATH)" if others else "install one (apt install g++)"
             raise ConfigError(
-                f"compile: Inductor compiles C++ on {device} and no C++ compiler was found ({'CXX=' + cxx if cxx else 'no g++, c++ or clang++ on PATH'}): "
-                "install one (apt install g++), or compile='on:aot_eager' (no code generation)"
+                f"compile: Inductor compiles C++ on {device} with {'CXX=' + cxx if os.environ.get('CXX') else cxx}, and no C++ compiler "
+                f"was found there: set {hint}, or compile='on:aot_eager' (no code generation)"
             )
 
 
@@ -168,28 +181,49 @@ def compile_blocks(model: nn.Module, setting: Compile) -> list[str]:
     blocks = model.get_submodule(path)
     assert isinstance(blocks, nn.ModuleList)
     for block in blocks:
-        block.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
         compile_in_place(block, setting.backend)
+        block._compiled_call_impl = BlockCall(block, block._compiled_call_impl)
     return [f"{path}.{i}" for i in range(len(blocks))]
 
 
 _CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
 
 
-def _no_cache_in_training(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
-    """A block called with a key/value cache while training is called without one (training reads no cache, as
-    transformers' gradient checkpointing does): a cache makes Dynamo guard on each layer's index and fill state,
-    so every layer would compile its own graph, and past the recompile limit run uncompiled."""
-    if not torch.is_grad_enabled() or not any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
-        return None
-    kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    return args, kwargs
+class BlockCall:
+    """A compiled block's call (what ``nn.Module.__call__`` runs in place of the block's own).
+
+    A Hugging Face decoder hands each layer a key/value cache even while training. A cache makes Dynamo guard on
+    the layer's index and on the cache's fill state, so every layer would compile a graph of its own and, past
+    Dynamo's recompile limit (8), run uncompiled. While gradients are on, a block is called without the cache
+    (training reads none; transformers' own gradient checkpointing drops it too), so the blocks share one graph.
+    Without gradients a call that carries a cache (evaluation, ``generate`` after an in-process fit) runs the
+    block's own call uncompiled: the cache is then the model's output, and filling it is what the call is for."""
+
+    def __init__(self, module: nn.Module, compiled: Any) -> None:
+        self.module, self.compiled = module, compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+            if not torch.is_grad_enabled():
+                return self.module._call_impl(*args, **kwargs)
+            kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+        return self.compiled(*args, **kwargs)
 
 
 def compile_module(module: nn.Module, setting: Compile) -> list[str]:
-    """Compile the module the strategy runs, whole, in place; its class name."""
+    """Compile the module the strategy runs, whole, in place; its class name.
+
+    Under DDP the module DDP calls is compiled, not DDP's own call: Dynamo skips frames in torch's files, so
+    it would skip DDP's forward and find a frame to trace only inside a model of the user's own class, never
+    in an ``nn.Sequential``. The inner call is traced while DDP's forward runs, so Dynamo's DDP optimizer
+    still splits the graph at the gradient buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        compile_in_place(module.module, setting.backend)
+        return [f"DistributedDataParallel({type(module.module).__name__})"]
     compile_in_place(module, setting.backend)
     return [type(module).__name__]
 

@@ -51,14 +51,36 @@ def test_a_bad_value_is_refused_naming_the_values(bad):
         Trainer(compile=bad)
 
 
-def test_a_model_made_of_torch_layers_only_is_compiled_too(capsys):
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_a_model_made_of_torch_layers_only_is_compiled_too(strategy, capsys):
     """Dynamo skips frames in torch's own files: ``nn.Module.compile`` on an ``nn.Sequential`` compiles nothing
-    (its ``_call_impl`` and forward are both torch's). shardwise compiles such a module through a frame of its
-    own, so the run's report shows a traced frame and a graph, and nothing is printed about an uncompiled run."""
+    (its ``_call_impl`` and forward are both torch's), and neither does compiling DDP's wrapper around one.
+    shardwise compiles such a module through a frame of its own, and under ddp the module DDP calls, so the
+    run's report shows a traced frame and a graph, and nothing is printed about an uncompiled run."""
     from tests.support import models
 
-    trainer = Trainer(compile="on:aot_eager", loss_fn=models.ce, optimizer=models.sgd, global_batch_size=16, max_steps=2, precision="64", progress_bar=False)
+    trainer = Trainer(
+        strategy=strategy,
+        nproc=2 if strategy == "ddp" else 1,
+        compile="on:aot_eager",
+        loss_fn=models.ce,
+        optimizer=models.sgd,
+        global_batch_size=16,
+        max_steps=2,
+        precision="64",
+        progress_bar=False,
+    )
     summary = trainer.fit(models.mlp(), models.classification(32))
     report = summary["compile"]
-    assert report["compiled"] == ["Sequential"] and report["frames"] >= 1 and report["graphs"] >= 1, report
-    assert "compiled nothing" not in capsys.readouterr().out
+    name = "Sequential" if strategy == "single" else "DistributedDataParallel(Sequential)"
+    assert report["compiled"] == [name] and report["frames"] >= 1 and report["graphs"] >= 1, report
+    assert "made no graph" not in capsys.readouterr().out
+
+
+def test_an_engine_of_ones_own_loop_refuses_a_bad_backend_as_a_config_error():
+    from shardwise import Engine
+    from tests.support import models
+
+    engine = Engine(compile="on:nope")
+    with pytest.raises(ConfigError, match="compile backend 'nope' is not one of torch's"):
+        engine.setup(models.mlp(), models.sgd)
