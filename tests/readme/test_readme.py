@@ -66,6 +66,7 @@ RUN_ELSEWHERE = {
     "python examples/flyte_workflow.py ": "tests/integrations/test_orchestrators.py",
     "shardwise bench scaling --recipe digits ": "tests/tools/test_bench_scaling.py",
     "python benchmarks/gpu_step.py --size small ": "tests/tools/test_bench_gpu_step.py",
+    "python benchmarks/compile_speedup.py ": "tests/tools/test_bench_compile.py",
 }
 """Shell blocks that another test runs as written and checks further (there, the torchx job's and
 the Flyte workflow's outputs against `shardwise train`'s, bench scaling's rows): not run a second time
