@@ -290,6 +290,7 @@ class FitRun:
             if micro is not None:
                 micro = [self.engine.to_device(b) for b in micro]
                 self.seq = self.seq or batch_seq(micro[0])  # tokens per sample, for the memory prediction
+                self.rates.saw(micro)  # the step's tokens (its real (B, T): lengths may vary)
         if micro is None and self.profiler is not None:
             self.profiler.step_abort()
         return micro
@@ -361,11 +362,15 @@ class FitRun:
     def log_train(self) -> None:
         """The only per-log collective: the mean training loss over the loop's group and steps (a rank that
         loops alone, an async parameter-server worker, logs its own), with whether any rank got a preemption
-        signal (`preempt`). Skipped non-finite steps leave no loss: a window of only those logs nan (every
-        rank alike: the skip is agreed)."""
+        signal (`preempt`) and every rank's compile seconds since the last log (the rates leave out the
+        largest). Skipped non-finite steps leave no loss: a window of only those logs nan (every rank alike:
+        the skip is agreed)."""
         trainer, engine, losses = self.trainer, self.engine, self.losses
         local = torch.stack(losses).double().mean() if losses else torch.tensor(float("nan"), dtype=torch.float64, device=engine.device)
-        both = engine.all_reduce(torch.stack([local, torch.full_like(local, trainer.preemption.flag)]), "mean")
+        size, rank = engine.group.size, engine.group.rank  # and each rank's compile seconds in its own slot (x size: the mean's)
+        compiled = torch.zeros(size, dtype=torch.float64, device=local.device)
+        compiled[rank] = self.rates.window_compile() * size
+        both = engine.all_reduce(torch.cat([torch.stack([local, torch.full_like(local, trainer.preemption.flag)]), compiled]), "mean")
         mean, preempt = both[0], float(both[1].item())
         self.last_train_loss = float(mean.item())
         if preempt > 0 and self.preempted is None:
@@ -377,7 +382,7 @@ class FitRun:
             "epoch": self.loader.epoch,
             "train_loss": self.last_train_loss,
             "lr": self.optimizer.param_groups[0]["lr"],
-            **self.rates.window(trainer.step - self.steps_at_log, now - self.t_log, self.seq),  # samples_per_s, tokens_per_s, mfu
+            **self.rates.window(trainer.step - self.steps_at_log, now - self.t_log, float(both[2:].max())),  # samples_per_s, tokens_per_s, mfu
         }
         if self.counters["nonfinite_skipped"]:
             record["nonfinite_skipped"] = int(self.counters["nonfinite_skipped"])
@@ -449,7 +454,7 @@ class FitRun:
             "samples": int(self.counters["samples"]),
             "wall_s": self.wall,
             "train_s": self.train_s,
-            **self.rates.summary(steps_run, self.train_s, self.seq),  # samples_per_s .. mfu, throughput: step time without compile
+            **self.rates.summary(steps_run, self.train_s),  # samples_per_s .. mfu, throughput: step time less the slowest rank's compile
             "train_loss": self.last_train_loss,
             "on_nonfinite": cfg.on_nonfinite,
             "nonfinite_skipped": int(self.counters["nonfinite_skipped"]),
