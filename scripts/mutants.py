@@ -689,6 +689,22 @@ MUTANTS = [
     Mutant("flops: the CPU peak file written from the table read before measuring (another process's key lost)", 'shardwise/strategies/cost/flops.py',
            '    kept = _kept(_read(path).get(key))\n', "    before = _read(path)\n    kept = _kept(before.get(key))\n    globals()['_read'] = lambda p, t=dict(before): dict(t)\n",
            ('tests/strategies/cost/test_flops.py::test_cpu_peak_merges_what_another_process_wrote_while_it_measured',)),
+    # -- FLOPS2: the five issue-42 throughput mutants above whose text went stale with the rewrite, on the current text --
+    Mutant("throughput: the summary's rates keep compile seconds (current text)", 'shardwise/trainer/throughput.py',
+           '        step_s = _step_time(train_s, compile_s, own)\n', '        step_s = train_s\n',
+           ('tests/trainer/test_throughput.py::test_rates_leave_compile_seconds_out',)),
+    Mutant("throughput: a log window's rates keep compile seconds (current text)", 'shardwise/trainer/throughput.py',
+           'rates = self._rates(steps, _step_time(seconds, own if compiled is None else compiled, own), self.window_tokens)', 'rates = self._rates(steps, seconds, self.window_tokens)',
+           ('tests/trainer/test_throughput.py::test_rates_leave_compile_seconds_out',)),
+    Mutant("throughput: MFU against one device's peak (current text)", 'shardwise/trainer/throughput.py',
+           '        return max((self.peak or 0.0) * self.devices, flops_per_s)\n', '        return max((self.peak or 0.0), flops_per_s)\n',
+           ('tests/trainer/test_throughput.py::test_rates_leave_compile_seconds_out',)),
+    Mutant('throughput: tokens per step without T (current text)', 'shardwise/trainer/throughput.py',
+           '            step_tokens = self.global_batch * (tokens / samples)\n', '            step_tokens = self.global_batch * 1.0\n',
+           ('tests/trainer/test_throughput.py::test_fit_of_a_token_model_has_tokens_and_a_measured_cpu_mfu',)),
+    Mutant('throughput: FLOPs per step of one sample, not the global batch (current text)', 'shardwise/trainer/throughput.py',
+           ' else float(self.global_batch * steps)\n', ' else float(steps)\n',
+           ('tests/trainer/test_throughput.py::test_fit_summary_records_and_line_of_an_mlp',)),
 ]
 
 
