@@ -687,6 +687,10 @@ MUTANTS = [
     Mutant('throughput: FLOPs per step of one sample, not the global batch (current text)', 'shardwise/trainer/throughput.py',
            ' else float(self.global_batch * steps)\n', ' else float(steps)\n',
            ('tests/trainer/test_throughput.py::test_fit_summary_records_and_line_of_an_mlp',)),
+    Mutant("flops: the user's loss_fn run in the parent's count (a distillation loss moved its teacher to meta)", 'shardwise/trainer/throughput.py',
+           'return _output_sum(call_model(module, batch))', 'return make_step_fn(trainer.loss_fn, module)(module, batch)',
+           ('tests/strategies/data_parallel/test_maths_single.py::test_summary_samples_equal_the_samples_the_model_was_fed',
+            'tests/strategies/data_parallel/test_compress_ddp.py::test_pruning_and_distillation_under_ddp')),
 ]
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
+from shardwise.data.batches import call_model
 from shardwise.strategies.cost import flops as flopcount
 
 if TYPE_CHECKING:
@@ -41,9 +43,24 @@ def count_for_fit(trainer: Trainer, model: nn.Module, sample: Any) -> dict[str, 
     from shardwise.trainer.fit import make_step_fn  # fit imports this module
 
     def step(module: nn.Module, batch: Any) -> Any:
-        return make_step_fn(trainer.loss_fn, module)(module, batch)
+        if trainer.loss_fn is not None:
+            # The user's loss_fn is not run here: it may act on what it is handed (a distillation loss moved its
+            # teacher to the output's device: meta, in this process); its work is element-wise, which the
+            # counter does not count. Backward from the outputs' sum costs what backward from the loss costs.
+            return _output_sum(call_model(module, batch))
+        return make_step_fn(None, module)(module, batch)
 
     return flopcount.count(model, sample, step).to_json()
+
+
+def _output_sum(output: Any) -> torch.Tensor:
+    """The sum of every floating tensor in a model's output (a tensor, a tuple, a dict, a ModelOutput)."""
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [t for t in tree_leaves(dict(output) if isinstance(output, dict) else output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise ValueError(f"the model's output ({type(output).__name__}) holds no floating tensor to differentiate")
+    return torch.stack([t.float().sum() for t in leaves]).sum()
 
 
 class Rates:
