@@ -171,6 +171,10 @@ class TrainerConfig:
     """Steps per epoch: a whole number, or a fraction (0, 1] of the epoch."""
     limit_val_batches: int | float | None = flag(None, type=_count_or_fraction, metavar="N|F")
     """Evaluate on the first N x val batch x data-parallel ranks samples (every rank N batches), or a fraction (0, 1] of the set; still each sample once."""
+    count_flops: bool = True
+    """Count the model's FLOPs once before launch (a forward and backward of one sample on meta tensors, in the calling
+    process) for FLOP/s and MFU in the summary, the log lines and the end line; False skips it (a forward with effects
+    outside the model runs once more there), and the rates have no FLOPs. Off in the tools' short probe runs."""
     model_summary: bool = True
     """Print parameters per top-level module (trainable or not) and per rank after sharding at the start; also in summary.json."""
     announce_outputs: bool = True
@@ -290,6 +294,7 @@ class TrainerConfig:
             profile=False,
             fast_dev_run=0,
             model_summary=False,
+            count_flops=False,  # a probe measures memory or a loss curve: the count's own allocations would be in them
             announce_outputs=False,
             on_nonfinite="warn",  # a probe measures: the range test sweeps the rate until the loss diverges, on purpose
         )

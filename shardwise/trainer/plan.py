@@ -91,7 +91,7 @@ def check_fit(trainer: Trainer, model: nn.Module, train_data: Any, val_data: Any
         if not has_step:
             check_batch_fits(model, sample)
         strategy.check_sample(model, sample, layout)  # tp rehearses its split on it (meta tensors)
-    trainer._flops = throughput.count_for_fit(trainer, model, sample)  # the model's FLOPs, once, on meta tensors
+    trainer._flops = throughput.count_for_fit(trainer, model, sample) if cfg.count_flops else None  # the model's FLOPs, once, on meta tensors
 
 
 def _first(dataset: Any, collate: Any, quiet: bool) -> Any:

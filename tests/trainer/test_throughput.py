@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from shardwise import Trainer
 from shardwise.errors import ConfigError
@@ -106,6 +107,27 @@ def test_fit_summary_records_and_line_of_an_mlp(tmp_path, capsys) -> None:
     train = [r for r in rows if "samples_per_s" in r]
     assert len(train) == 2 and all(r["mfu"] > 0 and "tokens_per_s" not in r for r in train)
     assert f"mfu {100 * summary['mfu']:.1f}%" in capsys.readouterr().out.split("done: ")[-1]
+
+
+def test_count_flops_false_counts_nothing_and_runs_no_forward_in_the_caller() -> None:
+    """count_flops=False (the tools' probe runs: their memory and loss measurements): no FLOPs, no MFU, and the
+    caller's process runs the model no extra time."""
+    calls: list[str] = []
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.device.type)
+            return self.fc(x)
+
+    trainer = Trainer(optimizer=adam, loss_fn=ce, progress_bar=False, global_batch_size=32, max_steps=2, count_flops=False)
+    summary = trainer.fit(Counted(), classification(64, dtype=torch.float32))
+    assert summary["flops_per_step"] is None and summary["mfu"] is None and summary["flops_per_s"] is None
+    assert "meta" not in calls and len(calls) == 2
+    assert Trainer().config.probe(3).count_flops is False
 
 
 def _lm_loss(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
