@@ -37,7 +37,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -189,16 +189,11 @@ A100_40GB = DeviceProfile(
     source="NVIDIA A100 and DGX A100 datasheets (bf16 312 TFLOPS dense, 40 GB, NVLink 600 GB/s bidirectional, HDR 200 Gb/s per GPU); "
     "latencies and efficiency 0.5 assumed",
 )
-H200 = DeviceProfile(
+H200 = replace(  # the H100 SXM5 chip with more and faster memory: the same compute, links and host link
+    H100_80GB,
     name="h200",
     memory_bytes=141 * _GB,
-    flops={"bf16-mixed": 989e12, "16-mixed": 989e12, "32": 67e12, "tf32": 494e12, "64": 34e12},
-    efficiency=0.5,
     memory_bandwidth=4.8e12,
-    intra=Link(alpha=3e-6, beta=1 / 450e9),
-    inter=Link(alpha=6e-6, beta=1 / 50e9),
-    overlap=1.0,
-    host=Link(alpha=1e-5, beta=1 / 50e9),  # PCIe Gen5 x16, as the H100's
     source="NVIDIA H200 Tensor Core GPU datasheet, SXM (bf16 989 TFLOPS dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional); "
     "network as DGX H100 (NDR 400 Gb/s per GPU); latencies and efficiency 0.5 assumed",
 )
