@@ -691,6 +691,9 @@ MUTANTS = [
            'return _output_sum(call_model(module, batch))', 'return make_step_fn(trainer.loss_fn, module)(module, batch)',
            ('tests/strategies/data_parallel/test_maths_single.py::test_summary_samples_equal_the_samples_the_model_was_fed',
             'tests/strategies/data_parallel/test_compress_ddp.py::test_pruning_and_distillation_under_ddp')),
+    Mutant("compile seconds without the backward graphs (compiled lazily in the first backward)", 'shardwise/strategies/compiling.py',
+           'keys = ("_compile.compile_inner", "backward._backward_impl")', 'keys = ("_compile.compile_inner",)',
+           ('tests/trainer/test_compile_setting.py::test_compile_seconds_hold_the_backward_graphs_compiled_on_their_first_backward',)),
 ]
 
 

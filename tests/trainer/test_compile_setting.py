@@ -84,3 +84,22 @@ def test_an_engine_of_ones_own_loop_refuses_a_bad_backend_as_a_config_error():
     engine = Engine(compile="on:nope")
     with pytest.raises(ConfigError, match="compile backend 'nope' is not one of torch's"):
         engine.setup(models.mlp(), models.sgd)
+
+
+def test_compile_seconds_hold_the_backward_graphs_compiled_on_their_first_backward():
+    """The backward graph is compiled lazily, inside the first backward: its seconds are compile time too (else a
+    first step's backward compile would count as step time and lower every rate)."""
+    import torch
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from shardwise.strategies.compiling import compile_seconds
+
+    def total(key: str) -> float:
+        return float(sum(compilation_time_metrics.get(key, ())))
+
+    before, fwd0, bwd0 = compile_seconds(), total("_compile.compile_inner"), total("backward._backward_impl")
+    model = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)), backend="aot_eager")
+    model(torch.randn(3, 4)).sum().backward()
+    forward, backward = total("_compile.compile_inner") - fwd0, total("backward._backward_impl") - bwd0
+    assert forward > 0 and backward > 0
+    assert compile_seconds() - before == pytest.approx(forward + backward)
