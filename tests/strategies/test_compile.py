@@ -149,7 +149,9 @@ def test_a_smaller_last_batch_recompiles_and_the_report_says_why(results: dict[A
     reasons = " | ".join(section["recompile_reasons"])
     assert "size mismatch" in reasons and "expected 4, actual 2" in reasons, reasons
     assert section["compile_s"] > 0 and section["graphs"] >= 2, section
-    assert summary["throughput"]["compile_s"] == pytest.approx(section["compile_s"], abs=0.05) if "throughput" in summary else True
+    # the rates leave out the slowest rank's compile seconds (one max all-reduce), so the throughput figure is at
+    # least rank 0's own (the compile section is rank 0's; no evaluation here compiles after training)
+    assert summary["throughput"]["compile_s"] >= section["compile_s"] - 0.05, (summary["throughput"], section)
 
 
 def test_tp_counts_the_same_collectives_and_the_counter_skips_compiled_operators(results: dict[Any, Any]) -> None:
