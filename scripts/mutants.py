@@ -694,6 +694,15 @@ MUTANTS = [
     Mutant("compile seconds without the backward graphs (compiled lazily in the first backward)", 'shardwise/strategies/compiling.py',
            'keys = ("_compile.compile_inner", "backward._backward_impl")', 'keys = ("_compile.compile_inner",)',
            ('tests/trainer/test_compile_setting.py::test_compile_seconds_hold_the_backward_graphs_compiled_on_their_first_backward',)),
+    Mutant("launch: a broken join is never started again", 'shardwise/launcher/spawn.py',
+           '_JOIN_RETRIES = 1\n', '_JOIN_RETRIES = 0\n',
+           ('tests/launcher/test_join_retry.py',)),
+    Mutant("launch: a failure after the join is started again (the function runs twice)", 'shardwise/launcher/spawn.py',
+           ' and not any((boot / f"joined-{r}").exists() for r in range(nproc))', '',
+           ('tests/launcher/test_join_retry.py',)),
+    Mutant("launch: any failure to join is started again, a bad address too", 'shardwise/launcher/spawn.py',
+           ' and any(words in f.message for words in TRANSIENT_JOIN)', '',
+           ('tests/launcher/test_join_retry.py',)),
 ]
 
 
