@@ -145,8 +145,13 @@ def check_backend(backend: str, device: str) -> None:
         raise ConfigError(f"compile: torch.compile does not support this Python ({sys.version.split()[0]}) with torch {torch.__version__}; use compile='off'")
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
+        import difflib
+
         usable = sorted(k for k in known if "TESTING" not in k.upper())
-        raise ConfigError(f"compile backend {backend!r} is not one of torch's: {', '.join(usable)} (e.g. compile='on:aot_eager')")
+        # names are matched exactly (a registered backend of the user's may have capitals): the nearest one suggested
+        near = [k for k in usable if k.lower() == backend.lower()] or difflib.get_close_matches(backend.lower(), usable, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(f"compile backend {backend!r} is not one of torch's: {hint}{', '.join(usable)} (e.g. compile='on:aot_eager')")
     if backend != "inductor":
         return
     if device.startswith("cuda"):

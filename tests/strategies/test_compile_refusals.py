@@ -81,6 +81,13 @@ def test_an_unknown_backend_is_refused_listing_the_known(no_workers: list[Any]) 
     assert not no_workers
 
 
+@pytest.mark.parametrize("backend, near", [("AOT_EAGER", "aot_eager"), ("Inductor", "inductor"), ("aot-eager", "aot_eager"), ("indcutor", "inductor")])
+def test_a_misspelt_backend_is_refused_with_the_nearest_name(backend: str, near: str) -> None:
+    """Backend names are matched exactly (a user's registered backend may have capitals); the nearest is suggested."""
+    with pytest.raises(ConfigError, match=rf"compile backend '{backend}' is not one of torch's: did you mean '{near}'\?"):
+        compiling.check_backend(backend, "cpu")
+
+
 @pytest.mark.parametrize("value", ["fast", "on:", "off:inductor", "blocks:"])
 def test_a_bad_value_is_refused_naming_the_valid_ones(value: str) -> None:
     with pytest.raises(ConfigError, match=r"is not one of off, on, model, blocks .*'on:aot_eager'"):
