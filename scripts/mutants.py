@@ -703,6 +703,9 @@ MUTANTS = [
     Mutant("launch: any failure to join is started again, a bad address too", 'shardwise/launcher/spawn.py',
            ' and any(words in f.message for words in TRANSIENT_JOIN)', '',
            ('tests/launcher/test_join_retry.py',)),
+    Mutant("compile: a block of torch's own class compiled with nn.Module.compile (traces nothing)", 'shardwise/strategies/compiling.py',
+           '        skipped = bool(trace_rules.check(module.forward))\n', '        skipped = False\n',
+           ('tests/strategies/sharded/test_sharding.py::test_hsdp_two_by_two_compiled_trains_the_same_weights_as_uncompiled',)),
 ]
 
 

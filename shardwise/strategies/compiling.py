@@ -187,7 +187,8 @@ def compile_blocks(model: nn.Module, setting: Compile) -> list[str]:
     assert isinstance(blocks, nn.ModuleList)
     for block in blocks:
         compile_in_place(block, setting.backend)
-        block._compiled_call_impl = BlockCall(block, block._compiled_call_impl)
+        if block._compiled_call_impl is not None:  # torch's own blocks compile their forward (no cache to drop)
+            block._compiled_call_impl = BlockCall(block, block._compiled_call_impl)
     return [f"{path}.{i}" for i in range(len(blocks))]
 
 
@@ -234,10 +235,12 @@ def compile_module(module: nn.Module, setting: Compile) -> list[str]:
 
 
 def compile_in_place(module: nn.Module, backend: str) -> None:
-    """``module.compile(backend=...)``, except for a module whose forward is torch's own (``nn.Sequential``, a
-    built-in layer): Dynamo skips frames in torch's files, so its ``_call_impl`` and forward would both run
-    uncompiled, silently. Such a module's call is compiled through a frame of this file, which Dynamo traces
-    (what ``torch.compile(module)``'s wrapper does)."""
+    """``module.compile(backend=...)``, except for a module whose forward is torch's own (``nn.Sequential``,
+    ``nn.TransformerEncoderLayer``, ``nn.Linear``): Dynamo skips frames in torch's files, so its ``_call_impl`` and
+    forward would both run uncompiled, silently. Such a module's forward is compiled through a frame of this file,
+    which Dynamo traces (and inlines torch's forward from), set as the module's ``forward``; its hooks run around
+    it uncompiled, in ``_call_impl``. Tracing its whole ``_call_impl`` instead broke at FSDP2's hooks (Dynamo may not
+    trace them) and then skipped the forward: a per-block strategy compiled no block of ``nn.Linear``s."""
     try:
         from torch._dynamo import trace_rules
 
@@ -247,12 +250,12 @@ def compile_in_place(module: nn.Module, backend: str) -> None:
     if not skipped:
         module.compile(backend=backend)
         return
-    call = module._call_impl
+    forward = module.forward
 
-    def call_traced(*args: Any, **kwargs: Any) -> Any:
-        return call(*args, **kwargs)
+    def forward_traced(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
 
-    module._compiled_call_impl = torch.compile(call_traced, backend=backend)  # what nn.Module.compile sets
+    module.forward = torch.compile(forward_traced, backend=backend)
 
 
 def compile_seconds() -> float:

@@ -49,6 +49,9 @@ def build(name: str, precision: str = "32", seed: int = 0, meta: bool = False) -
     dtype = torch.float64 if precision == "64" else torch.float32
     if name in MOE:
         return _moe().build(name).to(dtype)
+    if name == "torchenc":
+        torch.manual_seed(seed)
+        return TorchEncoderLM(vocab_size()).to(dtype)
     if name != "charlm":
         return zoo.build(name, seed=seed, dtype=dtype, layers=LAYERS)
     import shardwise
@@ -64,7 +67,25 @@ def build(name: str, precision: str = "32", seed: int = 0, meta: bool = False) -
 def dataset(name: str, n: int = harness.SAMPLES) -> Any:
     if name in MOE:
         return _moe().dataset(n)
-    return charlm_data(n) if name == "charlm" else zoo.dataset(name, n)
+    return charlm_data(n) if name in ("charlm", "torchenc") else zoo.dataset(name, n)
+
+
+class TorchEncoderLM(nn.Module):
+    """A character model written as many people write one: torch's own ``nn.TransformerEncoderLayer`` blocks (no
+    causal mask: only their compile is at stake) between an embedding and a linear head, on charlm's data."""
+
+    def __init__(self, vocab: int, d_model: int = 32, heads: int = 4, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(SEQ, d_model) * 0.02)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(d_model, heads, 2 * d_model, dropout=0.0, batch_first=True) for _ in range(layers))
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) + self.pos[: idx.shape[1]]
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
 
 
 MOE = ("mixtral",)
@@ -85,7 +106,7 @@ def charlm_loss(logits: torch.Tensor, batch: Any) -> torch.Tensor:
 def loss_fn(name: str) -> Any:
     if name in MOE:
         return _moe().loss_fn
-    return charlm_loss if name == "charlm" else zoo.parity_loss_fn(name)
+    return charlm_loss if name in ("charlm", "torchenc") else zoo.parity_loss_fn(name)
 
 
 def trainer(name: str, strategy: str, options: dict[str, Any], **settings: Any) -> Trainer:

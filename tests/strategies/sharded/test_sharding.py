@@ -107,6 +107,10 @@ def _world_of_four() -> dict[str, Any]:
     for strategy in ("zero1", "zero2", "zero3"):
         out[("memory", strategy, "adam")] = _memory(strategy, "adam")
     out[("memory", "hsdp", "adam")] = _memory("hsdp", "adam")
+    for setting in ("off", "on:aot_eager"):  # compiled per block before fully_shard, as zero3 (compile_unit "blocks")
+        model = Blocks().double()
+        trainer = Trainer(strategy="hsdp", optimizer=adam, loss_fn=ce, compile=setting, **{**COMMON, "max_steps": 4})
+        out[("compile", setting)] = (_full_params(model), trainer.fit(model, eight_features()))
     return out
 
 
@@ -152,6 +156,20 @@ def test_hsdp_two_by_two_equals_single(opt, four, reference):
     for rank in range(4):
         _check_parity(four[rank][("hsdp", opt)], reference[opt])
     assert four[0][("hsdp", opt)][1]["fsdp"]["replicate"] == 2 and four[0][("hsdp", opt)][1]["fsdp"]["shard"] == 2
+
+
+def test_hsdp_two_by_two_compiled_trains_the_same_weights_as_uncompiled(four):
+    """``compile=`` under hsdp (2 x 2): each block compiled before it is sharded; float64 and aot_eager (no generated
+    code: the same aten operators in the same order), so not a bit differs from the uncompiled run."""
+    for rank in range(4):
+        (eager, _), (compiled, summary) = four[rank][("compile", "off")], four[rank][("compile", "on:aot_eager")]
+        assert max_diff(eager, compiled) == 0.0
+        section = summary["compile"]
+        assert section["mode"] == "blocks" and section["backend"] == "aot_eager", section
+        assert section["compiled"][0] == "layers.0" and section["compiled"][-1] == "... 8 in all", section
+        # nn.Linear blocks are torch's own class: their whole call (FSDP2's hooks in it) compiled no graph before
+        assert section["graphs"] >= 1 and section["compile_s"] > 0, section
+    assert "compile" not in four[0][("compile", "off")][1] or not four[0][("compile", "off")][1]["compile"].get("compiled")
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
