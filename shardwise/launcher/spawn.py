@@ -499,8 +499,7 @@ def _raise_failure(procs: list[_Process], boot: Path, rank: int, failure: Any, e
     rank = min(found, key=lambda r: found[r][0].at)  # the earliest failure is the cause; a peer that noticed it fails later
     failure, exc_bytes = found[rank]
     failures = [f for f, _ in found.values()]
-    transient = _transient(failures, boot, len(procs))  # started again: a run's out/errors/ is left to real failures
-    directory = Path(error_dir) if error_dir is not None and not transient else Path(tempfile.mkdtemp(prefix="shardwise-errors-"))
+    directory = Path(error_dir) if error_dir is not None else Path(tempfile.mkdtemp(prefix="shardwise-errors-"))
     text = report.summarize(failures, report.write_tracebacks(failures, directory))
     if where:
         stacks = []
@@ -513,7 +512,7 @@ def _raise_failure(procs: list[_Process], boot: Path, rank: int, failure: Any, e
         if stacks:
             text += "\n  stacks of the ranks still running: " + ", ".join(stacks)
     exc = pickle.loads(exc_bytes) if exc_bytes else LaunchError(f"rank {rank} raised {failure.kind}: {failure.message}")
-    raise _WorkerFailed(exc.with_traceback(None), text, transient)
+    raise _WorkerFailed(exc.with_traceback(None), text, _transient(failures, boot, len(procs)))
 
 
 def _transient(failures: list[Any], boot: Path, nproc: int) -> bool:
