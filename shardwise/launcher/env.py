@@ -329,14 +329,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-JOIN_FAILED = "could not join the process group"
-"""The words of a rank's failure to join (`connect`): the launcher reads them (`spawn.launch` starts the ranks once
-more where every failure was a transient connection between peers, `TRANSIENT_JOIN`)."""
-TRANSIENT_JOIN = ("connectFullMesh", "Connection closed by peer", "Connection reset by peer")
-"""Gloo's words for a connection between two ranks that broke while the group formed. Seen on a loaded machine with
-many process groups forming at once (a test suite): the peer had not failed, and the same ranks started again join."""
-
-
 def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Join the job's default process group; return True if this call created it.
 
@@ -371,7 +363,7 @@ def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEO
             )
     except Exception as exc:  # pragma: no cover - depends on the network
         raise LaunchError(
-            f"rank {env.rank} of {env.world_size} {JOIN_FAILED} at "
+            f"rank {env.rank} of {env.world_size} could not join the process group at "
             f"{env.master_addr}:{env.master_port} with {backend} ({exc}); check MASTER_ADDR/MASTER_PORT "
             "and that every rank was started"
         ) from exc

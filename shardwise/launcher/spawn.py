@@ -46,9 +46,6 @@ from shardwise.launcher import zygote as zygote_mod
 
 _GRACE_S = 5.0
 _POLL_S = 0.05
-_JOIN_RETRIES = 1
-"""How many times a launch starts its ranks again after their group failed to form over a broken peer connection
-(`_transient`): gloo's full-mesh connect fails so now and then on a machine where many groups form at once."""
 _bootstrapping = False  # set by shardwise.launcher.worker while it imports the user's script
 
 
@@ -87,12 +84,9 @@ def reruns_script() -> bool:
 
 
 class _WorkerFailed(Exception):
-    def __init__(self, exc: BaseException, report: str, transient: bool = False) -> None:
+    def __init__(self, exc: BaseException, report: str) -> None:
         super().__init__(report)
         self.exc, self.report = exc, report
-        self.transient = transient
-        """Every failed rank failed to join the group over a broken peer connection, and no rank got past the join
-        (`_transient`): the launch may start its ranks once more."""
 
 
 class RemoteTraceback(Exception):
@@ -170,24 +164,14 @@ def launch(
     if env.distributed:
         return [join_and_run(fn, args, kwargs, nproc=nproc, accelerator=accelerator, timeout_s=collective_timeout_s)]
     check_gpus(accelerator, nproc)
-    extra_env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug_collectives else {}
-    threads = threads_per_proc or _default_threads(nproc)
-    for attempt in range(1 + _JOIN_RETRIES):
-        try:
-            return _spawn(fn, args, kwargs, nproc, timeout, threads, accelerator, collective_timeout_s, lost_ok, error_dir, extra_env, start_method)
-        except _WorkerFailed as failed:
-            if failed.transient and attempt < _JOIN_RETRIES:
-                from shardwise.launcher import report
-
-                first = str(failed.exc).splitlines()[0] if str(failed.exc) else type(failed.exc).__name__
-                report.to_stderr(
-                    f"shardwise: the ranks' process group did not form ({first}); no rank had started the function: starting them again on a new port"
-                )
-                continue
-            # Raised here, not where it was found: the user's traceback then shows their own call
-            # and this line, not the supervisor's internals.
-            raise failed.exc from RemoteTraceback(failed.report)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+    try:
+        extra_env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if debug_collectives else {}
+        threads = threads_per_proc or _default_threads(nproc)
+        return _spawn(fn, args, kwargs, nproc, timeout, threads, accelerator, collective_timeout_s, lost_ok, error_dir, extra_env, start_method)
+    except _WorkerFailed as failed:
+        # Raised here, not where it was found: the user's traceback then shows their own call
+        # and this line, not the supervisor's internals.
+        raise failed.exc from RemoteTraceback(failed.report)
 
 
 def _check_launch(nproc: int, expendable: Collection[int], start_method: str) -> set[int]:
@@ -512,16 +496,4 @@ def _raise_failure(procs: list[_Process], boot: Path, rank: int, failure: Any, e
         if stacks:
             text += "\n  stacks of the ranks still running: " + ", ".join(stacks)
     exc = pickle.loads(exc_bytes) if exc_bytes else LaunchError(f"rank {rank} raised {failure.kind}: {failure.message}")
-    raise _WorkerFailed(exc.with_traceback(None), text, _transient(failures, boot, len(procs)))
-
-
-def _transient(failures: list[Any], boot: Path, nproc: int) -> bool:
-    """Whether a launch whose ranks failed so may start them again: each failure a rank's failure to join the process
-    group over a broken connection to a peer (gloo's `connectFullMesh`: `env.TRANSIENT_JOIN`), and no rank past the
-    join (its ``joined-N`` marker): the user's function never ran, so starting again repeats nothing of it."""
-    from shardwise.launcher.env import JOIN_FAILED, TRANSIENT_JOIN
-
-    def broke(f: Any) -> bool:
-        return f.kind == "LaunchError" and JOIN_FAILED in f.message and any(words in f.message for words in TRANSIENT_JOIN)
-
-    return bool(failures) and all(broke(f) for f in failures) and not any((boot / f"joined-{r}").exists() for r in range(nproc))
+    raise _WorkerFailed(exc.with_traceback(None), text)

@@ -100,7 +100,6 @@ def main(boot_dir: str, rank: int) -> int:
             raise _load_error(exc) from exc
         env = detect_env()
         connect(env, choose_device(accelerator, env), timeout_s=timeout_s)
-        _write(boot / f"joined-{rank}", b"")  # past the join: a failure from here on is never started again
         result = fn(*args, **kwargs)
         try:
             data = pickle.dumps(result)
