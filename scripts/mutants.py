@@ -697,6 +697,9 @@ MUTANTS = [
     Mutant("compile: a block of torch's own class compiled with nn.Module.compile (traces nothing)", 'shardwise/strategies/compiling.py',
            '        skipped = bool(trace_rules.check(module.forward))\n', '        skipped = False\n',
            ('tests/strategies/sharded/test_sharding.py::test_hsdp_two_by_two_compiled_trains_the_same_weights_as_uncompiled',)),
+    Mutant("launch: a rank goes on before every rank joined (its exit broke a slower peer's join)", 'shardwise/launcher/env.py',
+           '            all_joined(store, env.world_size)\n', '',
+           ('tests/launcher/test_join.py::test_no_rank_starts_its_function_before_every_rank_joined',)),
 ]
 
 

@@ -329,6 +329,22 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+_JOINED = "shardwise/joined"
+
+
+def all_joined(store: dist.Store, world_size: int) -> None:
+    """Return once every rank's ``init_process_group`` has returned (the last to arrive sets the key the others wait
+    for, in the launch's store; its timeout is the collective timeout).
+
+    Gloo's full-mesh connect can return on one rank while its peer is still completing its side of their
+    connection. A rank that went straight on, ran a function with no collective and exited closed that connection
+    under its peer, which then failed to join with "Connection closed by peer" although nothing had failed: the
+    zygote tests' recurring failure in full suites (their functions only read the rank)."""
+    if store.add(_JOINED, 1) == world_size:
+        store.set(_JOINED + "/all", "1")
+    store.wait([_JOINED + "/all"])
+
+
 def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Join the job's default process group; return True if this call created it.
 
@@ -349,6 +365,7 @@ def connect(env: DistEnv, device: torch.device, timeout_s: float = DEFAULT_TIMEO
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout) if env.source == "spawn" else None
         if store is not None:
             dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            all_joined(store, env.world_size)
         elif env.source == "torchrun":
             # torchrun's own convention: env:// reads its variables, including the agent-store
             # sharing flag (TORCHELASTIC_USE_AGENT_STORE).
