@@ -23,9 +23,11 @@ pytestmark = [pytest.mark.timeout(300)]
 
 GOOD, BETTER, DIVERGES = 0.002, 0.01, 3.0
 """Learning rates of the digits recipe's AdamW: at 3.0 the validation loss is in the hundreds or
-more at step 10 (a fresh classifier's is ln 10 = 2.3; the others are below it). The runs are 150
-steps (~25 ms each on one thread), so that the pruned one has steps left to save."""
-STEPS, EVERY = 150, 10
+more at step 10 (a fresh classifier's is ln 10 = 2.3; the others are below it). The runs are 600
+steps, a few seconds of training: the search must read step 10 of the diverging run and stop it before
+the run ends by itself. At 150 steps (about a second of training) a full suite once starved the
+search's polling thread that long, and the run completed unpruned."""
+STEPS, EVERY = 600, 10
 
 
 @pytest.fixture(scope="module")
