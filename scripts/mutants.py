@@ -700,6 +700,12 @@ MUTANTS = [
     Mutant("launch: a rank goes on before every rank joined (its exit broke a slower peer's join)", 'shardwise/launcher/env.py',
            '            all_joined(store, env.world_size)\n', '',
            ('tests/launcher/test_join.py::test_no_rank_starts_its_function_before_every_rank_joined',)),
+    Mutant("compile: a torch-own block's compiled forward drops its keyword arguments (the causal mask)", 'shardwise/strategies/compiling.py',
+           '        return forward(*args, **kwargs)\n', '        return forward(*args)\n',
+           ('tests/strategies/test_compile.py::test_blocks_of_torch_s_own_class_compile_under_zero3_and_agree_exactly',)),
+    Mutant("launch: the first rank to join releases every rank", 'shardwise/launcher/env.py',
+           '    if store.add(_JOINED, 1) == world_size:\n', '    if store.add(_JOINED, 1) == 1:\n',
+           ('tests/launcher/test_join.py::test_no_rank_starts_its_function_before_every_rank_joined',)),
 ]
 
 

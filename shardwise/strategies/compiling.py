@@ -186,8 +186,7 @@ def compile_blocks(model: nn.Module, setting: Compile) -> list[str]:
     blocks = model.get_submodule(path)
     assert isinstance(blocks, nn.ModuleList)
     for block in blocks:
-        compile_in_place(block, setting.backend)
-        if block._compiled_call_impl is not None:  # torch's own blocks compile their forward (no cache to drop)
+        if compile_in_place(block, setting.backend):  # torch's own blocks compile their forward (no cache to drop)
             block._compiled_call_impl = BlockCall(block, block._compiled_call_impl)
     return [f"{path}.{i}" for i in range(len(blocks))]
 
@@ -234,13 +233,14 @@ def compile_module(module: nn.Module, setting: Compile) -> list[str]:
     return [type(module).__name__]
 
 
-def compile_in_place(module: nn.Module, backend: str) -> None:
+def compile_in_place(module: nn.Module, backend: str) -> bool:
     """``module.compile(backend=...)``, except for a module whose forward is torch's own (``nn.Sequential``,
     ``nn.TransformerEncoderLayer``, ``nn.Linear``): Dynamo skips frames in torch's files, so its ``_call_impl`` and
     forward would both run uncompiled, silently. Such a module's forward is compiled through a frame of this file,
     which Dynamo traces (and inlines torch's forward from), set as the module's ``forward``; its hooks run around
     it uncompiled, in ``_call_impl``. Tracing its whole ``_call_impl`` instead broke at FSDP2's hooks (Dynamo may not
-    trace them) and then skipped the forward: a per-block strategy compiled no block of ``nn.Linear``s."""
+    trace them) and then skipped the forward: a per-block strategy compiled no block of ``nn.Linear``s.
+    True where the module's call was compiled (``_compiled_call_impl``), False where its forward was."""
     try:
         from torch._dynamo import trace_rules
 
@@ -249,13 +249,14 @@ def compile_in_place(module: nn.Module, backend: str) -> None:
         skipped = False
     if not skipped:
         module.compile(backend=backend)
-        return
+        return True
     forward = module.forward
 
     def forward_traced(*args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
 
     module.forward = torch.compile(forward_traced, backend=backend)
+    return False
 
 
 def compile_seconds() -> float:

@@ -71,8 +71,9 @@ def dataset(name: str, n: int = harness.SAMPLES) -> Any:
 
 
 class TorchEncoderLM(nn.Module):
-    """A character model written as many people write one: torch's own ``nn.TransformerEncoderLayer`` blocks (no
-    causal mask: only their compile is at stake) between an embedding and a linear head, on charlm's data."""
+    """A character model written as many people write one: torch's own ``nn.TransformerEncoderLayer`` blocks, called
+    with a causal mask by keyword as ``nn.TransformerEncoder`` calls them, between an embedding and a linear head,
+    on charlm's data."""
 
     def __init__(self, vocab: int, d_model: int = 32, heads: int = 4, layers: int = LAYERS) -> None:
         super().__init__()
@@ -83,8 +84,9 @@ class TorchEncoderLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.embed(idx) + self.pos[: idx.shape[1]]
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], dtype=h.dtype, device=h.device)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, src_mask=mask, is_causal=True)
         return self.head(h)
 
 
