@@ -58,8 +58,15 @@ def digest(value: Any) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
+AGREE_SAMPLES = 64
+"""The fewest samples the ranks' agreement check compares. Two processes' unseeded filters that keep 70% each
+agree on one sample with probability 0.58: their first 8 kept samples were the same for 23 of 3,000 seed pairs
+(one start in 130 passed unnoticed on a global batch of 8); on 64, about 90 samples read, 0.58^90 ~ 1e-21."""
+
+
 def agree_on_first_batch(engine: Engine, loader: Any) -> None:
-    """Every loop rank hashes the stream's first global batch (epoch 0) and the ranks compare: a stream that reads
+    """Every loop rank hashes the stream's first samples of epoch 0 (a global batch, and at least AGREE_SAMPLES) and
+    the ranks compare: a stream that reads
     differently in different processes (a set's order, an unseeded random filter, a stream that shards itself by
     rank) would train duplicated and missing samples silently, since every rank keeps its share by position.
     One all-reduce of two numbers at the start of a fit; a `ConfigError` on every rank where they differ."""
@@ -71,13 +78,14 @@ def agree_on_first_batch(engine: Engine, loader: Any) -> None:
             source = copy.deepcopy(source)
         except Exception:  # noqa: BLE001 - a source that cannot be copied (an open connection): not checked
             return
-    mine = digest(first_samples(source, loader.global_batch, loader.seed, restore=source is loader.source))
+    count = max(loader.global_batch, AGREE_SAMPLES)
+    mine = digest(first_samples(source, count, loader.seed, restore=source is loader.source))
     both = torch.tensor([mine, -mine], dtype=torch.int64)
     engine.all_reduce(both, "max")
     if int(both[0]) != mine or -int(both[1]) != mine:
         raise ConfigError(
-            f"the stream {type(loader.source).__name__} reads differently in different processes: its first global batch "
-            f"({loader.global_batch} samples of epoch 0) is not the same on every rank. Every rank reads the whole stream and "
+            f"the stream {type(loader.source).__name__} reads differently in different processes: its first {count} samples "
+            "of epoch 0 are not the same on every rank. Every rank reads the whole stream and "
             "keeps its share by position (i % world == rank), so the stream must yield the same samples in the same order "
             "in every process: no iteration over a set (its order differs between processes), no unseeded random choice (seed from the "
             "arguments, or draw from torch/random/numpy's global generators, which shardwise seeds per sample), and no "

@@ -140,7 +140,9 @@ def test_the_readme_block_runs_compiled_and_eager_side_by_side():
         procs, eager, comp, speedup, pairs, cold, compile_s, graphs, recompiles, loss_diff = rows[name]
         assert procs == ("1" if name == "single" else "2")
         assert float(eager) > 0 and float(comp) > 0
-        assert float(speedup[:-1]) == pytest.approx(float(eager) / float(comp), rel=0.02)
+        # the ms cells are rounded to 0.1 and the speed-up to 0.01: the speed-up lies within what the rounded cells allow
+        e, c, x = float(eager), float(comp), float(speedup[:-1])
+        assert (e - 0.05) / (c + 0.05) - 0.005 <= x <= (e + 0.05) / max(c - 0.05, 1e-9) + 0.005, (eager, comp, speedup)
         assert pairs == f"{speedup} ({speedup[:-1]}-{speedup[:-1]})"  # one repeat: one pair
         assert cold == "-"  # aot_eager generates no code: no cache to warm
         assert float(compile_s) > 0 and int(graphs) >= 1 and recompiles == "0"  # the compiled runs compiled, once
