@@ -61,11 +61,9 @@ def charlm_step(piece_chars: int) -> tuple[Any, list[Any], Any, str]:
 
 def digits_step(rows_per_item: int) -> tuple[Any, list[Any], Any, str]:
     """(fn, items, the recipe's own features in original order, a description) for digits."""
-    from sklearn.datasets import load_digits
+    from shardwise.tools.recipes.digits import digits_arrays, load_digits_split
 
-    from shardwise.tools.recipes.digits import load_digits_split
-
-    x = torch.tensor(load_digits().data, dtype=torch.float64)
+    x = torch.tensor(digits_arrays()[0], dtype=torch.float64)
     # The recipe's statistics: the same seeded split (load_digits_split with its defaults).
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(len(x), generator=g)

@@ -38,13 +38,34 @@ class DigitsMLP(nn.Module):
         return self.net(x)
 
 
-def load_digits_split(val_fraction: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
-    """(train, val) TensorDatasets of (features, label) from scikit-learn's bundled digits."""
+def digits_arrays() -> tuple[Any, Any]:
+    """(images (1797, 64) float64, labels (1797,) int64): scikit-learn's bundled digits, read from the file
+    scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, 64 pixel columns then the label) without
+    importing scikit-learn, which costs a launching process about 1.3 s of CPU (0.09 s this way); the same
+    arrays as ``sklearn.datasets.load_digits()`` (tested), which is used where the file is not found."""
+    import importlib.util
+    import os
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")  # locates the package without running it
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = os.path.join(roots[0], "datasets", "data", "digits.csv.gz") if roots else ""
+    if path and os.path.isfile(path):
+        table = np.loadtxt(path, delimiter=",")
+        if table.ndim == 2 and table.shape[1] == 65:
+            return table[:, :-1], table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float64)
-    y = torch.tensor(data.target, dtype=torch.long)
+    return data.data, data.target
+
+
+def load_digits_split(val_fraction: float = 0.2, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[TensorDataset, TensorDataset]:
+    """(train, val) TensorDatasets of (features, label) from scikit-learn's bundled digits (`digits_arrays`)."""
+    images, labels = digits_arrays()
+    x = torch.tensor(images, dtype=torch.float64)
+    y = torch.tensor(labels, dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(x), generator=g)
     n_val = int(round(len(x) * val_fraction))
