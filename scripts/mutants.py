@@ -706,6 +706,12 @@ MUTANTS = [
     Mutant("launch: the first rank to join releases every rank", 'shardwise/launcher/env.py',
            '    if store.add(_JOINED, 1) == world_size:\n', '    if store.add(_JOINED, 1) == 1:\n',
            ('tests/launcher/test_join.py::test_no_rank_starts_its_function_before_every_rank_joined',)),
+    Mutant("streams: the ranks' agreement check compares one global batch again", 'shardwise/trainer/streams.py',
+           '    count = max(loader.global_batch, AGREE_SAMPLES)\n', '    count = loader.global_batch\n',
+           ('tests/trainer/test_stream_fit.py::test_a_stream_that_reads_differently_per_process_is_refused_at_the_start',)),
+    Mutant("digits: the label read from the first column of scikit-learn's file", 'shardwise/tools/recipes/digits.py',
+           '            return table[:, :-1], table[:, -1].astype(np.int64)\n', '            return table[:, :-1], table[:, 0].astype(np.int64)\n',
+           ('tests/tools/test_digits_data.py',)),
 ]
 
 

@@ -260,7 +260,17 @@ class UnseededFilter(Ids):
         yield from (sample(i) for i in range(self.n) if torch.rand((), generator=keep) < 0.7)
 
 
-@pytest.mark.parametrize("stream", [ShardsItselfByRank, UnseededFilter])
+class DiffersAfterTheFirstBatches(Ids):
+    """The same first 24 samples (three global batches of 8) in every process, then another order on rank 1: a
+    check of the first global batch alone passes it (and then trains duplicated and missing samples)."""
+
+    def __iter__(self):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        tail = list(range(24, self.n))
+        yield from (sample(i) for i in [*range(24), *(reversed(tail) if rank == 1 else tail)])
+
+
+@pytest.mark.parametrize("stream", [ShardsItselfByRank, UnseededFilter, DiffersAfterTheFirstBatches])
 def test_a_stream_that_reads_differently_per_process_is_refused_at_the_start(tmp_path, stream):
     with pytest.raises(ConfigError, match=rf"the stream {stream.__name__} reads differently in different processes.*same samples in the same order"):
         fit(stream(), nproc=2, steps=2, out=tmp_path / "run")
