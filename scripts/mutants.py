@@ -545,7 +545,7 @@ MUTANTS = [
            ("tests/trainer/test_handoff.py",)),
     Mutant("streams: a stream that reads differently per process (sharded by rank, unseeded filter) trains on",
            "shardwise/trainer/fit.py",
-           "        streams.agree_on_first_batch(engine, self.loader)  # a stream that reads differently per process: refused, not trained",
+           "        streams.agree_on_first_samples(engine, self.loader)  # a stream that reads differently per process: refused, not trained",
            "        pass",
            ("tests/trainer/test_stream_fit.py::test_a_stream_that_reads_differently_per_process_is_refused_at_the_start",)),
     Mutant("token shards: a resume with another shuffle window (another order) accepted",

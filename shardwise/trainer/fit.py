@@ -149,7 +149,7 @@ class FitRun:
             scheduler = adapter.make_schedule(optimizer)
         self.scheduler = scheduler
         self.loader = self._loader()
-        streams.agree_on_first_batch(engine, self.loader)  # a stream that reads differently per process: refused, not trained
+        streams.agree_on_first_samples(engine, self.loader)  # a stream that reads differently per process: refused, not trained
         self.total = cfg.max_steps or (cfg.max_epochs or 1) * (self.loader.steps_per_epoch or 0)  # a stream without __len__ needs max_steps
         if cfg.fast_dev_run:
             self.total = cfg.fast_dev_run

@@ -25,7 +25,7 @@ from shardwise.trainer.evaluate import EvalFn, batch_size_of, limited_size, redu
 if TYPE_CHECKING:
     from shardwise.trainer.loop import Trainer
 
-__all__ = ["agree_on_first_batch", "check_fit", "check_val", "evaluate_stream", "notes"]
+__all__ = ["agree_on_first_samples", "check_fit", "check_val", "evaluate_stream", "notes"]
 
 
 def digest(value: Any) -> int:
@@ -64,11 +64,11 @@ agree on one sample with probability 0.58: their first 8 kept samples were the s
 (one start in 130 passed unnoticed on a global batch of 8); on 64, about 90 samples read, 0.58^90 ~ 1e-21."""
 
 
-def agree_on_first_batch(engine: Engine, loader: Any) -> None:
+def agree_on_first_samples(engine: Engine, loader: Any) -> None:
     """Every loop rank hashes the stream's first samples of epoch 0 (a global batch, and at least AGREE_SAMPLES) and
-    the ranks compare: a stream that reads
-    differently in different processes (a set's order, an unseeded random filter, a stream that shards itself by
-    rank) would train duplicated and missing samples silently, since every rank keeps its share by position.
+    the ranks compare: a stream that reads differently in different processes (a set's order, an unseeded random
+    filter, a stream that shards itself by rank) would train duplicated and missing samples silently, since every
+    rank keeps its share by position.
     One all-reduce of two numbers at the start of a fit; a `ConfigError` on every rank where they differ."""
     if not isinstance(loader, StreamLoader) or engine.data_mesh.size("dp") == 1:
         return
